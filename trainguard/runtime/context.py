@@ -1,0 +1,132 @@
+"""The rank's view of its job: process groups, reports to the agent, checkpoints.
+
+Reports travel as JSON lines over a pipe the agent opened for this rank
+(``TG_REPORT_FD``); the agent turns them into progress, checkpoint uploads and,
+later, real-time checks. A report never blocks on the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainguard.runtime.env import RankEnv, shard_name
+from trainguard.topology import GroupKind, all_groups, coords
+
+
+class Context:
+    """One rank's handle on trainguard; create it with :func:`init`."""
+
+    def __init__(self, env: RankEnv) -> None:
+        self.env = env
+        self.rank = env.rank
+        self.world_size = env.world_size
+        self.topology = env.topology
+        self.coords = coords(env.rank, env.topology)
+        self.target_steps = env.target_steps
+        self.start_step = 1 if env.resume_step is None else env.resume_step + 1
+        self._groups: dict[GroupKind, dist.ProcessGroup | None] = {}
+        self._report = os.fdopen(env.report_fd, "w", buffering=1) if env.report_fd is not None else None
+        self._last_report_t: float | None = None
+
+    # -- process groups -------------------------------------------------------
+    def _make_groups(self) -> None:
+        # new_group is collective: every rank creates every group, in the same order.
+        for kind in ("tp", "pp", "dp"):
+            for members in all_groups(kind, self.topology):
+                pg = dist.new_group(members) if len(members) > 1 else None
+                if self.rank in members:
+                    self._groups[kind] = pg
+
+    def group(self, kind: GroupKind) -> dist.ProcessGroup | None:
+        """This rank's TP, PP or DP process group (None when the group is just this rank)."""
+        return self._groups[kind]
+
+    # -- reports --------------------------------------------------------------
+    def _send(self, record: dict[str, Any]) -> None:
+        if self._report is None:
+            return
+        record["rank"] = self.rank
+        record["ts"] = time.time()
+        try:
+            self._report.write(json.dumps(record) + "\n")
+        except BrokenPipeError:
+            # The agent went away; the rank will be stopped by it or its replacement.
+            self._report = None
+
+    def report(self, step: int, loss: float | None = None, grad_norm: float | None = None, **extra: Any) -> None:
+        """Record that ``step`` finished, with its metrics; cheap enough to call every step."""
+        now = time.monotonic()
+        step_time = None if self._last_report_t is None else now - self._last_report_t
+        self._last_report_t = now
+        rec: dict[str, Any] = {"t": "step", "step": step, "step_time_s": step_time}
+        if loss is not None:
+            rec["loss"] = float(loss)
+        if grad_norm is not None:
+            rec["grad_norm"] = float(grad_norm)
+        rec.update(extra)
+        self._send(rec)
+
+    # -- checkpoints ----------------------------------------------------------
+    def _shard_path(self, step: int) -> Path:
+        return Path(self.env.ckpt_dir) / shard_name(step, self.rank)
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        """The state this rank saved at the resume step, or None on a fresh start."""
+        if self.env.resume_step is None:
+            return None
+        return torch.load(self._shard_path(self.env.resume_step), map_location="cpu", weights_only=False)
+
+    def should_save(self, step: int) -> bool:
+        return step % self.env.ckpt_every == 0 or step == self.target_steps
+
+    def save_checkpoint(self, step: int, state: dict[str, Any]) -> Path:
+        """Write this rank's shard for ``step`` atomically, then tell the agent."""
+        path = self._shard_path(step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save({"step": step, **state}, tmp)
+        os.replace(tmp, path)
+        self._send({"t": "ckpt", "step": step, "path": str(path), "bytes": path.stat().st_size})
+        return path
+
+    def maybe_save(self, step: int, state_fn: Callable[[], dict[str, Any]]) -> Path | None:
+        """Save when the job's checkpoint interval (or the last step) says so."""
+        return self.save_checkpoint(step, state_fn()) if self.should_save(step) else None
+
+    def finish(self, param_hash: str) -> None:
+        """Declare this rank done with the hash of its final parameters."""
+        self._send({"t": "final", "step": self.target_steps, "param_hash": param_hash})
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        if self._report is not None:
+            self._report.close()
+            self._report = None
+
+
+def init(backend: str | None = None, timeout_s: float = 600.0) -> Context:
+    """Join the job's process group from the environment the agent set."""
+    env = RankEnv.from_environ()
+    ctx = Context(env)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # env:// reads MASTER_ADDR/PORT, which both the agent and torchrun set.
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    ctx._make_groups()
+    ctx._send({"t": "start", "pid": os.getpid(), "start_step": ctx.start_step})
+    return ctx

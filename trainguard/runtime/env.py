@@ -1,0 +1,108 @@
+"""The environment contract between the node agent and the ranks it starts.
+
+The agent writes these variables (``rank_env``); the in-rank runtime reads them
+(``RankEnv.from_environ``). Keeping both sides in one module keeps them in step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from pydantic import BaseModel, ConfigDict
+
+from trainguard.spec import Topology
+
+REPORT_FD = "TG_REPORT_FD"
+
+
+class RankEnv(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    job: str = "local"
+    attempt: int = 0
+    node: str = "local"
+    topology: Topology
+    target_steps: int
+    ckpt_dir: str
+    ckpt_every: int
+    resume_step: int | None = None
+    code_version: str = "v1"
+    report_fd: int | None = None
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> RankEnv:
+        e = os.environ if env is None else env
+        world = int(e.get("WORLD_SIZE", "1"))
+        topo = Topology(
+            tp=int(e.get("TG_TP", "1")),
+            pp=int(e.get("TG_PP", "1")),
+            dp=int(e.get("TG_DP", str(world // (int(e.get("TG_TP", "1")) * int(e.get("TG_PP", "1")))))),
+        )
+        resume = e.get("TG_RESUME_STEP", "")
+        fd = e.get(REPORT_FD, "")
+        return cls(
+            rank=int(e.get("RANK", "0")),
+            world_size=world,
+            local_rank=int(e.get("LOCAL_RANK", "0")),
+            local_world_size=int(e.get("LOCAL_WORLD_SIZE", "1")),
+            master_addr=e.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(e.get("MASTER_PORT", "29500")),
+            job=e.get("TG_JOB", "local"),
+            attempt=int(e.get("TG_ATTEMPT", "0")),
+            node=e.get("TG_NODE", "local"),
+            topology=topo,
+            target_steps=int(e.get("TG_TARGET_STEPS", "100")),
+            ckpt_dir=e.get("TG_CKPT_DIR", "checkpoints"),
+            ckpt_every=int(e.get("TG_CKPT_EVERY", "10")),
+            resume_step=int(resume) if resume else None,
+            code_version=e.get("TG_CODE_VERSION", "v1"),
+            report_fd=int(fd) if fd else None,
+        )
+
+    def to_environ(self) -> dict[str, str]:
+        out = {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "TG_JOB": self.job,
+            "TG_ATTEMPT": str(self.attempt),
+            "TG_NODE": self.node,
+            "TG_TP": str(self.topology.tp),
+            "TG_PP": str(self.topology.pp),
+            "TG_DP": str(self.topology.dp),
+            "TG_TARGET_STEPS": str(self.target_steps),
+            "TG_CKPT_DIR": self.ckpt_dir,
+            "TG_CKPT_EVERY": str(self.ckpt_every),
+            "TG_CODE_VERSION": self.code_version,
+        }
+        if self.resume_step is not None:
+            out["TG_RESUME_STEP"] = str(self.resume_step)
+        if self.report_fd is not None:
+            out[REPORT_FD] = str(self.report_fd)
+        return out
+
+
+def shard_name(step: int, rank: int) -> str:
+    """Relative path of one rank's shard of the checkpoint at ``step``."""
+    return f"{step_dir_name(step)}/rank-{rank:05d}.pt"
+
+
+def step_dir_name(step: int) -> str:
+    # Zero-padded so lexical order is step order in S3 listings.
+    return f"step-{step:010d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    if name.startswith("step-") and name[5:].isdigit():
+        return int(name[5:])
+    return None
