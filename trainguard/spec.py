@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    model_validator,
+)
 
 # Job names become workflow ids, S3 key segments and directory names.
 NAME_RE = r"^[a-z0-9][a-z0-9-]{0,62}$"
@@ -65,7 +72,9 @@ class CheckpointSpec(_Frozen):
 class DetectionSpec(_Frozen):
     """Thresholds for the real-time checks (used by the detection layer)."""
 
-    progress_interval_s: float = Field(5.0, gt=0, le=3600, description="how often progress reaches the workflow")
+    progress_interval_s: float = Field(
+        5.0, gt=0, le=3600, description="how often progress reaches the workflow"
+    )
     hang_floor_s: float = Field(30.0, gt=0, le=86400, description="minimum no-progress time before a hang")
     hang_factor: float = Field(10.0, gt=1, le=1000, description="hang threshold in median step times")
     spike_factor: float = Field(5.0, gt=1, le=1000, description="loss / grad-norm spike vs rolling median")
@@ -126,7 +135,7 @@ class SpecError(ValueError):
         self.message = message
 
 
-_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): (.*)$", re.S)
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]-]*): (.*)$", re.S)
 
 
 def _first_error(exc: ValidationError) -> SpecError:

@@ -14,7 +14,23 @@ Outside trainguard (no agent variables) the same script runs under torchrun:
 reports become no-ops and checkpoints go to ``./checkpoints``.
 """
 
-from trainguard.runtime.context import Context, init
-from trainguard.runtime.state import param_hash, restore_rng, rng_state
+from typing import Any
 
 __all__ = ["Context", "init", "param_hash", "restore_rng", "rng_state"]
+
+_EXPORTS = {
+    "Context": "trainguard.runtime.context",
+    "init": "trainguard.runtime.context",
+    "param_hash": "trainguard.runtime.state",
+    "restore_rng": "trainguard.runtime.state",
+    "rng_state": "trainguard.runtime.state",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: the agent and the workflows import trainguard.runtime.env without paying for torch.
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(name)

@@ -62,7 +62,9 @@ class Context:
             # The agent went away; the rank will be stopped by it or its replacement.
             self._report = None
 
-    def report(self, step: int, loss: float | None = None, grad_norm: float | None = None, **extra: Any) -> None:
+    def report(
+        self, step: int, loss: float | None = None, grad_norm: float | None = None, **extra: Any
+    ) -> None:
         """Record that ``step`` finished, with its metrics; cheap enough to call every step."""
         now = time.monotonic()
         step_time = None if self._last_report_t is None else now - self._last_report_t

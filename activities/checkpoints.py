@@ -1,0 +1,31 @@
+"""Controller-side checkpoint activities: find the newest complete checkpoint,
+and commit a new one by writing its manifest after verifying every shard."""
+
+from __future__ import annotations
+
+import asyncio
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from trainguard import checkpoints
+from trainguard.models import CheckpointRef, CommitCheckpointInput, LatestCheckpointInput
+from trainguard.storage import S3Store
+
+
+class CheckpointActivities:
+    def __init__(self, store: S3Store) -> None:
+        self.store = store
+
+    @activity.defn
+    async def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
+        jprefix = checkpoints.job_prefix(inp.prefix, inp.job_id)
+        return await asyncio.to_thread(checkpoints.latest, self.store, jprefix, inp.world_size)
+
+    @activity.defn
+    async def commit_checkpoint(self, inp: CommitCheckpointInput) -> CheckpointRef:
+        try:
+            return await asyncio.to_thread(checkpoints.commit, self.store, inp)
+        except ValueError as exc:
+            # A shard that is missing now will not appear by retrying the commit.
+            raise ApplicationError(str(exc), type="IncompleteCheckpoint", non_retryable=True) from exc

@@ -1,0 +1,26 @@
+"""Controller-side activities that talk to NodePoolWorkflow on a job's behalf.
+
+Workflows cannot send updates to other workflows, so a job reserves and releases
+machines through these. Both are idempotent per job, so a retry is harmless.
+"""
+
+from __future__ import annotations
+
+from temporalio import activity
+from temporalio.client import Client
+
+from trainguard import pool_client
+from trainguard.models import ReleaseRequest, ReserveRequest, ReserveResult
+
+
+class PoolActivities:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    @activity.defn
+    async def reserve_nodes(self, req: ReserveRequest) -> ReserveResult:
+        return await pool_client.reserve(self.client, req)
+
+    @activity.defn
+    async def release_nodes(self, req: ReleaseRequest) -> int:
+        return await pool_client.release(self.client, req.job_id)

@@ -1,0 +1,97 @@
+"""Node-agent activities that start, watch and stop this machine's ranks.
+
+``run_ranks`` runs for as long as the ranks do: it heartbeats, and returns how
+each rank ended. Cancellation by the workflow stops the ranks; cancellation
+because the workflow run is gone (continue-as-new) only detaches, see
+``activities.rank_session``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+from temporalio import activity
+from temporalio.client import Client
+
+from activities.rank_session import RankSession
+from trainguard.models import Endpoint, PortRequest, ProgressReport, RunRanksInput, RunRanksResult
+from trainguard.storage import S3Store
+
+HEARTBEAT_EVERY = timedelta(seconds=2)
+# How long ranks keep running with no activity attached (covers continue-as-new).
+ORPHAN_TIMEOUT_S = 120.0
+
+
+class RankActivities:
+    def __init__(self, client: Client, store: S3Store, workdir: Path, code_dir: Path, host: str) -> None:
+        self.client = client
+        self.store = store
+        self.workdir = workdir
+        self.code_dir = code_dir
+        self.host = host
+        self.sessions: dict[tuple[str, int], RankSession] = {}
+
+    async def _signal(self, workflow_id: str, report: ProgressReport) -> None:
+        await self.client.get_workflow_handle(workflow_id).signal("progress", report)
+
+    async def _stop_older_attempts(self, job_id: str, attempt: int) -> None:
+        """One attempt per job per machine: ranks of an older attempt must not linger."""
+        for key, sess in list(self.sessions.items()):
+            if key[0] == job_id and key[1] < attempt:
+                if not sess.done:
+                    await sess.kill()
+                del self.sessions[key]
+
+    @activity.defn
+    async def pick_master_port(self, req: PortRequest) -> Endpoint:
+        """A free port on this machine for rank 0's rendezvous store."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((self.host, 0))
+            return Endpoint(host=self.host, port=s.getsockname()[1])
+
+    @activity.defn
+    async def run_ranks(self, inp: RunRanksInput) -> RunRanksResult:
+        key = (inp.job_id, inp.attempt)
+        sess = self.sessions.get(key)
+        if sess is None:
+            if inp.attach_only:
+                return RunRanksResult(
+                    node=inp.node.name,
+                    attempt=inp.attempt,
+                    ok=False,
+                    message=f"ranks of attempt {inp.attempt} are no longer running on {inp.node.name}",
+                )
+            await self._stop_older_attempts(inp.job_id, inp.attempt)
+
+            async def send(report: ProgressReport) -> None:
+                await self._signal(inp.workflow_id, report)
+
+            sess = RankSession(inp, self.workdir, self.code_dir, self.store, send)
+            self.sessions[key] = sess
+            try:
+                await sess.start()
+            except BaseException:
+                await sess.kill()
+                del self.sessions[key]
+                raise
+        token = object()
+        sess.adopt(token)
+        try:
+            while not sess.done:
+                activity.heartbeat(sess.machine_step)
+                await asyncio.wait([sess.result], timeout=HEARTBEAT_EVERY.total_seconds())
+            return sess.result.result()
+        except asyncio.CancelledError:
+            details = activity.cancellation_details()
+            if sess.owner is token:
+                if details is not None and details.not_found:
+                    # The workflow run that started us is gone (continue-as-new or
+                    # termination): leave the ranks to whoever attaches next.
+                    sess.owner = None
+                    sess.orphan(ORPHAN_TIMEOUT_S)
+                else:
+                    await sess.kill()
+            raise

@@ -1,0 +1,85 @@
+"""Manifest rules: an incomplete checkpoint is never chosen, and never-delete-the-last-good."""
+
+from __future__ import annotations
+
+from trainguard.checkpoints import (
+    Manifest,
+    choose_latest,
+    manifest_complete,
+    manifest_key,
+    shard_key,
+    steps_to_prune,
+)
+from trainguard.models import ShardInfo
+
+JP = "checkpoints/job"
+
+
+def manifest(step: int, ranks: list[int], world: int = 4, size: int = 10) -> Manifest:
+    shards = [ShardInfo(rank=r, step=step, key=shard_key(JP, step, r), size=size, sha256="x") for r in ranks]
+    return Manifest(job="job", step=step, world_size=world, shards=shards, created_at="t")
+
+
+def sizes_for(*ms: Manifest, drop: tuple[str, ...] = (), truncate: tuple[str, ...] = ()) -> dict[str, int]:
+    out = {}
+    for m in ms:
+        for s in m.shards:
+            if s.key not in drop:
+                out[s.key] = s.size - 1 if s.key in truncate else s.size
+        out[manifest_key(JP, m.step)] = 100
+    return out
+
+
+def test_keys_sort_by_step() -> None:
+    assert shard_key(JP, 20, 3) == "checkpoints/job/step-0000000020/rank-00003.pt"
+    assert manifest_key(JP, 20) == "checkpoints/job/step-0000000020/manifest.json"
+    assert shard_key(JP, 9, 0) < shard_key(JP, 10, 0)
+
+
+def test_complete_manifest() -> None:
+    m = manifest(20, [0, 1, 2, 3])
+    assert manifest_complete(m, 4, sizes_for(m))
+
+
+def test_manifest_missing_rank_is_incomplete() -> None:
+    m = manifest(20, [0, 1, 3])
+    assert not manifest_complete(m, 4, sizes_for(m))
+
+
+def test_manifest_with_missing_or_truncated_shard_is_incomplete() -> None:
+    m = manifest(20, [0, 1, 2, 3])
+    key = m.shards[2].key
+    assert not manifest_complete(m, 4, sizes_for(m, drop=(key,)))
+    assert not manifest_complete(m, 4, sizes_for(m, truncate=(key,)))
+
+
+def test_manifest_for_other_world_size_is_incomplete() -> None:
+    m = manifest(20, [0, 1], world=2)
+    assert not manifest_complete(m, 4, sizes_for(m))
+
+
+def test_choose_latest_skips_incomplete_newer() -> None:
+    good = manifest(20, [0, 1, 2, 3])
+    newer_bad = manifest(30, [0, 1, 2, 3])
+    sizes = sizes_for(good, newer_bad, drop=(newer_bad.shards[1].key,))
+    assert choose_latest([good, newer_bad], 4, sizes) == good
+
+
+def test_choose_latest_none_when_nothing_complete() -> None:
+    bad = manifest(10, [0, 1])
+    assert choose_latest([bad], 4, sizes_for(bad)) is None
+    assert choose_latest([], 4, {}) is None
+
+
+def test_prune_keeps_newest_complete_and_in_flight() -> None:
+    # 10, 20, 30 complete; 25 incomplete and older than newest; 40 incomplete (uploading).
+    doomed = steps_to_prune({10, 20, 25, 30, 40}, {10, 20, 30}, keep=2)
+    assert doomed == [10, 25]
+
+
+def test_prune_never_deletes_when_nothing_complete() -> None:
+    assert steps_to_prune({10, 20}, set(), keep=1) == []
+
+
+def test_prune_keep_one_leaves_only_newest_complete() -> None:
+    assert steps_to_prune({10, 20, 30}, {10, 20, 30}, keep=1) == [10, 20]

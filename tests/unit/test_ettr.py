@@ -1,0 +1,46 @@
+"""ETTR arithmetic: productive steps once, recompute as badput, the 1-hour window."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from trainguard import ettr
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def test_productive_time_counts_new_steps_only() -> None:
+    led = ettr.start(ettr.Ledger(), T0)
+    led = ettr.record_steps(led, T0 + timedelta(seconds=10), 0, 10, 1.0)
+    assert led.productive_s == pytest.approx(10.0)
+    assert ettr.ettr(led, T0 + timedelta(seconds=20)) == pytest.approx(0.5)
+    # Restart from step 5: steps 6..10 are recomputed, 11..12 are new.
+    led = ettr.record_steps(led, T0 + timedelta(seconds=30), 5, 12, 1.0)
+    assert led.productive_s == pytest.approx(12.0)
+    assert led.badput_s["recompute"] == pytest.approx(5.0)
+    assert led.high_water_step == 12
+
+
+def test_no_progress_changes_nothing() -> None:
+    led = ettr.start(ettr.Ledger(), T0)
+    assert ettr.record_steps(led, T0, 5, 5, 1.0) == led
+
+
+def test_window_ettr_forgets_old_hours() -> None:
+    led = ettr.start(ettr.Ledger(), T0)
+    led = ettr.record_steps(led, T0 + timedelta(minutes=30), 0, 1800, 1.0)  # fully productive first 30 min
+    # Then nothing for 90 minutes: the last hour has no productive time.
+    now = T0 + timedelta(minutes=120)
+    assert ettr.ettr(led, now) == pytest.approx(0.25)
+    assert ettr.ettr_window(led, now) == pytest.approx(0.0)
+    led = ettr.record_steps(led, now, 1800, 3600, 1.0)
+    assert ettr.ettr_window(led, now) == pytest.approx(1800 / 3600)
+
+
+def test_badput_bucket_validation() -> None:
+    led = ettr.add_badput(ettr.Ledger(), "startup", 3.0)
+    assert led.badput_s["startup"] == 3.0
+    with pytest.raises(ValueError):
+        ettr.add_badput(led, "coffee", 1.0)

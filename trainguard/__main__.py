@@ -1,0 +1,5 @@
+"""``python -m trainguard`` is the ``trainguard`` command."""
+
+from trainguard.cli import main
+
+main()

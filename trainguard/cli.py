@@ -1,0 +1,280 @@
+"""The ``trainguard`` command line (CONTRACT.md), built on the SDK.
+
+Exit codes: 0 success, 1 the job or command failed, 2 bad input (one line on
+stderr naming the field or argument).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import sys
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from trainguard.client import JobAlreadyRunning, TrainguardClient, UnknownJob
+from trainguard.settings import Settings, state_dir_from_env
+from trainguard.spec import SpecError, load_spec
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Keep training jobs alive through failures."
+)
+out = Console()
+err = Console(stderr=True)
+T = TypeVar("T")
+
+StateDir = Annotated[
+    Path | None,
+    typer.Option("--state-dir", help="local stack state (default $TRAINGUARD_STATE_DIR or ~/.trainguard)"),
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
+
+
+class BadInput(Exception):
+    """Bad input from the user: exit 2 with one line."""
+
+
+def _fail(code: int, message: str) -> NoReturn:
+    err.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Map known errors to one line and the contract's exit codes."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (SpecError, UnknownJob, JobAlreadyRunning, BadInput) as exc:
+            _fail(2, str(exc))
+        except ConnectionError as exc:
+            _fail(1, f"{exc} (is the stack up? run `trainguard up`)")
+        except RuntimeError as exc:
+            if "connect" in str(exc).lower():
+                _fail(1, f"cannot reach Temporal: {exc} (is the stack up? run `trainguard up`)")
+            raise
+
+    return wrapper
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+async def _client(state_dir: Path | None) -> TrainguardClient:
+    return await TrainguardClient.connect(Settings.load(state_dir))
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+# -- local stack -----------------------------------------------------------------------------
+
+
+@app.command()
+@handles_errors
+def up(
+    nodes: Annotated[int, typer.Option(min=1, max=64, help="machines (node agents) for jobs")] = 2,
+    standby: Annotated[int, typer.Option(min=0, max=64, help="extra machines kept as spares")] = 0,
+    state_dir: StateDir = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Start the local stack: Temporal dev server, SeaweedFS S3, a controller, node agents."""
+    from infra.local import bring_up
+
+    addresses = bring_up(state_dir_from_env(state_dir), nodes=nodes, standby=standby)
+    if json_out:
+        _print_json(addresses)
+        return
+    table = Table(title="trainguard local stack", show_header=False)
+    for k, v in addresses.items():
+        table.add_row(k, str(v))
+    out.print(table)
+
+
+@app.command()
+@handles_errors
+def down(state_dir: StateDir = None) -> None:
+    """Stop exactly what `up` started (by pid) and nothing else."""
+    from infra.local import bring_down
+
+    stopped = bring_down(state_dir_from_env(state_dir))
+    out.print(f"stopped {len(stopped)} processes" + (f": {', '.join(stopped)}" if stopped else ""))
+
+
+# -- jobs -----------------------------------------------------------------------------------
+
+
+@app.command()
+@handles_errors
+def submit(
+    spec_path: Annotated[Path, typer.Argument(metavar="SPEC.yaml", help="job spec (YAML)")],
+    wait: Annotated[bool, typer.Option("--wait", help="show progress until the job ends")] = False,
+    state_dir: StateDir = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Validate a job spec and start the job."""
+    spec = load_spec(spec_path)  # a bad spec stops here: nothing is reserved or started
+
+    async def go() -> dict[str, Any]:
+        c = await _client(state_dir)
+        job = await c.submit(spec)
+        if not wait:
+            return {"job_id": job.job_id, "phase": "pending"}
+        if json_out:
+            return await job.wait()
+        with Progress(
+            TextColumn("[bold]{task.fields[job]}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[phase]} loss {task.fields[loss]} ETTR {task.fields[ettr]}"),
+            TimeElapsedColumn(),
+            console=err,
+        ) as bar:
+            task = bar.add_task(
+                "train", total=spec.target_steps, job=spec.name, phase="pending", loss="-", ettr="-"
+            )
+
+            def show(st: dict[str, Any]) -> None:
+                loss = f"{st['loss']:.3f}" if st.get("loss") is not None else "-"
+                bar.update(task, completed=st["step"], phase=st["phase"], loss=loss, ettr=f"{st['ettr']:.2f}")
+
+            return await job.wait(on_progress=show)
+
+    st = _run(go())
+    if json_out:
+        _print_json(st)
+    elif wait:
+        _print_status(st)
+    else:
+        out.print(f"submitted {st['job_id']} (trainguard status {st['job_id']})")
+    if wait and st.get("phase") != "completed":
+        raise typer.Exit(1)
+
+
+@app.command()
+@handles_errors
+def status(
+    job: Annotated[str, typer.Argument(metavar="JOB")],
+    state_dir: StateDir = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Phase, step, ETTR, machines, checkpoint and incidents of a job."""
+
+    async def go() -> dict[str, Any]:
+        return await (await _client(state_dir)).job(job).status()
+
+    st = _run(go())
+    if json_out:
+        _print_json(st)
+    else:
+        _print_status(st)
+
+
+def _print_status(st: dict[str, Any]) -> None:
+    t = Table(title=f"job {st['job_id']}", show_header=False)
+    t.add_row("phase", st["phase"])
+    t.add_row("step", f"{st['step']} / {st['target_steps']}")
+    t.add_row("attempt", str(st["attempt"]))
+    t.add_row("code version", st["code_version"])
+    t.add_row("ETTR", f"{st['ettr']:.3f} (1 h: {st['ettr_window_1h']:.3f})")
+    t.add_row("machines", ", ".join(f"{k}: {v}" for k, v in st["nodes"].items()))
+    if st.get("checkpoint"):
+        c = st["checkpoint"]
+        t.add_row("checkpoint", f"step {c['step']} ({c['tier']}) {c['uri']}")
+    if st.get("verdict"):
+        t.add_row("verdict", st["verdict"])
+    if st.get("result"):
+        t.add_row("param hash", st["result"]["param_hash"])
+    out.print(t)
+    if st["incidents"]:
+        it = Table(title="incidents")
+        for col in ("id", "kind", "suspects", "action", "lost steps", "evidence"):
+            it.add_column(col)
+        for i in st["incidents"]:
+            it.add_row(
+                i["id"],
+                i["kind"],
+                ", ".join(i["suspects"]),
+                i["action"],
+                str(i["lost_steps"]),
+                i["evidence"][:120],
+            )
+        out.print(it)
+
+
+@app.command("list")
+@handles_errors
+def list_jobs(state_dir: StateDir = None, json_out: JsonFlag = False) -> None:
+    """Jobs with phase, step and ETTR."""
+
+    async def go() -> list[dict[str, Any]]:
+        return await (await _client(state_dir)).list_jobs()
+
+    jobs = _run(go())
+    if json_out:
+        _print_json(jobs)
+        return
+    t = Table(title="jobs")
+    for col in ("job", "phase", "step", "ETTR", "code", "started"):
+        t.add_column(col)
+    for j in jobs:
+        ettr = f"{j['ettr']:.3f}" if j["ettr"] is not None else "-"
+        t.add_row(
+            j["job_id"], str(j["phase"]), str(j["step"]), ettr, str(j["code_version"]), str(j["started_at"])
+        )
+    out.print(t)
+
+
+@app.command()
+@handles_errors
+def nodes(state_dir: StateDir = None, json_out: JsonFlag = False) -> None:
+    """The node pool: which machine is free, active with a job, standby or quarantined."""
+
+    async def go() -> Any:
+        return await (await _client(state_dir)).nodes()
+
+    pool = _run(go())
+    rows = [
+        {"node": n.info.name, "state": n.state, "job": n.job, "reason": n.reason, "queue": n.info.task_queue}
+        for n in sorted(pool.nodes.values(), key=lambda n: n.info.name)
+    ]
+    if json_out:
+        _print_json({"nodes": rows})
+        return
+    t = Table(title="node pool")
+    for col in ("node", "state", "job", "reason"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["node"], r["state"], r["job"] or "-", r["reason"] or "-")
+    out.print(t)
+
+
+@app.command()
+@handles_errors
+def stop(job: Annotated[str, typer.Argument(metavar="JOB")], state_dir: StateDir = None) -> None:
+    """Stop a job; its last complete checkpoint stays, and submitting it again resumes there."""
+
+    async def go() -> None:
+        handle = (await _client(state_dir)).job(job)
+        await handle.stop()
+
+    _run(go())
+    out.print(f"stop requested for {job}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""The SDK for job launchers; the CLI is built on it.
+
+    from trainguard.client import TrainguardClient
+    from trainguard.spec import load_spec
+
+    async def launch() -> None:
+        tg = await TrainguardClient.connect()          # env vars, else the local stack
+        job = await tg.submit(load_spec("job.yaml"))
+        final = await job.wait(on_progress=lambda s: print(s["step"]))
+        print(final["result"]["param_hash"])
+
+A blocking facade, :class:`SyncClient`, wraps the same calls for scripts that
+are not async.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from temporalio.client import Client, WorkflowHandle
+from temporalio.client import WorkflowExecutionStatus as ExecStatus
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from trainguard import pool_client
+from trainguard.job_state import JobInput
+from trainguard.models import CONTROLLER_QUEUE, PoolState
+from trainguard.settings import Settings
+from trainguard.spec import JobSpec
+from trainguard.temporal import connect
+
+T = TypeVar("T")
+TERMINAL_PHASES = ("completed", "failed", "stopped")
+__all__ = ["JobAlreadyRunning", "JobHandle", "SyncClient", "TrainguardClient", "UnknownJob"]
+
+
+class UnknownJob(LookupError):
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"unknown job {job_id!r}")
+        self.job_id = job_id
+
+
+class JobAlreadyRunning(RuntimeError):
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id!r} is already running; stop it first or choose another name")
+        self.job_id = job_id
+
+
+class JobHandle:
+    """One job, by name. Cheap to create; every call asks Temporal afresh."""
+
+    def __init__(self, client: Client, job_id: str) -> None:
+        self.client = client
+        self.job_id = job_id
+        self._wf: WorkflowHandle[Any, Any] = client.get_workflow_handle(job_id)
+
+    async def _describe_status(self) -> ExecStatus | None:
+        try:
+            return (await self._wf.describe()).status
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                raise UnknownJob(self.job_id) from None
+            raise
+
+    async def status(self) -> dict[str, Any]:
+        """The status document of CONTRACT.md (phase, step, ETTR, incidents, result)."""
+        try:
+            return await self._wf.query("status", result_type=dict)
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                raise UnknownJob(self.job_id) from None
+            raise
+
+    async def incidents(self) -> list[dict[str, Any]]:
+        return list((await self.status())["incidents"])
+
+    async def running(self) -> bool:
+        return await self._describe_status() == ExecStatus.RUNNING
+
+    async def wait(
+        self,
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
+        poll_s: float = 1.0,
+    ) -> dict[str, Any]:
+        """Until the job ends: call ``on_progress`` with each new status, return the last."""
+        last: dict[str, Any] | None = None
+        while True:
+            if await self._describe_status() != ExecStatus.RUNNING:
+                # Closed: its final state is in the history; one more query reads it.
+                st = await self.status()
+                if on_progress is not None and st != last:
+                    on_progress(st)
+                return st
+            st = await self.status()
+            if on_progress is not None and st != last:
+                on_progress(st)
+            last = st
+            await asyncio.sleep(poll_s)
+
+    async def stop(self, reason: str = "stopped by user") -> None:
+        """Ask the job to stop; its ranks are stopped and its last checkpoint stays."""
+        if await self._describe_status() != ExecStatus.RUNNING:
+            return
+        await self._wf.signal("stop", reason)
+
+
+class TrainguardClient:
+    def __init__(self, client: Client, settings: Settings) -> None:
+        self.temporal = client
+        self.settings = settings
+
+    @classmethod
+    async def connect(
+        cls, settings: Settings | None = None, state_dir: str | Path | None = None
+    ) -> TrainguardClient:
+        s = settings or Settings.load(state_dir)
+        return cls(await connect(s), s)
+
+    def job(self, job_id: str) -> JobHandle:
+        return JobHandle(self.temporal, job_id)
+
+    async def submit(self, spec: JobSpec, **options: Any) -> JobHandle:
+        """Start ``spec`` as a new run. Refused while a job of the same name runs;
+        after it ended, the new run resumes from the job's last complete checkpoint.
+
+        ``options`` tune the workflow (fields of ``JobInput``, e.g. ``max_history_events``).
+        """
+        inp = JobInput(spec=spec, **options)
+        try:
+            await self.temporal.start_workflow(
+                "TrainingJobWorkflow",
+                inp,
+                id=spec.name,
+                task_queue=CONTROLLER_QUEUE,
+                id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+                id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+                static_summary=f"{spec.name}: {spec.nodes}x{spec.ranks_per_node} ranks, "
+                f"{spec.target_steps} steps, code {spec.code_version}",
+            )
+        except WorkflowAlreadyStartedError:
+            raise JobAlreadyRunning(spec.name) from None
+        return self.job(spec.name)
+
+    async def list_jobs(self) -> list[dict[str, Any]]:
+        """Every job run Temporal remembers, newest first, from search attributes."""
+        out = []
+        seen: set[str] = set()
+        async for wf in self.temporal.list_workflows("WorkflowType = 'TrainingJobWorkflow'"):
+            if wf.id in seen:  # an older run of a resubmitted job
+                continue
+            seen.add(wf.id)
+            sa = wf.search_attributes
+            out.append(
+                {
+                    "job_id": wf.id,
+                    "run_id": wf.run_id,
+                    "status": wf.status.name.lower() if wf.status else None,
+                    "phase": (sa.get("TgPhase") or [None])[0],
+                    "step": (sa.get("TgStep") or [None])[0],
+                    "ettr": (sa.get("TgEttr") or [None])[0],
+                    "code_version": (sa.get("TgCodeVersion") or [None])[0],
+                    "started_at": wf.start_time.isoformat() if wf.start_time else None,
+                }
+            )
+        return out
+
+    async def nodes(self) -> PoolState:
+        return await pool_client.state(self.temporal)
+
+
+class SyncClient:
+    """Blocking facade over :class:`TrainguardClient` (one private event loop)."""
+
+    def __init__(self, settings: Settings | None = None, state_dir: str | Path | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._c = self._run(TrainguardClient.connect(settings, state_dir))
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._loop.run_until_complete(coro)
+
+    def submit(self, spec: JobSpec) -> str:
+        return self._run(self._c.submit(spec)).job_id
+
+    def status(self, job_id: str) -> dict[str, Any]:
+        return self._run(self._c.job(job_id).status())
+
+    def wait(
+        self, job_id: str, on_progress: Callable[[dict[str, Any]], None] | None = None
+    ) -> dict[str, Any]:
+        return self._run(self._c.job(job_id).wait(on_progress))
+
+    def stop(self, job_id: str, reason: str = "stopped by user") -> None:
+        self._run(self._c.job(job_id).stop(reason))
+
+    def incidents(self, job_id: str) -> list[dict[str, Any]]:
+        return self._run(self._c.job(job_id).incidents())
+
+    def list_jobs(self) -> list[dict[str, Any]]:
+        return self._run(self._c.list_jobs())
+
+    def nodes(self) -> PoolState:
+        return self._run(self._c.nodes())
+
+    def close(self) -> None:
+        self._loop.close()

@@ -1,0 +1,81 @@
+"""Effective training time ratio: productive time over wall time.
+
+Pure arithmetic over a small ledger the workflow keeps in its state. A step
+counts as productive only the first time it is reached; repeating steps after a
+restart is ``recompute`` badput. Time between an attempt's start and its first
+step is ``startup``. The 1-hour window is computed from a short list of
+(time, cumulative productive seconds) samples, trimmed as they age out.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from pydantic import BaseModel
+
+WINDOW = timedelta(hours=1)
+BUCKETS = ("startup", "detection", "diagnosis", "recovery", "recompute", "checkpoint", "idle")
+
+
+class Ledger(BaseModel):
+    started_at: datetime | None = None
+    high_water_step: int = 0
+    productive_s: float = 0.0
+    badput_s: dict[str, float] = {b: 0.0 for b in BUCKETS}
+    # (time, cumulative productive seconds), oldest first, about one per report.
+    samples: list[tuple[datetime, float]] = []
+
+
+def start(ledger: Ledger, now: datetime) -> Ledger:
+    if ledger.started_at is not None:
+        return ledger
+    return ledger.model_copy(update={"started_at": now, "samples": [(now, 0.0)]})
+
+
+def add_badput(ledger: Ledger, bucket: str, seconds: float) -> Ledger:
+    if bucket not in BUCKETS:
+        raise ValueError(f"unknown badput bucket {bucket!r}")
+    b = dict(ledger.badput_s)
+    b[bucket] += max(0.0, seconds)
+    return ledger.model_copy(update={"badput_s": b})
+
+
+def record_steps(ledger: Ledger, now: datetime, prev_step: int, step: int, step_time_s: float) -> Ledger:
+    """Account for the steps in (prev_step, step], each taking ``step_time_s``."""
+    if step <= prev_step:
+        return ledger
+    new = max(0, step - max(prev_step, ledger.high_water_step))
+    redone = (step - prev_step) - new
+    productive = ledger.productive_s + new * step_time_s
+    out = ledger.model_copy(
+        update={"high_water_step": max(ledger.high_water_step, step), "productive_s": productive}
+    )
+    if redone:
+        out = add_badput(out, "recompute", redone * step_time_s)
+    samples = [*out.samples, (now, productive)]
+    # Keep the newest sample older than the window: it anchors the window's start.
+    while len(samples) > 2 and samples[1][0] <= now - WINDOW:
+        samples.pop(0)
+    return out.model_copy(update={"samples": samples})
+
+
+def ettr(ledger: Ledger, now: datetime) -> float:
+    if ledger.started_at is None:
+        return 0.0
+    wall = (now - ledger.started_at).total_seconds()
+    return min(1.0, ledger.productive_s / wall) if wall > 0 else 0.0
+
+
+def ettr_window(ledger: Ledger, now: datetime, window: timedelta = WINDOW) -> float:
+    """ETTR over the last ``window`` (or since the start, if younger)."""
+    if ledger.started_at is None:
+        return 0.0
+    lo = max(ledger.started_at, now - window)
+    span = (now - lo).total_seconds()
+    if span <= 0:
+        return 0.0
+    base = 0.0
+    for t, cum in ledger.samples:
+        if t <= lo:
+            base = cum
+    return min(1.0, max(0.0, (ledger.productive_s - base) / span))

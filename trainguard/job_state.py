@@ -1,0 +1,129 @@
+"""Everything a TrainingJobWorkflow remembers, and the status JSON built from it.
+
+The state is one model so continue-as-new carries it whole. ``status_json`` is
+the shape promised in CONTRACT.md; the CLI, the SDK and the UI all read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from trainguard import ettr
+from trainguard.models import CheckpointRef, Endpoint, NodeInfo, ShardInfo
+from trainguard.spec import JobSpec
+
+Phase = Literal[
+    "pending", "running", "detecting", "diagnosing", "recovering", "completed", "failed", "stopped"
+]
+TERMINAL: tuple[Phase, ...] = ("completed", "failed", "stopped")
+
+
+class Incident(BaseModel):
+    id: str
+    kind: str
+    detected_at: datetime
+    fault_at: datetime | None = None
+    detection_s: float | None = None
+    suspects: list[str] = []
+    evicted: list[str] = []
+    action: str = "reattempt"
+    evidence: str = ""
+    recovered_at: datetime | None = None
+    recovery_s: float | None = None
+    lost_steps: int = 0
+    attempt: int = 0
+
+
+class CheckpointStatus(BaseModel):
+    step: int
+    tier: Literal["memory", "peer", "s3"] = "s3"
+    uri: str
+
+
+class JobResult(BaseModel):
+    final_step: int
+    param_hash: str
+
+
+class RunningAttempt(BaseModel):
+    """An attempt whose ranks may still be running: enough to re-attach after continue-as-new."""
+
+    attempt: int
+    master: Endpoint
+    resume: CheckpointRef | None = None
+    started_at: datetime
+    first_step_at: datetime | None = None
+
+
+class JobState(BaseModel):
+    spec: JobSpec
+    phase: Phase = "pending"
+    attempt: int = 0
+    step: int = 0
+    loss: float | None = None
+    step_time_s: float | None = None
+    code_version: str = "v1"
+    nodes: list[NodeInfo] = []
+    checkpoint: CheckpointStatus | None = None
+    incidents: list[Incident] = []
+    verdict: str | None = None
+    result: JobResult | None = None
+    ledger: ettr.Ledger = ettr.Ledger()
+    submitted_at: datetime | None = None
+    updated_at: datetime | None = None
+    running: RunningAttempt | None = None
+    # Shards uploaded but not yet committed under a manifest: step -> rank -> shard.
+    pending_shards: dict[int, dict[int, ShardInfo]] = {}
+    attempts_without_progress: int = 0
+    progress_at_attempt_start: int = 0
+
+
+def status_json(state: JobState, now: datetime) -> dict[str, Any]:
+    """The status document of CONTRACT.md."""
+    return {
+        "job_id": state.spec.name,
+        "phase": state.phase,
+        "step": state.step,
+        "target_steps": state.spec.target_steps,
+        "attempt": state.attempt,
+        "code_version": state.code_version,
+        "ettr": round(ettr.ettr(state.ledger, now), 4),
+        "ettr_window_1h": round(ettr.ettr_window(state.ledger, now), 4),
+        "badput_s": {k: round(v, 3) for k, v in state.ledger.badput_s.items()},
+        "nodes": {str(i): n.name for i, n in enumerate(state.nodes)},
+        "checkpoint": state.checkpoint.model_dump(mode="json") if state.checkpoint else None,
+        "incidents": [i.model_dump(mode="json", exclude={"attempt"}) for i in state.incidents],
+        "verdict": state.verdict,
+        "result": state.result.model_dump(mode="json") if state.result else None,
+        "loss": state.loss,
+        "step_time_s": state.step_time_s,
+        "submitted_at": state.submitted_at.isoformat() if state.submitted_at else None,
+        "updated_at": state.updated_at.isoformat() if state.updated_at else None,
+    }
+
+
+def combined_param_hash(final_hashes: dict[int, str]) -> str:
+    """One hash for the whole model: every rank's parameter hash, in rank order."""
+    h = hashlib.sha256()
+    for rank in sorted(final_hashes):
+        h.update(f"{rank}:{final_hashes[rank]}\n".encode())
+    return "sha256:" + h.hexdigest()
+
+
+class JobInput(BaseModel):
+    """What starts (or continues) a TrainingJobWorkflow run."""
+
+    spec: JobSpec
+    state: JobState | None = None
+    # Continue-as-new once the history passes this many events.
+    max_history_events: int = 5000
+    # How often search attributes may change with progress (phase changes go at once).
+    search_attribute_interval_s: float = 30.0
+    # A machine whose agent does not pick up its ranks within this is lost.
+    schedule_to_start_s: float = 60.0
+    heartbeat_timeout_s: float = 30.0
+    pool_retry_s: float = 5.0

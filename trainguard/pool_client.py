@@ -1,0 +1,58 @@
+"""Client-side calls into NodePoolWorkflow, shared by agents, activities and the CLI.
+
+Every call is an update-with-start, so whichever process comes first (agent or
+controller) creates the pool and nobody has to start it by hand.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from temporalio.client import Client, WithStartWorkflowOperation
+from temporalio.common import WorkflowIDConflictPolicy
+
+from trainguard.models import (
+    CONTROLLER_QUEUE,
+    POOL_WORKFLOW_ID,
+    NodeInfo,
+    PoolNode,
+    PoolState,
+    ReleaseRequest,
+    ReserveRequest,
+    ReserveResult,
+)
+
+T = TypeVar("T")
+
+
+async def _update(client: Client, name: str, arg: Any, result_type: type[T]) -> T:
+    op = WithStartWorkflowOperation(
+        "NodePoolWorkflow",
+        None,
+        id=POOL_WORKFLOW_ID,
+        task_queue=CONTROLLER_QUEUE,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+    )
+    return await client.execute_update_with_start_workflow(
+        name, arg, start_workflow_operation=op, result_type=result_type
+    )
+
+
+async def register(client: Client, info: NodeInfo) -> PoolNode:
+    return await _update(client, "register", info, PoolNode)
+
+
+async def deregister(client: Client, name: str) -> None:
+    await client.get_workflow_handle(POOL_WORKFLOW_ID).execute_update("deregister", name)
+
+
+async def reserve(client: Client, req: ReserveRequest) -> ReserveResult:
+    return await _update(client, "reserve", req, ReserveResult)
+
+
+async def release(client: Client, job_id: str) -> int:
+    return await _update(client, "release", ReleaseRequest(job_id=job_id), int)
+
+
+async def state(client: Client) -> PoolState:
+    return await client.get_workflow_handle(POOL_WORKFLOW_ID).query("state", result_type=PoolState)

@@ -1,0 +1,53 @@
+"""Controller worker: runs the workflows and the controller-side activities.
+
+Stateless: every job's state lives in Temporal, so any number of controllers
+can run (two or more in production) and any of them can die at any time.
+
+    python -m workers.controller
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from datetime import timedelta
+
+from temporalio.worker import Worker
+
+from activities.checkpoints import CheckpointActivities
+from activities.pool import PoolActivities
+from trainguard.models import CONTROLLER_QUEUE
+from trainguard.settings import Settings
+from trainguard.storage import S3Store
+from trainguard.temporal import connect
+from workers.common import run_until_signalled, setup_logging
+from workflows.node_pool import NodePoolWorkflow
+from workflows.training_job import TrainingJobWorkflow
+
+
+async def main(identity: str | None = None) -> None:
+    settings = Settings.load()
+    client = await connect(settings)
+    pool = PoolActivities(client)
+    ckpt = CheckpointActivities(S3Store(settings))
+    worker = Worker(
+        client,
+        task_queue=CONTROLLER_QUEUE,
+        workflows=[TrainingJobWorkflow, NodePoolWorkflow],
+        activities=[pool.reserve_nodes, pool.release_nodes, ckpt.latest_checkpoint, ckpt.commit_checkpoint],
+        identity=identity,
+        graceful_shutdown_timeout=timedelta(seconds=10),
+    )
+    await run_until_signalled(worker)
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--identity", default=None, help="worker identity shown in the Temporal UI")
+    args = parser.parse_args()
+    setup_logging("controller")
+    asyncio.run(main(args.identity))
+
+
+if __name__ == "__main__":
+    cli()

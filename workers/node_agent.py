@@ -1,0 +1,62 @@
+"""Node agent: one per machine, a Temporal worker on that machine's own task queue.
+
+It registers the machine with the node pool, then takes work only from its
+queue (``node-<name>``): start and watch ranks, and later probe health, keep
+checkpoint copies and run diagnostics. It listens on no port of its own.
+
+    python -m workers.node_agent --name node-1 --workdir /var/lib/trainguard
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from datetime import timedelta
+from pathlib import Path
+
+from temporalio.worker import Worker
+
+from activities.ranks import RankActivities
+from trainguard import pool_client
+from trainguard.models import NodeInfo, node_queue
+from trainguard.settings import Settings
+from trainguard.storage import S3Store
+from trainguard.temporal import connect
+from workers.common import run_until_signalled, setup_logging
+
+
+async def main(name: str, workdir: Path, code_dir: Path, host: str, gpus: int) -> None:
+    settings = Settings.load()
+    client = await connect(settings)
+    workdir.mkdir(parents=True, exist_ok=True)
+    info = NodeInfo(name=name, task_queue=node_queue(name), host=host, gpus=gpus)
+    ranks = RankActivities(client, S3Store(settings), workdir, code_dir, host)
+    worker = Worker(
+        client,
+        task_queue=info.task_queue,
+        activities=[ranks.run_ranks, ranks.pick_master_port],
+        identity=f"agent-{name}@{os.getpid()}",
+        max_concurrent_activities=16,
+        graceful_shutdown_timeout=timedelta(seconds=5),
+    )
+    await pool_client.register(client, info)
+    await run_until_signalled(worker)
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--name", required=True, help="machine name, unique in the cluster")
+    parser.add_argument(
+        "--workdir", type=Path, required=True, help="local dir for ranks' logs and checkpoints"
+    )
+    parser.add_argument("--code-dir", type=Path, default=Path.cwd(), help="directory ranks run in")
+    parser.add_argument("--host", default="127.0.0.1", help="address peers use to reach this machine")
+    parser.add_argument("--gpus", type=int, default=0)
+    args = parser.parse_args()
+    setup_logging(f"agent-{args.name}")
+    asyncio.run(main(args.name, args.workdir.resolve(), args.code_dir.resolve(), args.host, args.gpus))
+
+
+if __name__ == "__main__":
+    cli()
