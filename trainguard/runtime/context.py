@@ -34,7 +34,12 @@ class Context:
         self.target_steps = env.target_steps
         self.start_step = 1 if env.resume_step is None else env.resume_step + 1
         self._groups: dict[GroupKind, dist.ProcessGroup | None] = {}
-        self._report = os.fdopen(env.report_fd, "w", buffering=1) if env.report_fd is not None else None
+        self._report = None
+        if env.report_fd is not None:
+            # Not inherited by the rank's own children (data loader workers): the agent
+            # must see the pipe close when the rank dies.
+            os.set_inheritable(env.report_fd, False)
+            self._report = os.fdopen(env.report_fd, "w", buffering=1)
         self._last_report_t: float | None = None
 
     # -- process groups -------------------------------------------------------
@@ -95,7 +100,10 @@ class Context:
         path = self._shard_path(step)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        torch.save({"step": step, **state}, tmp)
+        with tmp.open("wb") as f:
+            torch.save({"step": step, **state}, f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
         self._send({"t": "ckpt", "step": step, "path": str(path), "bytes": path.stat().st_size})
         return path
@@ -118,9 +126,16 @@ class Context:
 def init(backend: str | None = None, timeout_s: float = 600.0) -> Context:
     """Join the job's process group from the environment the agent set."""
     env = RankEnv.from_environ()
+    if env.topology.world_size != env.world_size:
+        # Fail every rank at once instead of leaving the others waiting in rendezvous.
+        raise RuntimeError(
+            f"topology tp*pp*dp = {env.topology.world_size} does not match WORLD_SIZE = {env.world_size}"
+        )
     ctx = Context(env)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
     # env:// reads MASTER_ADDR/PORT, which both the agent and torchrun set.
     dist.init_process_group(
         backend=backend,
