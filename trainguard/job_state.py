@@ -78,6 +78,7 @@ class JobState(BaseModel):
     running: RunningAttempt | None = None
     # Shards uploaded but not yet committed under a manifest: step -> rank -> shard.
     pending_shards: dict[int, dict[int, ShardInfo]] = {}
+    resumed_from_step: int | None = None
     attempts_without_progress: int = 0
     progress_at_attempt_start: int = 0
 
@@ -96,6 +97,7 @@ def status_json(state: JobState, now: datetime) -> dict[str, Any]:
         "badput_s": {k: round(v, 3) for k, v in state.ledger.badput_s.items()},
         "nodes": {str(i): n.name for i, n in enumerate(state.nodes)},
         "checkpoint": state.checkpoint.model_dump(mode="json") if state.checkpoint else None,
+        "resumed_from_step": state.resumed_from_step,
         "incidents": [i.model_dump(mode="json", exclude={"attempt"}) for i in state.incidents],
         "verdict": state.verdict,
         "result": state.result.model_dump(mode="json") if state.result else None,

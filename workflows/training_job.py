@@ -178,6 +178,7 @@ class TrainingJobWorkflow:
             attempt=self.s.attempt, master=master, resume=resume, started_at=workflow.now()
         )
         self.s.step = resume.step if resume else 0
+        self.s.resumed_from_step = resume.step if resume else None
         self._set_phase("running")
 
     def _ranks_input(self, index: int, attach: bool) -> RunRanksInput:

@@ -1,0 +1,170 @@
+"""The example job end to end on the real stack: completion, checkpoints in S3,
+stop and resubmit, a controller SIGKILL, continue-as-new while ranks run."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infra.local import start_controller
+from infra.stack import Stack
+from tests.integration.helpers import REPO, example_spec
+from trainguard import checkpoints
+from trainguard.client import JobAlreadyRunning, JobHandle, TrainguardClient
+from trainguard.settings import Settings
+from trainguard.storage import S3Store
+
+pytestmark = pytest.mark.integration
+
+JOB_TIMEOUT_S = 240.0
+
+
+async def wait_until(
+    job: JobHandle, pred: Callable[[dict[str, Any]], bool], timeout_s: float = JOB_TIMEOUT_S
+) -> dict[str, Any]:
+    """Poll the job's status until ``pred`` holds; fail with the last status on timeout."""
+    deadline = time.monotonic() + timeout_s
+    st: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        st = await job.status()
+        if pred(st):
+            return st
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"condition not reached in {timeout_s}s; last status: {st}")
+
+
+async def run_to_end(job: JobHandle) -> dict[str, Any]:
+    return await asyncio.wait_for(job.wait(poll_s=0.5), JOB_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session")
+async def reference(tg: TrainguardClient) -> dict[str, Any]:
+    """An uninterrupted run: every other run must end with its parameter hash."""
+    job = await tg.submit(example_spec("ref"))
+    final = await run_to_end(job)
+    assert final["phase"] == "completed", final
+    return final
+
+
+async def test_job_completes_with_checkpoints_in_s3(reference: dict[str, Any], settings: Settings) -> None:
+    assert reference["step"] == 80
+    assert reference["attempt"] == 1
+    assert reference["result"]["final_step"] == 80
+    assert reference["result"]["param_hash"].startswith("sha256:")
+    assert reference["checkpoint"]["step"] == 80
+    assert reference["incidents"] == []
+    assert 0 < reference["ettr"] <= 1
+    assert reference["badput_s"]["startup"] > 0
+    store = S3Store(settings)
+    jprefix = checkpoints.job_prefix("checkpoints", "ref")
+    keys = {o.key for o in store.list(jprefix + "/")}
+    # keep=2: the two newest complete checkpoints, each with 4 shards and a manifest.
+    for step in (70, 80):
+        assert checkpoints.manifest_key(jprefix, step) in keys
+        for rank in range(4):
+            assert checkpoints.shard_key(jprefix, step, rank) in keys
+    assert checkpoints.manifest_key(jprefix, 60) not in keys
+    latest = checkpoints.latest(store, jprefix, 4)
+    assert latest is not None and latest.step == 80
+
+
+async def test_stop_then_resubmit_resumes_to_same_hash(
+    tg: TrainguardClient, reference: dict[str, Any]
+) -> None:
+    spec = example_spec("stop-resume")
+    job = await tg.submit(spec)
+    st = await wait_until(job, lambda s: (s["checkpoint"] or {}).get("step", 0) >= 20)
+    with pytest.raises(JobAlreadyRunning):
+        await tg.submit(spec)  # refused while it runs, never attached
+    await job.stop()
+    stopped = await run_to_end(job)
+    assert stopped["phase"] == "stopped"
+    assert stopped["step"] < 80
+    saved = stopped["checkpoint"]["step"]
+    assert saved >= st["checkpoint"]["step"]
+
+    job2 = await tg.submit(spec)
+    final = await run_to_end(job2)
+    assert final["phase"] == "completed", final
+    assert final["resumed_from_step"] == saved
+    assert final["result"]["param_hash"] == reference["result"]["param_hash"]
+
+
+async def test_controller_sigkill_mid_run(
+    tg: TrainguardClient, stack_dir: Path, reference: dict[str, Any]
+) -> None:
+    job = await tg.submit(example_spec("controller-kill"))
+    await wait_until(job, lambda s: s["step"] >= 15)
+    stack = Stack.load(stack_dir)
+    pid = stack.processes["controller"].pid
+    os.kill(pid, signal.SIGKILL)
+    # The job cannot make decisions now, but its ranks keep training.
+    start_controller(stack)
+    assert Stack.load(stack_dir).processes["controller"].pid != pid
+    final = await run_to_end(job)
+    assert final["phase"] == "completed", final
+    assert final["attempt"] == 1
+    assert final["result"]["param_hash"] == reference["result"]["param_hash"]
+
+
+async def test_continue_as_new_while_ranks_run(tg: TrainguardClient, reference: dict[str, Any]) -> None:
+    job = await tg.submit(example_spec("can"), max_history_events=40)
+    final = await run_to_end(job)
+    assert final["phase"] == "completed", final
+    assert final["attempt"] == 1  # the same ranks carried on across runs
+    assert final["result"]["param_hash"] == reference["result"]["param_hash"]
+    runs = [wf async for wf in tg.temporal.list_workflows("WorkflowId = 'can'")]
+    assert len(runs) >= 2
+
+
+def test_cli_rejects_bad_spec_and_starts_nothing(tmp_path: Path, settings: Settings) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "name: bad-spec\nentrypoint: [python, x.py]\nnodes: 2\nranks_per_node: 2\n"
+        "topology: {pp: 3}\ntarget_steps: 10\n"
+    )
+    env = {**os.environ, **settings.to_env()}
+    r = subprocess.run(
+        [sys.executable, "-m", "trainguard", "submit", str(bad)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0
+    assert "topology" in r.stderr
+    listed = subprocess.run(
+        [sys.executable, "-m", "trainguard", "list", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert listed.returncode == 0
+    assert "bad-spec" not in listed.stdout
+
+
+def test_cli_status_unknown_job(settings: Settings) -> None:
+    env = {**os.environ, **settings.to_env()}
+    r = subprocess.run(
+        [sys.executable, "-m", "trainguard", "status", "no-such-job", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert r.returncode == 2
+    assert "no-such-job" in r.stderr
