@@ -156,6 +156,27 @@ def stop_pid(pid: int, grace_s: float = 10.0, ticks: int | None = None) -> bool:
     return True
 
 
+def kill_pid(pid: int, sig: int = signal.SIGKILL, ticks: int | None = None, timeout_s: float = 10.0) -> bool:
+    """Send ``sig`` to `pid` (and the group it leads) and wait until it is gone.
+
+    For fault drills: unlike a bare ``os.kill``, the process is dead (and reaped,
+    if ours) on return, so a replacement can be started without racing it.
+    Returns False when there was nothing to kill.
+    """
+    if not pid_alive(pid, ticks):
+        _reap(pid)
+        return False
+    try:
+        group = os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return False
+    _signal(pid, sig, group)
+    if not _poll_until(lambda: not pid_alive(pid) and (not group or not _group_alive(pid)), timeout_s):
+        raise RuntimeError(f"process {pid} still alive {timeout_s:.0f}s after signal {sig}")
+    _reap(pid)
+    return True
+
+
 def _poll_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
     """Poll `predicate` with short, growing intervals; whether it became true in time."""
     deadline = time.monotonic() + timeout_s

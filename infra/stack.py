@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import string
 import sys
@@ -28,7 +29,7 @@ from typing import Any, ClassVar, Self
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from infra.ports import LOOPBACK, free_ports, port_is_free
-from infra.processes import pid_alive, spawn, start_ticks, stop_pid, wait_for
+from infra.processes import kill_pid, pid_alive, spawn, start_ticks, stop_pid, wait_for
 
 TEMPORAL = "temporal"
 SEAWEEDFS = "seaweedfs"
@@ -570,6 +571,16 @@ class Stack:
                 if sock.is_socket():
                     with contextlib.suppress(OSError):
                         sock.unlink()
+        del self.processes[name]
+        self.save()
+        return was_running
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> bool:
+        """Kill one recorded process abruptly (a drill), wait until it is gone, forget it."""
+        record = self.processes.get(name)
+        if record is None:
+            return False
+        was_running = kill_pid(record.pid, sig, ticks=record.start_ticks)
         del self.processes[name]
         self.save()
         return was_running

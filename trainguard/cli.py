@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from trainguard.client import JobAlreadyRunning, TrainguardClient, UnknownJob
+from trainguard.client import ControllerUnavailable, JobAlreadyRunning, TrainguardClient, UnknownJob
 from trainguard.settings import Settings, state_dir_from_env
 from trainguard.spec import SpecError, load_spec
 
@@ -55,6 +55,8 @@ def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except (SpecError, UnknownJob, JobAlreadyRunning, BadInput) as exc:
             _fail(2, str(exc))
+        except ControllerUnavailable as exc:
+            _fail(1, str(exc))
         except ConnectionError as exc:
             _fail(1, f"{exc} (is the stack up? run `trainguard up`)")
         except RuntimeError as exc:

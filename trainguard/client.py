@@ -35,7 +35,14 @@ from trainguard.temporal import connect
 
 T = TypeVar("T")
 TERMINAL_PHASES = ("completed", "failed", "stopped")
-__all__ = ["JobAlreadyRunning", "JobHandle", "SyncClient", "TrainguardClient", "UnknownJob"]
+__all__ = [
+    "ControllerUnavailable",
+    "JobAlreadyRunning",
+    "JobHandle",
+    "SyncClient",
+    "TrainguardClient",
+    "UnknownJob",
+]
 
 
 class UnknownJob(LookupError):
@@ -47,6 +54,14 @@ class UnknownJob(LookupError):
 class JobAlreadyRunning(RuntimeError):
     def __init__(self, job_id: str) -> None:
         super().__init__(f"job {job_id!r} is already running; stop it first or choose another name")
+        self.job_id = job_id
+
+
+class ControllerUnavailable(RuntimeError):
+    def __init__(self, job_id: str, cause: Exception) -> None:
+        super().__init__(
+            f"no controller answered for job {job_id!r} ({cause}); start one: python -m workers.controller"
+        )
         self.job_id = job_id
 
 
@@ -73,7 +88,10 @@ class JobHandle:
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 raise UnknownJob(self.job_id) from None
-            raise
+            # Queries need a controller; a finished job's final status is its result.
+            if await self._describe_status() == ExecStatus.COMPLETED:
+                return await self._wf.result(result_type=dict)
+            raise ControllerUnavailable(self.job_id, exc) from None
 
     async def incidents(self) -> list[dict[str, Any]]:
         return list((await self.status())["incidents"])
@@ -95,7 +113,12 @@ class JobHandle:
                 if on_progress is not None and st != last:
                     on_progress(st)
                 return st
-            st = await self.status()
+            try:
+                st = await self.status()
+            except ControllerUnavailable:
+                # Controllers restarting: the job goes on without them; so do we.
+                await asyncio.sleep(poll_s)
+                continue
             if on_progress is not None and st != last:
                 on_progress(st)
             last = st

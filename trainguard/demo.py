@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -38,22 +37,23 @@ async def run_job(state_dir: Path) -> dict:
         f"pp={spec.topology.pp} dp={spec.topology.dp}, {spec.target_steps} steps"
     )
     crashed = False
-    last_step = -1
+    last_step = -20
+    shown_phase = [""]
 
     def show(st: dict) -> None:
         nonlocal crashed, last_step
-        if (st["step"] != last_step and st["step"] % 20 == 0) or st["phase"] != "running":
+        if st["step"] >= last_step + 20 or st["phase"] not in ("running", shown_phase[0]):
             loss = f"{st['loss']:.3f}" if st.get("loss") is not None else "-"
             console.print(f"  step {st['step']:>4}/{st['target_steps']}  phase {st['phase']:<10} loss {loss}")
-        last_step = st["step"]
+            last_step = st["step"]
+        shown_phase[0] = st["phase"]
         if not crashed and st["step"] >= spec.target_steps // 3:
             crashed = True
             stack = Stack.load(state_dir)
             rec = stack.processes.get("controller")
             if rec is not None:
-                pid = rec.pid
-                console.print(f"  [red]SIGKILL controller worker (pid {pid})[/]; starting a new one")
-                os.kill(pid, signal.SIGKILL)
+                console.print(f"  [red]SIGKILL controller worker (pid {rec.pid})[/]; starting a new one")
+                stack.kill("controller")
                 start_controller(stack)
 
     return await job.wait(on_progress=show, poll_s=0.5)
