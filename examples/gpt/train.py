@@ -4,7 +4,8 @@ Submit ``examples/gpt/job.yaml`` to trainguard (2 machines x 2 ranks, pp=2 x
 dp=2), or run it without trainguard: ``TG_PP=2 torchrun --nproc-per-node 4
 examples/gpt/train.py``. It is meant to be copied: everything trainguard needs from a
 training script is ``tg.init()``, ``ctx.report()``, ``ctx.maybe_save()``,
-``ctx.load_checkpoint()`` and ``ctx.finish()``.
+``ctx.load_checkpoint()`` and ``ctx.finish()``; ``ctx.before_sync()`` adds
+per-rank gradient checks and lets fault drills act inside the step.
 
 Layout. The ``GPT_LAYERS`` transformer blocks are split evenly across the ``pp``
 pipeline stages. Stage 0 also owns the token and positional embeddings; the last
@@ -340,6 +341,7 @@ def main() -> None:
     for step in range(ctx.start_step, ctx.target_steps + 1):
         inputs, targets = get_batch(corpus, step, ctx.coords.dp, cfg)
         local_loss = forward_backward(model, pipe, cfg, inputs, targets)
+        ctx.before_sync(step, model)  # own-gradient checks and drills, before the all-reduce
         loss, grad_norm = sync_and_clip(model, ctx, local_loss)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -8,7 +8,9 @@ later, real-time checks. A report never blocks on the network.
 from __future__ import annotations
 
 import json
+import math
 import os
+import statistics
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -18,7 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainguard.runtime import faults
 from trainguard.runtime.env import RankEnv, shard_name
+from trainguard.runtime.state import param_hash
 from trainguard.topology import GroupKind, all_groups, coords
 
 
@@ -41,6 +45,10 @@ class Context:
             os.set_inheritable(env.report_fd, False)
             self._report = os.fdopen(env.report_fd, "w", buffering=1)
         self._last_report_t: float | None = None
+        self._faults = faults.FaultFile(env.fault_file, env.rank)
+        self._drilled_step: int | None = None
+        self._local: dict[str, Any] = {}
+        self._step_times: list[float] = []
 
     # -- process groups -------------------------------------------------------
     def _make_groups(self) -> None:
@@ -67,14 +75,45 @@ class Context:
             # The agent went away; the rank will be stopped by it or its replacement.
             self._report = None
 
+    def before_sync(self, step: int, model: torch.nn.Module) -> None:
+        """Call between backward and the gradient all-reduce (optional, recommended).
+
+        Checks this rank's own gradients before the all-reduce spreads them, so a
+        NaN or a spike is traced to the rank where it started; applies standing
+        drill faults; and every ``hash_every`` steps hashes the parameters so
+        data-parallel replicas can be compared (silent corruption makes them differ).
+        """
+        self._drilled_step = step
+        faults.apply(self._faults.active(step), step, model, self._median_step_s())
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in model.parameters():
+            if p.grad is not None:
+                sq += p.grad.detach().double().pow(2).sum()
+        norm = float(sq.sqrt())
+        finite = math.isfinite(norm)
+        self._local = {"local_grad_norm": norm if finite else None}
+        if not finite:
+            self._local["local_nonfinite"] = True
+        if self.env.hash_every and step % self.env.hash_every == 0:
+            self._local["param_hash"] = param_hash(model)
+
+    def _median_step_s(self) -> float:
+        return statistics.median(self._step_times) if self._step_times else 0.1
+
     def report(
         self, step: int, loss: float | None = None, grad_norm: float | None = None, **extra: Any
     ) -> None:
         """Record that ``step`` finished, with its metrics; cheap enough to call every step."""
+        if self._drilled_step != step:
+            # The script has no before_sync: drills that need no model still act here.
+            faults.apply(self._faults.active(step), step, None, self._median_step_s())
         now = time.monotonic()
         step_time = None if self._last_report_t is None else now - self._last_report_t
         self._last_report_t = now
-        rec: dict[str, Any] = {"t": "step", "step": step, "step_time_s": step_time}
+        if step_time is not None:
+            self._step_times = [*self._step_times[-49:], step_time]
+        rec: dict[str, Any] = {"t": "step", "step": step, "step_time_s": step_time, **self._local}
+        self._local = {}
         if loss is not None:
             rec["loss"] = float(loss)
         if grad_norm is not None:

@@ -35,6 +35,9 @@ class RankEnv(BaseModel):
     resume_step: int | None = None
     code_version: str = "v1"
     report_fd: int | None = None
+    fault_file: str | None = None
+    # Report a parameter hash every N steps (0: never) so replicas can be compared.
+    hash_every: int = 0
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> RankEnv:
@@ -64,6 +67,8 @@ class RankEnv(BaseModel):
             resume_step=int(resume) if resume else None,
             code_version=e.get("TG_CODE_VERSION", "v1"),
             report_fd=int(fd) if fd else None,
+            fault_file=e.get("TG_FAULT_FILE") or None,
+            hash_every=int(e.get("TG_HASH_EVERY", "0")),
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -89,6 +94,10 @@ class RankEnv(BaseModel):
             out["TG_RESUME_STEP"] = str(self.resume_step)
         if self.report_fd is not None:
             out[REPORT_FD] = str(self.report_fd)
+        if self.fault_file:
+            out["TG_FAULT_FILE"] = self.fault_file
+        if self.hash_every:
+            out["TG_HASH_EVERY"] = str(self.hash_every)
         return out
 
 
