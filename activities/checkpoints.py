@@ -20,7 +20,7 @@ class CheckpointActivities:
     @activity.defn
     async def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
         jprefix = checkpoints.job_prefix(inp.prefix, inp.job_id)
-        return await asyncio.to_thread(checkpoints.latest, self.store, jprefix, inp.world_size)
+        return await asyncio.to_thread(checkpoints.latest, self.store, jprefix, inp.world_size, inp.max_step)
 
     @activity.defn
     async def commit_checkpoint(self, inp: CommitCheckpointInput) -> CheckpointRef:

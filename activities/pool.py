@@ -10,7 +10,7 @@ from temporalio import activity
 from temporalio.client import Client
 
 from trainguard import pool_client
-from trainguard.models import ReleaseRequest, ReserveRequest, ReserveResult
+from trainguard.models import EvictRequest, EvictResult, ReleaseRequest, ReserveRequest, ReserveResult
 
 
 class PoolActivities:
@@ -24,3 +24,7 @@ class PoolActivities:
     @activity.defn
     async def release_nodes(self, req: ReleaseRequest) -> int:
         return await pool_client.release(self.client, req.job_id)
+
+    @activity.defn
+    async def evict_nodes(self, req: EvictRequest) -> EvictResult:
+        return await pool_client.evict(self.client, req)

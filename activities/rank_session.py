@@ -23,13 +23,25 @@ import signal
 import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from activities.drills import DrillState
+from activities.health import HealthMonitor
 from trainguard import checkpoints
-from trainguard.models import ProgressReport, RankExit, RunRanksInput, RunRanksResult, ShardInfo
+from trainguard.detection import Anomaly, TrainingMonitor, classify_exit, exit_kind, incident_priority
+from trainguard.health.events import HealthEvent
+from trainguard.models import (
+    IncidentReport,
+    ProgressReport,
+    RankExit,
+    RunRanksInput,
+    RunRanksResult,
+    ShardInfo,
+)
 from trainguard.runtime.env import RankEnv, shard_name, step_dir_name
 from trainguard.storage import S3Store, sha256_file
 
@@ -38,6 +50,7 @@ log = logging.getLogger(__name__)
 STDERR_TAIL_BYTES = 4000
 KILL_GRACE_S = 5.0
 LOCAL_STEPS_KEPT = 3
+WATCH_EVERY_S = 0.25
 # Variables the agent holds that ranks must not inherit (credentials, agent config).
 _PRIVATE_ENV_PREFIXES = ("TRAINGUARD_", "AWS_", "TG_")
 
@@ -76,8 +89,12 @@ class RankSession:
         code_dir: Path,
         store: S3Store,
         send_progress: SignalFn,
+        health: HealthMonitor,
+        drills: DrillState,
     ) -> None:
         self.inp = inp
+        self.health = health
+        self.drills = drills
         self.spec = inp.spec
         self.store = store
         self.code_dir = code_dir
@@ -102,6 +119,16 @@ class RankSession:
         self._progress_dirty = asyncio.Event()
         self._killed = False
         self._orphan_task: asyncio.Task[None] | None = None
+        self.monitor = TrainingMonitor(self.spec.detection, inp.ranks, time.monotonic())
+        self.started_wall = datetime.now(UTC)
+        self.fired: list[dict] = []  # one-shot drill faults that acted in this attempt
+        self.incident: IncidentReport | None = None
+        self.compute_s: dict[int, deque[float]] = {}
+        self.hashes: dict[int, dict[int, str]] = {}  # step -> rank -> param hash
+        self.step_wall: dict[int, datetime] = {}  # first time a local rank reported each step
+        self.flaps: list[datetime] = []
+        self.health_notes: list[str] = []
+        self._we_killed: set[int] = set()
 
     @property
     def key(self) -> tuple[str, int]:
@@ -122,6 +149,7 @@ class RankSession:
         self._tasks.append(asyncio.create_task(self._supervise(), name="supervise"))
         self._tasks.append(asyncio.create_task(self._upload_loop(), name="uploads"))
         self._tasks.append(asyncio.create_task(self._progress_loop(), name="progress"))
+        self._tasks.append(asyncio.create_task(self._watch(), name="watch"))
 
     async def _stage_resume(self) -> None:
         """Make each local rank's shard of the resume checkpoint present on local disk.
@@ -164,6 +192,8 @@ class RankSession:
             resume_step=self.inp.resume.step if self.inp.resume else None,
             code_version=self.spec.code_version,
             report_fd=report_fd,
+            fault_file=str(self.drills.path),
+            hash_every=self.spec.detection.replica_check_every,
         )
         env.update(renv.to_environ())
         return env
@@ -213,12 +243,21 @@ class RankSession:
         if kind == "step":
             step = int(rec["step"])
             self.last_step[rank] = step
+            now = datetime.now(UTC)
             if self.first_step_at is None:
-                self.first_step_at = datetime.now(UTC)
+                self.first_step_at = now
+            self.step_wall.setdefault(step, now)
             if rec.get("loss") is not None:
                 self.loss = float(rec["loss"])
             if rec.get("step_time_s") is not None:
                 self.step_times = [*self.step_times[-49:], float(rec["step_time_s"])]
+            if rec.get("compute_s") is not None:
+                self.compute_s.setdefault(rank, deque(maxlen=20)).append(float(rec["compute_s"]))
+            if rec.get("param_hash") and rec.get("hash_step") is not None:
+                self.hashes.setdefault(int(rec["hash_step"]), {})[rank] = str(rec["param_hash"])
+            anomaly = self.monitor.on_step(rank, rec, time.monotonic())
+            if anomaly is not None:
+                self._raise_incident(self._from_anomaly(anomaly))
             self._progress_dirty.set()
         elif kind == "ckpt":
             step = int(rec["step"])
@@ -226,6 +265,11 @@ class RankSession:
             ranks.add(rank)
             if ranks >= set(self.inp.ranks):
                 self._uploads.put_nowait(step)
+        elif kind == "fault":
+            # A drill acted inside a rank; one-shot faults are used up here.
+            fired = [f for f in self.drills.load() if f["id"] == rec.get("id")]
+            self.fired.extend(fired)
+            self.drills.consume(str(rec.get("id")))
         elif kind == "final":
             self.final_hashes[rank] = str(rec["param_hash"])
 
@@ -284,7 +328,16 @@ class RankSession:
             del self.shards[step]
 
     # -- progress ---------------------------------------------------------------
+    def _compute_median(self) -> float | None:
+        # The slowest local rank sets the machine's pace.
+        per_rank = [statistics.median(v) for v in self.compute_s.values() if v]
+        return max(per_rank) if per_rank else None
+
     def progress_report(self) -> ProgressReport:
+        complete = [st for st, h in self.hashes.items() if len(h) == len(self.inp.ranks)]
+        hash_step = max(complete) if complete else None
+        for st in [st for st in self.hashes if hash_step is not None and st < hash_step]:
+            del self.hashes[st]
         return ProgressReport(
             node=self.inp.node.name,
             attempt=self.inp.attempt,
@@ -294,6 +347,9 @@ class RankSession:
             first_step_at=self.first_step_at,
             at=datetime.now(UTC),
             shards=list(self.unsent),
+            compute_s=self._compute_median(),
+            hash_step=hash_step,
+            hashes=self.hashes.get(hash_step, {}) if hash_step is not None else {},
         )
 
     async def _progress_loop(self) -> None:
@@ -320,6 +376,112 @@ class RankSession:
         self.unsent = [s for s in self.unsent if s not in sent]
 
     # -- lifecycle ---------------------------------------------------------------
+    # -- detection ------------------------------------------------------------------
+    async def _watch(self) -> None:
+        """Time-based checks and health events, until the session ends."""
+        events = self.health.subscribe()
+        try:
+            while not self.done and self.incident is None:
+                try:
+                    event = await asyncio.wait_for(events.get(), timeout=WATCH_EVERY_S)
+                except TimeoutError:
+                    event = None
+                if event is not None:
+                    report = self._from_health(event)
+                    if report is not None:
+                        self._raise_incident(report)
+                        break
+                anomaly = self.monitor.check(time.monotonic())
+                if anomaly is not None:
+                    self._raise_incident(self._from_anomaly(anomaly))
+        finally:
+            self.health.unsubscribe(events)
+
+    def _from_health(self, e: HealthEvent) -> IncidentReport | None:
+        det = self.spec.detection
+        if e.kind == "nic-flap":
+            self.flaps = [t for t in self.flaps if (e.at - t).total_seconds() <= det.flap_window_s] + [e.at]
+            if len(self.flaps) <= det.flap_tolerance:
+                self.health_notes.append(
+                    f"{e.kind} tolerated ({len(self.flaps)}/{det.flap_tolerance}): {e.message}"
+                )
+                return None
+            return self._report(
+                "nic-flap",
+                list(self.inp.ranks),
+                origin=True,
+                confidence=0.9,
+                evidence=f"{len(self.flaps)} link flaps within {det.flap_window_s:.0f}s "
+                f"(tolerance {det.flap_tolerance}): {e.message}",
+                source=e,
+            )
+        if e.severity == "critical" and e.confidence >= det.evict_confidence:
+            return self._report(
+                e.kind,
+                list(self.inp.ranks),
+                origin=True,
+                confidence=e.confidence,
+                evidence=f"{e.source} probe: {e.message}",
+                source=e,
+            )
+        self.health_notes = [*self.health_notes[-9:], f"{e.kind} ({e.severity}): {e.message}"]
+        return None
+
+    def _from_anomaly(self, a: Anomaly) -> IncidentReport:
+        return self._report(
+            a.kind, a.ranks, origin=a.origin, confidence=a.confidence, evidence=a.evidence, step=a.step
+        )
+
+    def _report(
+        self,
+        kind: str,
+        ranks: list[int],
+        *,
+        origin: bool,
+        confidence: float,
+        evidence: str,
+        step: int | None = None,
+        source: HealthEvent | None = None,
+        **extra: object,
+    ) -> IncidentReport:
+        if self.health_notes and kind not in ("gpu-lost", "gpu-xid", "ecc"):
+            evidence += " | recent health: " + "; ".join(self.health_notes[-3:])
+        return IncidentReport(
+            kind=kind,
+            node=self.inp.node.name,
+            ranks=ranks,
+            evidence=evidence[:2000],
+            confidence=confidence,
+            origin=origin,
+            detected_at=datetime.now(UTC),
+            fault_at=self._fault_at(kind, source),
+            step=step if step is not None else self.machine_step,
+            **extra,  # type: ignore[arg-type]
+        )
+
+    def _fault_at(self, kind: str, source: HealthEvent | None) -> datetime | None:
+        """When a drill standing on this machine started acting (None for real faults)."""
+        if source is not None and "injected_at" in source.details:
+            return datetime.fromisoformat(str(source.details["injected_at"]))
+        times = []
+        for f in self.drills.load() + self.fired:
+            # A fault standing since before this attempt acted from the attempt's start.
+            t = max(datetime.fromisoformat(f["injected_at"]), self.started_wall)
+            if f.get("at_step") is not None:
+                reached = self.step_wall.get(int(f["at_step"]) - 1)
+                t = max(t, reached) if reached else t
+            times.append(t)
+        return max(times) if times else None
+
+    def _raise_incident(self, report: IncidentReport) -> None:
+        """The first confirmed anomaly ends the attempt on this machine, at once."""
+        if self.incident is not None or self.done:
+            return
+        self.incident = report
+        log.warning("incident on %s: %s: %s", report.node, report.kind, report.evidence)
+        self._tasks.append(asyncio.create_task(self._terminate(), name="terminate"))
+
+    # -- lifecycle ---------------------------------------------------------------
     async def _supervise(self) -> None:
         waits = {asyncio.create_task(p.wait()): rank for rank, p in self.procs.items()}
         pending = set(waits)
@@ -340,20 +502,12 @@ class RankSession:
         readers = [t for t in self._tasks if t.get_name().startswith("reports-")]
         await asyncio.wait(readers, timeout=5.0)
         missing = [r for r in self.inp.ranks if r not in self.final_hashes]
-        ok = not failed and not missing and not self._killed
+        ok = not failed and not missing and not self._killed and self.incident is None
         if ok:
             await self._uploads.join()
-        message = ""
-        if self._killed:
-            message = "ranks stopped"
-        elif failed:
-            bad = [e for e in self.exits.values() if e.exit_code != 0]
-            message = "; ".join(
-                f"rank {e.rank} exited {e.exit_code if e.signal is None else f'by signal {e.signal}'}"
-                for e in bad
-            )
-        elif missing:
-            message = f"ranks {missing} exited without finishing"
+        if self.incident is None and not self._killed and (failed or missing):
+            self.incident = self._exit_incident(missing)
+        message = "ranks stopped" if self._killed else (self.incident.evidence if self.incident else "")
         last = max(self.shards) if self.shards else None
         self.result.set_result(
             RunRanksResult(
@@ -365,11 +519,45 @@ class RankSession:
                 final_hashes=self.final_hashes if ok else {},
                 shards=self.shards.get(last, []) if last is not None else [],
                 message=message,
+                incident=None if ok else self.incident,
             )
         )
         for t in self._tasks:
             if t is not asyncio.current_task():
                 t.cancel()
+
+    def _exit_incident(self, missing: list[int]) -> IncidentReport:
+        """The most telling rank exit: a CUDA error or user exception outranks the gloo
+        errors its peers die of; ranks we stopped ourselves say nothing."""
+        best: tuple[int, IncidentReport] | None = None
+        for e in self.exits.values():
+            if e.exit_code == 0 or e.rank in self._we_killed:
+                continue
+            info = classify_exit(e.exit_code, e.signal, e.stderr_tail, self.code_dir)
+            kind = exit_kind(info)
+            report = self._report(
+                kind,
+                [e.rank],
+                origin=kind != "comm",
+                confidence=0.5,
+                evidence=f"rank {e.rank} exited ({info.error_class}): {info.summary}"
+                + (f" at {info.code_location}" if info.code_location else ""),
+                error_class=info.error_class,
+                user_code=info.user_code,
+                code_location=info.code_location,
+            )
+            prio = incident_priority(kind, report.confidence, report.origin)
+            if best is None or prio > best[0]:
+                best = (prio, report)
+        if best is not None:
+            return best[1]
+        return self._report(
+            "crash",
+            missing,
+            origin=True,
+            confidence=0.3,
+            evidence=f"ranks {missing} exited 0 without finishing",
+        )
 
     def _record_exit(self, rank: int) -> None:
         if rank in self.exits:
@@ -386,6 +574,7 @@ class RankSession:
     async def _terminate(self) -> None:
         """SIGTERM every rank's process group, SIGKILL what is left after a grace period."""
         live = [p for p in self.procs.values() if p.returncode is None]
+        self._we_killed.update(r for r, p in self.procs.items() if p.returncode is None)
         for p in live:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGTERM)

@@ -16,6 +16,8 @@ from pathlib import Path
 from temporalio import activity
 from temporalio.client import Client
 
+from activities.drills import DrillState
+from activities.health import HealthMonitor
 from activities.rank_session import RankSession
 from trainguard.models import Endpoint, PortRequest, ProgressReport, RunRanksInput, RunRanksResult
 from trainguard.storage import S3Store
@@ -26,8 +28,19 @@ ORPHAN_TIMEOUT_S = 120.0
 
 
 class RankActivities:
-    def __init__(self, client: Client, store: S3Store, workdir: Path, code_dir: Path, host: str) -> None:
+    def __init__(
+        self,
+        client: Client,
+        store: S3Store,
+        workdir: Path,
+        code_dir: Path,
+        host: str,
+        health: HealthMonitor,
+        drills: DrillState,
+    ) -> None:
         self.client = client
+        self.health = health
+        self.drills = drills
         self.store = store
         self.workdir = workdir
         self.code_dir = code_dir
@@ -69,7 +82,7 @@ class RankActivities:
             async def send(report: ProgressReport) -> None:
                 await self._signal(inp.workflow_id, report)
 
-            sess = RankSession(inp, self.workdir, self.code_dir, self.store, send)
+            sess = RankSession(inp, self.workdir, self.code_dir, self.store, send, self.health, self.drills)
             self.sessions[key] = sess
             try:
                 await sess.start()

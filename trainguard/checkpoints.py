@@ -103,9 +103,13 @@ def _manifests(store: S3Store, jprefix: str, by_step: dict[int, list[str]]) -> l
     return out
 
 
-def latest(store: S3Store, jprefix: str, world_size: int) -> CheckpointRef | None:
+def latest(
+    store: S3Store, jprefix: str, world_size: int, max_step: int | None = None
+) -> CheckpointRef | None:
+    """The newest complete checkpoint, optionally no newer than ``max_step``."""
     sizes, by_step = _scan(store, jprefix)
-    m = choose_latest(_manifests(store, jprefix, by_step), world_size, sizes)
+    manifests = [m for m in _manifests(store, jprefix, by_step) if max_step is None or m.step <= max_step]
+    m = choose_latest(manifests, world_size, sizes)
     if m is None:
         return None
     return CheckpointRef(step=m.step, uri=store.uri(manifest_key(jprefix, m.step)), shards=m.shards)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -19,7 +20,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from trainguard.client import ControllerUnavailable, JobAlreadyRunning, TrainguardClient, UnknownJob
+from trainguard.client import (
+    BadFault,
+    ControllerUnavailable,
+    JobAlreadyRunning,
+    TrainguardClient,
+    UnknownJob,
+    UnknownNode,
+)
 from trainguard.settings import Settings, state_dir_from_env
 from trainguard.spec import SpecError, load_spec
 
@@ -53,7 +61,7 @@ def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (SpecError, UnknownJob, JobAlreadyRunning, BadInput) as exc:
+        except (SpecError, UnknownJob, UnknownNode, BadFault, JobAlreadyRunning, BadInput) as exc:
             _fail(2, str(exc))
         except ControllerUnavailable as exc:
             _fail(1, str(exc))
@@ -239,11 +247,24 @@ def list_jobs(state_dir: StateDir = None, json_out: JsonFlag = False) -> None:
 
 @app.command()
 @handles_errors
-def nodes(state_dir: StateDir = None, json_out: JsonFlag = False) -> None:
-    """The node pool: which machine is free, active with a job, standby or quarantined."""
+def nodes(
+    action: Annotated[
+        str | None,
+        typer.Argument(metavar="[release NODE]", help="release: return a quarantined machine to service"),
+    ] = None,
+    node: Annotated[str | None, typer.Argument(metavar="", show_default=False)] = None,
+    state_dir: StateDir = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """The node pool: which machine is free, active with a job, standby or quarantined (and why)."""
+    if action is not None and (action != "release" or not node):
+        raise BadInput("action: expected `trainguard nodes` or `trainguard nodes release NODE`")
 
     async def go() -> Any:
-        return await (await _client(state_dir)).nodes()
+        c = await _client(state_dir)
+        if action == "release" and node:
+            await c.release_node(node)
+        return await c.nodes()
 
     pool = _run(go())
     rows = [
@@ -257,7 +278,7 @@ def nodes(state_dir: StateDir = None, json_out: JsonFlag = False) -> None:
     for col in ("node", "state", "job", "reason"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r["node"], r["state"], r["job"] or "-", r["reason"] or "-")
+        t.add_row(r["node"], r["state"], r["job"] or "-", (r["reason"] or "-")[:80])
     out.print(t)
 
 
@@ -274,8 +295,57 @@ def stop(job: Annotated[str, typer.Argument(metavar="JOB")], state_dir: StateDir
     out.print(f"stop requested for {job}")
 
 
+@app.command()
+@handles_errors
+def inject(
+    node: Annotated[str, typer.Argument(metavar="NODE")],
+    fault: Annotated[
+        str,
+        typer.Argument(
+            metavar="FAULT",
+            help="crash, hang, nan, loss-spike, slow, gpu-lost, "
+            "gpu-xid, ecc, nic-down, nic-flap, disk-full, sdc, agent-kill; or clear",
+        ),
+    ],
+    rank: Annotated[int | None, typer.Option(min=0, help="only this rank (rank faults)")] = None,
+    at_step: Annotated[int | None, typer.Option(min=1, help="act from this step on")] = None,
+    count: Annotated[int | None, typer.Option(min=1, help="nic-flap: number of flaps")] = None,
+    state_dir: StateDir = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Fault drill: inject FAULT on NODE through its agent (it stands until cleared or evicted)."""
+
+    async def go() -> dict[str, Any]:
+        c = await _client(state_dir)
+        if fault == "clear":
+            return {"node": node, "cleared": await c.clear_faults(node)}
+        r = await c.inject(node, fault, rank=rank, at_step=at_step, count=count)
+        return r.model_dump(mode="json")
+
+    res = _run(go())
+    if json_out:
+        _print_json(res)
+    elif fault == "clear":
+        out.print(f"cleared {res['cleared']} faults on {node}")
+    else:
+        out.print(f"injected {fault} on {node} at {res['injected_at']} ({res['fault_id']})")
+
+
 def main() -> None:
-    app()
+    code = 0
+    try:
+        app()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    exit_now(code)
+
+
+def exit_now(code: int) -> None:
+    """Exit without interpreter finalization: the Temporal client's native threads can
+    abort a finalizing interpreter ("PyGILState_Release"), turning success into a crash."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from trainguard import pool_client
 from trainguard.job_state import JobInput
-from trainguard.models import CONTROLLER_QUEUE, PoolState
+from trainguard.models import ALL_FAULTS, CONTROLLER_QUEUE, InjectRequest, InjectResult, PoolState
 from trainguard.settings import Settings
 from trainguard.spec import JobSpec
 from trainguard.temporal import connect
@@ -36,12 +36,14 @@ from trainguard.temporal import connect
 T = TypeVar("T")
 TERMINAL_PHASES = ("completed", "failed", "stopped")
 __all__ = [
+    "BadFault",
     "ControllerUnavailable",
     "JobAlreadyRunning",
     "JobHandle",
     "SyncClient",
     "TrainguardClient",
     "UnknownJob",
+    "UnknownNode",
 ]
 
 
@@ -49,6 +51,18 @@ class UnknownJob(LookupError):
     def __init__(self, job_id: str) -> None:
         super().__init__(f"unknown job {job_id!r}")
         self.job_id = job_id
+
+
+class UnknownNode(LookupError):
+    def __init__(self, node: str) -> None:
+        super().__init__(f"node: unknown node {node!r} (see trainguard nodes)")
+        self.node = node
+
+
+class BadFault(ValueError):
+    def __init__(self, fault: str) -> None:
+        super().__init__(f"fault: unknown fault {fault!r} (one of {', '.join(ALL_FAULTS)})")
+        self.fault = fault
 
 
 class JobAlreadyRunning(RuntimeError):
@@ -193,6 +207,34 @@ class TrainguardClient:
 
     async def nodes(self) -> PoolState:
         return await pool_client.state(self.temporal)
+
+    async def _known_node(self, node: str) -> None:
+        if node not in (await self.nodes()).nodes:
+            raise UnknownNode(node)
+
+    async def inject(
+        self,
+        node: str,
+        fault: str,
+        rank: int | None = None,
+        at_step: int | None = None,
+        count: int | None = None,
+    ) -> InjectResult:
+        """A fault drill on ``node`` (see CONTRACT.md for the faults); persists until cleared."""
+        if fault not in ALL_FAULTS:
+            raise BadFault(fault)
+        await self._known_node(node)
+        req = InjectRequest(node=node, fault=fault, rank=rank, at_step=at_step, count=count)
+        return await pool_client.inject(self.temporal, req)
+
+    async def clear_faults(self, node: str) -> int:
+        await self._known_node(node)
+        return await pool_client.clear_faults(self.temporal, node)
+
+    async def release_node(self, node: str) -> None:
+        """Return a quarantined machine to the pool (operator decision)."""
+        await self._known_node(node)
+        await pool_client.release_node(self.temporal, node)
 
 
 class SyncClient:

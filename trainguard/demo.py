@@ -18,7 +18,7 @@ from rich.console import Console
 
 from infra.local import bring_up, start_controller
 from infra.stack import Stack
-from trainguard.cli import _print_status
+from trainguard.cli import _print_status, exit_now
 from trainguard.client import TrainguardClient
 from trainguard.settings import Settings
 from trainguard.spec import load_spec
@@ -75,8 +75,7 @@ def main() -> None:
         f"(Temporal UI: {addrs.get('ui', 'headless')}); stop it with "
         f"`.venv/bin/trainguard down --state-dir {state_dir}`"
     )
-    if final["phase"] != "completed":
-        raise SystemExit(1)
+    exit_now(0 if final["phase"] == "completed" else 1)
 
 
 if __name__ == "__main__":

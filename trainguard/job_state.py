@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from trainguard import ettr
-from trainguard.models import CheckpointRef, Endpoint, NodeInfo, ShardInfo
+from trainguard.models import CheckpointRef, Endpoint, InjectResult, NodeInfo, ShardInfo
 from trainguard.spec import JobSpec
 
 Phase = Literal[
@@ -79,6 +79,17 @@ class JobState(BaseModel):
     # Shards uploaded but not yet committed under a manifest: step -> rank -> shard.
     pending_shards: dict[int, dict[int, ShardInfo]] = {}
     resumed_from_step: int | None = None
+    # Never resume past this step (set when replicas were found to disagree after it).
+    max_resume_step: int | None = None
+    drills: list[InjectResult] = []
+    # Fail-slow: the latest forward/backward time per machine, and the current streak.
+    compute_s: dict[str, float] = {}
+    slow_suspect: str | None = None
+    slow_rounds: int = 0
+    slow_round_at: datetime | None = None
+    # Replica check: step -> rank -> parameter hash, until every rank reported.
+    replica_hashes: dict[int, dict[int, str]] = {}
+    replicas_agreed_step: int | None = None
     attempts_without_progress: int = 0
     progress_at_attempt_start: int = 0
 

@@ -63,6 +63,22 @@ class ReleaseRequest(Msg):
     job_id: str
 
 
+class EvictRequest(Msg):
+    """Quarantine ``nodes`` (held by ``job_id``) and give the job spares in their places."""
+
+    job_id: str
+    nodes: list[str]
+    reason: str
+    current: list[str]  # the job's machines in rank-block order
+
+
+class EvictResult(Msg):
+    replaced: bool
+    nodes: list[NodeInfo] = []  # the job's machines after the swap, same order
+    evicted: list[str] = []
+    message: str = ""
+
+
 class PoolState(Msg):
     nodes: dict[str, PoolNode] = {}
 
@@ -99,6 +115,7 @@ class LatestCheckpointInput(Msg):
     job_id: str
     prefix: str
     world_size: int
+    max_step: int | None = None
 
 
 # -- ranks -----------------------------------------------------------------------
@@ -145,6 +162,7 @@ class RunRanksResult(Msg):
     final_hashes: dict[int, str] = {}
     shards: list[ShardInfo] = []
     message: str = ""
+    incident: IncidentReport | None = None
 
 
 class ProgressReport(Msg):
@@ -158,3 +176,56 @@ class ProgressReport(Msg):
     first_step_at: datetime | None = None
     at: datetime
     shards: list[ShardInfo] = []
+    # Median forward/backward time of this machine's ranks (fail-slow is judged across machines).
+    compute_s: float | None = None
+    # Parameter hashes of this machine's ranks at ``hash_step`` (replicas must agree).
+    hash_step: int | None = None
+    hashes: dict[int, str] = {}
+
+
+# -- drills and incidents ---------------------------------------------------------
+
+RANK_FAULTS = ("crash", "hang", "nan", "loss-spike", "slow", "sdc")
+MACHINE_FAULTS = ("gpu-lost", "gpu-xid", "ecc", "nic-down", "nic-flap", "disk-full")
+ALL_FAULTS = (*RANK_FAULTS, *MACHINE_FAULTS, "agent-kill")
+
+
+class InjectRequest(Msg):
+    node: str
+    fault: str
+    rank: int | None = None
+    at_step: int | None = None
+    # nic-flap: how many flaps (default 1, which the tolerance absorbs).
+    count: int | None = None
+
+
+class InjectResult(Msg):
+    node: str
+    fault: str
+    fault_id: str
+    injected_at: datetime
+
+
+class ClearFaultsRequest(Msg):
+    node: str
+
+
+class IncidentReport(Msg):
+    """What a machine saw when it ended its ranks' attempt: the first confirmed anomaly."""
+
+    kind: str
+    node: str
+    ranks: list[int] = []
+    evidence: str
+    confidence: float = 0.5
+    # The anomaly started on this machine (vs. seen here as a consequence, e.g. after an all-reduce).
+    origin: bool = False
+    detected_at: datetime
+    fault_at: datetime | None = None
+    error_class: str | None = None
+    user_code: bool = False
+    code_location: str | None = None
+    step: int | None = None
+
+
+RunRanksResult.model_rebuild()

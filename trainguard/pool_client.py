@@ -14,6 +14,10 @@ from temporalio.common import WorkflowIDConflictPolicy
 from trainguard.models import (
     CONTROLLER_QUEUE,
     POOL_WORKFLOW_ID,
+    EvictRequest,
+    EvictResult,
+    InjectRequest,
+    InjectResult,
     NodeInfo,
     PoolNode,
     PoolState,
@@ -56,3 +60,25 @@ async def release(client: Client, job_id: str) -> int:
 
 async def state(client: Client) -> PoolState:
     return await client.get_workflow_handle(POOL_WORKFLOW_ID).query("state", result_type=PoolState)
+
+
+async def evict(client: Client, req: EvictRequest) -> EvictResult:
+    return await _update(client, "evict", req, EvictResult)
+
+
+async def inject(client: Client, req: InjectRequest) -> InjectResult:
+    return await client.get_workflow_handle(POOL_WORKFLOW_ID).execute_update(
+        "inject", req, result_type=InjectResult
+    )
+
+
+async def clear_faults(client: Client, name: str) -> int:
+    return await client.get_workflow_handle(POOL_WORKFLOW_ID).execute_update(
+        "clear_faults", name, result_type=int
+    )
+
+
+async def release_node(client: Client, name: str) -> PoolNode:
+    return await client.get_workflow_handle(POOL_WORKFLOW_ID).execute_update(
+        "release_node", name, result_type=PoolNode
+    )

@@ -75,11 +75,28 @@ class DetectionSpec(_Frozen):
     progress_interval_s: float = Field(
         5.0, gt=0, le=3600, description="how often progress reaches the workflow"
     )
-    hang_floor_s: float = Field(30.0, gt=0, le=86400, description="minimum no-progress time before a hang")
+    hang_floor_s: float = Field(5.0, ge=0.5, le=86400, description="minimum no-progress time before a hang")
     hang_factor: float = Field(10.0, gt=1, le=1000, description="hang threshold in median step times")
     spike_factor: float = Field(5.0, gt=1, le=1000, description="loss / grad-norm spike vs rolling median")
+    spike_warmup_steps: int = Field(
+        50, ge=0, le=1_000_000, description="no spike checks before this step (early training is noisy)"
+    )
     startup_timeout_s: float = Field(300.0, gt=0, le=86400, description="first step must come within this")
     max_attempts: int = Field(5, ge=1, le=1000, description="restarts without progress before giving up")
+    replica_check_every: int = Field(
+        50,
+        ge=0,
+        le=1_000_000,
+        description="compare data-parallel replicas' parameter hashes every N steps (0: off)",
+    )
+    slow_factor: float = Field(
+        2.0, gt=1, le=100, description="a machine this much slower than its peers is slow"
+    )
+    slow_rounds: int = Field(5, ge=1, le=1000, description="consecutive slow rounds before an incident")
+    slow_round_s: float = Field(2.0, gt=0, le=3600, description="seconds between fail-slow rounds")
+    flap_tolerance: int = Field(2, ge=0, le=1000, description="network flaps tolerated within flap_window_s")
+    flap_window_s: float = Field(300.0, gt=0, le=86400)
+    evict_confidence: float = Field(0.9, ge=0, le=1, description="health events this sure evict at once")
 
 
 class JobSpec(_Frozen):

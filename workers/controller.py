@@ -34,7 +34,13 @@ async def main(identity: str | None = None) -> None:
         client,
         task_queue=CONTROLLER_QUEUE,
         workflows=[TrainingJobWorkflow, NodePoolWorkflow],
-        activities=[pool.reserve_nodes, pool.release_nodes, ckpt.latest_checkpoint, ckpt.commit_checkpoint],
+        activities=[
+            pool.reserve_nodes,
+            pool.release_nodes,
+            pool.evict_nodes,
+            ckpt.latest_checkpoint,
+            ckpt.commit_checkpoint,
+        ],
         identity=identity,
         graceful_shutdown_timeout=timedelta(seconds=10),
     )

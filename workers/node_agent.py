@@ -17,8 +17,11 @@ from pathlib import Path
 
 from temporalio.worker import Worker
 
+from activities.drills import DrillActivities, DrillProbe, DrillState
+from activities.health import HealthMonitor
 from activities.ranks import RankActivities
 from trainguard import pool_client
+from trainguard.health.events import Probe
 from trainguard.models import NodeInfo, node_queue
 from trainguard.settings import Settings
 from trainguard.storage import S3Store
@@ -31,17 +34,29 @@ async def main(name: str, workdir: Path, code_dir: Path, host: str, gpus: int) -
     client = await connect(settings)
     workdir.mkdir(parents=True, exist_ok=True)
     info = NodeInfo(name=name, task_queue=node_queue(name), host=host, gpus=gpus)
-    ranks = RankActivities(client, S3Store(settings), workdir, code_dir, host)
+    drills = DrillState(workdir, name)
+    health = HealthMonitor(probes(name, workdir, drills, gpus))
+    health.start()
+    ranks = RankActivities(client, S3Store(settings), workdir, code_dir, host, health, drills)
+    drill = DrillActivities(drills)
     worker = Worker(
         client,
         task_queue=info.task_queue,
-        activities=[ranks.run_ranks, ranks.pick_master_port],
+        activities=[ranks.run_ranks, ranks.pick_master_port, drill.inject_fault, drill.clear_faults],
         identity=f"agent-{name}@{os.getpid()}",
         max_concurrent_activities=16,
         graceful_shutdown_timeout=timedelta(seconds=5),
     )
     await pool_client.register(client, info)
-    await run_until_signalled(worker)
+    try:
+        await run_until_signalled(worker)
+    finally:
+        await health.stop()
+
+
+def probes(name: str, workdir: Path, drills: DrillState, gpus: int) -> list[Probe]:
+    """Every health provider this machine runs; NVML says once if it cannot run here."""
+    return [DrillProbe(drills)]
 
 
 def cli() -> None:

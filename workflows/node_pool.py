@@ -9,12 +9,20 @@ single model carried across continue-as-new.
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 
 from temporalio import workflow
+from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from trainguard.models import (
+        ALL_FAULTS,
+        ClearFaultsRequest,
+        EvictRequest,
+        EvictResult,
+        InjectRequest,
+        InjectResult,
         NodeInfo,
         PoolNode,
         PoolState,
@@ -114,6 +122,110 @@ class NodePoolWorkflow:
                     self.nodes[name] = n.model_copy(update={"state": state, "job": None, "since": now})
                     released += 1
             return released
+
+    @workflow.update
+    async def evict(self, req: EvictRequest) -> EvictResult:
+        """Quarantine machines and hand the job free ones in the same step, in the same places."""
+        async with self.lock:
+            now = workflow.now()
+            free = sorted(
+                (n for n in self.nodes.values() if n.state == "free" and n.job is None),
+                key=lambda n: _order(n.info.name),
+            )
+            if len(free) < len(req.nodes):
+                return EvictResult(
+                    replaced=False,
+                    message=f"{len(req.nodes)} spare machines needed, {len(free)} free",
+                )
+            swap = dict(zip(req.nodes, free, strict=False))
+            for name in req.nodes:
+                old = self.nodes[name]
+                self.nodes[name] = old.model_copy(
+                    update={"state": "quarantined", "job": None, "reason": req.reason[:500], "since": now}
+                )
+                new = swap[name]
+                self.nodes[new.info.name] = new.model_copy(
+                    update={"state": "active", "job": req.job_id, "since": now}
+                )
+            order = [swap[n].info.name if n in swap else n for n in req.current]
+            return EvictResult(
+                replaced=True, nodes=[self.nodes[n].info for n in order], evicted=list(req.nodes)
+            )
+
+    @evict.validator
+    def _validate_evict(self, req: EvictRequest) -> None:
+        for name in req.nodes:
+            n = self.nodes.get(name)
+            if n is None or n.job != req.job_id:
+                raise ValueError(f"{name} is not held by {req.job_id}")
+
+    @workflow.update
+    async def release_node(self, name: str) -> PoolNode:
+        """An operator returns a quarantined machine to service (its drill faults cleared)."""
+        async with self.lock:
+            n = self.nodes[name]
+            await self._clear(n)
+            if n.state == "quarantined":
+                n = n.model_copy(update={"state": "free", "reason": None, "since": workflow.now()})
+                self.nodes[name] = n
+            return n
+
+    @workflow.update
+    async def clear_faults(self, name: str) -> int:
+        """End every drill fault standing on a machine."""
+        return await self._clear(self.nodes[name])
+
+    @clear_faults.validator
+    def _validate_clear(self, name: str) -> None:
+        if name not in self.nodes:
+            raise ValueError(f"node: unknown node {name!r}")
+
+    async def _clear(self, n: PoolNode) -> int:
+        return await workflow.execute_activity(
+            "clear_faults",
+            ClearFaultsRequest(node=n.info.name),
+            task_queue=n.info.task_queue,
+            schedule_to_start_timeout=timedelta(seconds=10),
+            start_to_close_timeout=timedelta(seconds=10),
+            retry_policy=RetryPolicy(maximum_attempts=1),
+            result_type=int,
+        )
+
+    @release_node.validator
+    def _validate_release_node(self, name: str) -> None:
+        if name not in self.nodes:
+            raise ValueError(f"node: unknown node {name!r}")
+
+    @workflow.update
+    async def inject(self, req: InjectRequest) -> InjectResult:
+        """A fault drill: the machine's agent injects it; the job holding the machine hears of it."""
+        node = self.nodes[req.node]
+        result: InjectResult = await workflow.execute_activity(
+            "inject_fault",
+            req,
+            task_queue=node.info.task_queue,
+            schedule_to_start_timeout=timedelta(seconds=10),
+            start_to_close_timeout=timedelta(seconds=10),
+            retry_policy=RetryPolicy(maximum_attempts=1),
+            result_type=InjectResult,
+        )
+        if node.job is not None:
+            # So the job can measure detection latency from the moment of injection.
+            try:
+                await workflow.get_external_workflow_handle(node.job).signal("drill", result)
+            except Exception:  # the job just ended; the drill record stays with the caller
+                workflow.logger.info("job %s did not take the drill signal", node.job)
+        return result
+
+    @inject.validator
+    def _validate_inject(self, req: InjectRequest) -> None:
+        n = self.nodes.get(req.node)
+        if n is None:
+            raise ValueError(f"node: unknown node {req.node!r}")
+        if n.state == "lost":
+            raise ValueError(f"node: {req.node} is not running")
+        if req.fault not in ALL_FAULTS:
+            raise ValueError(f"fault: unknown fault {req.fault!r} (one of {', '.join(ALL_FAULTS)})")
 
     @workflow.update
     async def deregister(self, name: str) -> None:

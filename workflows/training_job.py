@@ -25,6 +25,7 @@ with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
 
     from trainguard import checkpoints, ettr
+    from trainguard.detection import MACHINE_KINDS, incident_priority
     from trainguard.job_state import (
         CheckpointStatus,
         Incident,
@@ -41,6 +42,10 @@ with workflow.unsafe.imports_passed_through():
         CheckpointRef,
         CommitCheckpointInput,
         Endpoint,
+        EvictRequest,
+        EvictResult,
+        IncidentReport,
+        InjectResult,
         LatestCheckpointInput,
         PortRequest,
         ProgressReport,
@@ -50,7 +55,7 @@ with workflow.unsafe.imports_passed_through():
         RunRanksInput,
         RunRanksResult,
     )
-    from trainguard.topology import ranks_on
+    from trainguard.topology import group_of, place_ranks, ranks_on
 
 SA_PHASE = SearchAttributeKey.for_keyword("TgPhase")
 SA_STEP = SearchAttributeKey.for_int("TgStep")
@@ -66,8 +71,8 @@ CONTROLLER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_in
 class _AttemptOutcome(BaseModel):
     kind: str  # completed | failed | stopped | continue
     results: list[RunRanksResult] = []
-    failure: str = ""
-    suspects: list[str] = []
+    primary: IncidentReport | None = None
+    others: list[IncidentReport] = []
 
 
 @workflow.defn
@@ -79,6 +84,8 @@ class TrainingJobWorkflow:
         self.stop_reason: str | None = None
         self.progress: list[ProgressReport] = []
         self.commits: dict[int, Any] = {}  # step -> activity handle
+        # An incident found by the workflow itself (fail-slow, replica mismatch).
+        self.found: IncidentReport | None = None
         self._sa_at: float | None = None
 
     # -- queries and signals -----------------------------------------------------------
@@ -89,6 +96,11 @@ class TrainingJobWorkflow:
     @workflow.signal
     def progress(self, report: ProgressReport) -> None:
         self.progress.append(report)
+
+    @workflow.signal
+    def drill(self, record: InjectResult) -> None:
+        """A fault was injected on one of our machines (for detection latency)."""
+        self.s.drills = [*self.s.drills[-19:], record]
 
     @workflow.signal
     def stop(self, reason: str = "stopped by user") -> None:
@@ -110,14 +122,9 @@ class TrainingJobWorkflow:
                 try:
                     await self._begin_attempt()
                 except ActivityError as err:
-                    # The first machine could not even pick a port: it is down.
-                    await self._on_failure(
-                        _AttemptOutcome(
-                            kind="failed",
-                            failure=f"{self.s.nodes[0].name}: {err.cause or err}",
-                            suspects=[self.s.nodes[0].name],
-                        )
-                    )
+                    # The first machine could not even pick a port: its agent is gone.
+                    lost = self._machine_lost(self.s.nodes[0].name, err)
+                    await self._on_failure(_AttemptOutcome(kind="failed", primary=lost))
                     continue
             outcome = await self._run_attempt(attach)
             if outcome.kind == "completed":
@@ -156,7 +163,10 @@ class TrainingJobWorkflow:
         resume: CheckpointRef | None = await workflow.execute_activity(
             "latest_checkpoint",
             LatestCheckpointInput(
-                job_id=spec.name, prefix=spec.checkpoint.s3_prefix, world_size=spec.world_size
+                job_id=spec.name,
+                prefix=spec.checkpoint.s3_prefix,
+                world_size=spec.world_size,
+                max_step=self.s.max_resume_step,
             ),
             task_queue=CONTROLLER_QUEUE,
             start_to_close_timeout=SHORT,
@@ -179,6 +189,11 @@ class TrainingJobWorkflow:
         )
         self.s.step = resume.step if resume else 0
         self.s.resumed_from_step = resume.step if resume else None
+        self.s.compute_s, self.s.slow_suspect, self.s.slow_rounds = {}, None, 0
+        self.s.replica_hashes = {}
+        if self.s.incidents and self.s.incidents[-1].attempt == self.s.attempt - 1:
+            # Steps reached before the failure that must be computed again.
+            self.s.incidents[-1].lost_steps = max(0, self.s.ledger.high_water_step - self.s.step)
         self._set_phase("running")
 
     def _ranks_input(self, index: int, attach: bool) -> RunRanksInput:
@@ -229,33 +244,74 @@ class TrainingJobWorkflow:
             if self.stop_reason is not None:
                 await self._cancel_all(handles)
                 return _AttemptOutcome(kind="stopped")
-            failed = self._first_failure(handles)
-            if failed is not None:
-                await self._cancel_all(handles)
-                return failed
+            if self.found is not None or any(self._failed(h) for h in handles.values()):
+                return await self._collect_failure(handles)
             if all(h.done() for h in handles.values()):
                 return _AttemptOutcome(kind="completed", results=[h.result() for h in handles.values()])
             if self._history_full():
                 return _AttemptOutcome(kind="continue")
 
-    def _first_failure(self, handles: dict[str, Any]) -> _AttemptOutcome | None:
+    @staticmethod
+    def _failed(h: Any) -> bool:
+        if not h.done():
+            return False
+        try:
+            return not h.result().ok
+        except ActivityError:
+            return True
+
+    def _machine_lost(self, node: str, err: ActivityError) -> IncidentReport:
+        cause = err.cause
+        what = f"{type(cause).__name__}: {cause}" if cause is not None else str(err)
+        return IncidentReport(
+            kind="machine-lost",
+            node=node,
+            evidence=f"{node}'s agent stopped answering ({what})",
+            confidence=1.0,
+            origin=True,
+            detected_at=workflow.now(),
+        )
+
+    async def _collect_failure(self, handles: dict[str, Any]) -> _AttemptOutcome:
+        """Stop the attempt everywhere, then name the cause among every machine's reports.
+
+        A crash on one machine makes its peers' collectives fail a moment later;
+        waiting for every machine's outcome (a dead agent's shows as a heartbeat
+        timeout) lets the cause outrank its consequences.
+        """
+        await self._cancel_all(handles)
+        reports: list[IncidentReport] = [self.found] if self.found else []
+        self.found = None
         for name, h in handles.items():
-            if not h.done():
-                continue
             try:
                 r: RunRanksResult = h.result()
             except ActivityError as err:
-                cause = err.cause
-                what = type(cause).__name__ if cause is not None else "error"
-                detail = str(cause) if cause is not None else str(err)
-                return _AttemptOutcome(kind="failed", failure=f"{name}: {what}: {detail}", suspects=[name])
-            if not r.ok:
-                tails = "; ".join(
-                    e.stderr_tail.strip().splitlines()[-1] for e in r.exits if e.stderr_tail.strip()
+                if isinstance(err.cause, CancelledError):
+                    continue
+                reports.append(self._machine_lost(name, err))
+                continue
+            if r.incident is not None:
+                reports.append(r.incident)
+            elif not r.ok and r.message != "ranks stopped":
+                reports.append(
+                    IncidentReport(
+                        kind="crash",
+                        node=name,
+                        evidence=r.message or "ranks failed",
+                        detected_at=workflow.now(),
+                    )
                 )
-                msg = f"{name}: {r.message}" + (f" ({tails[:500]})" if tails else "")
-                return _AttemptOutcome(kind="failed", results=[r], failure=msg, suspects=[name])
-        return None
+        if not reports:
+            reports.append(
+                IncidentReport(
+                    kind="crash",
+                    node=self.s.nodes[0].name,
+                    evidence="attempt ended without a report",
+                    detected_at=workflow.now(),
+                )
+            )
+        reports.sort(key=lambda r: (-incident_priority(r.kind, r.confidence, r.origin), r.detected_at))
+        return _AttemptOutcome(kind="failed", primary=reports[0], others=reports[1:])
 
     async def _cancel_all(self, handles: dict[str, Any]) -> None:
         pending = [h for h in handles.values() if not h.done()]
@@ -275,6 +331,10 @@ class TrainingJobWorkflow:
                 continue  # a late report from an attempt already over
             self._note_shards(r)
             self._note_step(r)
+            self._note_replicas(r)
+            if r.compute_s is not None:
+                self.s.compute_s[r.node] = r.compute_s
+        self._check_fail_slow()
         self._start_commits()
 
     def _note_step(self, r: ProgressReport) -> None:
@@ -282,9 +342,17 @@ class TrainingJobWorkflow:
         assert run is not None
         if r.first_step_at is not None and run.first_step_at is None:
             run.first_step_at = r.first_step_at
-            self.s.ledger = ettr.add_badput(
-                self.s.ledger, "startup", (r.first_step_at - run.started_at).total_seconds()
-            )
+            last = self.s.incidents[-1] if self.s.incidents else None
+            if last is not None and last.recovered_at is None:
+                # The first step after an incident is when the job is back.
+                last.recovered_at = r.first_step_at
+                last.recovery_s = round((r.first_step_at - last.detected_at).total_seconds(), 3)
+                self.s.ledger = ettr.add_badput(self.s.ledger, "recovery", last.recovery_s)
+                self._set_phase("running")
+            else:
+                self.s.ledger = ettr.add_badput(
+                    self.s.ledger, "startup", (r.first_step_at - run.started_at).total_seconds()
+                )
         if r.step > self.s.step and r.step_time_s is not None:
             self.s.ledger = ettr.record_steps(
                 self.s.ledger, workflow.now(), self.s.step, r.step, r.step_time_s
@@ -303,6 +371,83 @@ class TrainingJobWorkflow:
             committed = self.s.checkpoint.step if self.s.checkpoint else -1
             if shard.step > committed:
                 self.s.pending_shards.setdefault(shard.step, {})[shard.rank] = shard
+
+    def _note_replicas(self, r: ProgressReport) -> None:
+        """Data-parallel replicas hold identical parameters; a mismatch is silent corruption."""
+        if r.hash_step is None or not r.hashes:
+            return
+        spec = self.s.spec
+        self.s.replica_hashes.setdefault(r.hash_step, {}).update(r.hashes)
+        for step in sorted(self.s.replica_hashes):
+            hashes = self.s.replica_hashes[step]
+            if len(hashes) < spec.world_size:
+                continue
+            del self.s.replica_hashes[step]
+            bad, evidence = self._replica_mismatch(hashes)
+            if not bad:
+                self.s.replicas_agreed_step = max(step, self.s.replicas_agreed_step or 0)
+                continue
+            if self.found is None:
+                # Checkpoints after the last agreement may hold the corruption.
+                self.s.max_resume_step = self.s.replicas_agreed_step or 0
+                self.found = IncidentReport(
+                    kind="sdc",
+                    node=bad[0],
+                    evidence=f"replicas disagree after step {step} (last agreement: step "
+                    f"{self.s.replicas_agreed_step}): " + "; ".join(evidence) + f"; suspects {bad}",
+                    confidence=0.6 if len(bad) == 1 else 0.3,
+                    origin=True,
+                    detected_at=workflow.now(),
+                    step=step,
+                )
+            return
+
+    def _replica_mismatch(self, hashes: dict[int, str]) -> tuple[list[str], list[str]]:
+        """Machines whose replicas differ from their group's majority (all of them when
+        there is no strict majority, as with two replicas), with the evidence."""
+        spec = self.s.spec
+        placement = place_ranks([n.name for n in self.s.nodes], spec.ranks_per_node)
+        bad: list[str] = []
+        evidence: list[str] = []
+        for first in range(spec.world_size):
+            group = group_of(first, "dp", spec.topology)
+            values = [hashes[g] for g in group]
+            if group[0] != first or len(set(values)) == 1:
+                continue
+            counts = {v: values.count(v) for v in values}
+            top = max(counts.values())
+            majority = [v for v, c in counts.items() if c == top]
+            odd = [g for g in group if len(majority) != 1 or hashes[g] != majority[0]]
+            bad += [placement[g] for g in odd if placement[g] not in bad]
+            evidence.append(f"dp group {group}: " + ", ".join(f"rank {g} {hashes[g][7:19]}" for g in group))
+        return bad, evidence
+
+    def _check_fail_slow(self) -> None:
+        """One machine far slower than its peers, round after round, is failing slow."""
+        det = self.s.spec.detection
+        now = workflow.now()
+        if len(self.s.compute_s) < max(2, len(self.s.nodes)) or self.found is not None:
+            return
+        if self.s.slow_round_at and (now - self.s.slow_round_at).total_seconds() < det.slow_round_s:
+            return
+        self.s.slow_round_at = now
+        fastest = min(self.s.compute_s.values())
+        node, slowest = max(self.s.compute_s.items(), key=lambda kv: kv[1])
+        if fastest <= 0 or slowest < det.slow_factor * fastest:
+            self.s.slow_suspect, self.s.slow_rounds = None, 0
+            return
+        self.s.slow_rounds = self.s.slow_rounds + 1 if node == self.s.slow_suspect else 1
+        self.s.slow_suspect = node
+        if self.s.slow_rounds >= det.slow_rounds:
+            self.found = IncidentReport(
+                kind="slow",
+                node=node,
+                evidence=f"{node} computes {slowest:.3f}s per step vs {fastest:.3f}s on the fastest machine "
+                f"({slowest / fastest:.1f}x, threshold {det.slow_factor:g}x) for {self.s.slow_rounds} rounds",
+                confidence=0.6,
+                origin=True,
+                detected_at=now,
+            )
 
     def _start_commits(self) -> None:
         """Commit the newest step whose shards all arrived; older complete ones are superseded."""
@@ -381,34 +526,77 @@ class TrainingJobWorkflow:
                 retry_policy=CONTROLLER_RETRY,
             )
 
+    def _fault_time(self, primary: IncidentReport, run: RunningAttempt | None) -> Any:
+        """When the fault began: the machine's own record, else a drill injected this attempt."""
+        if primary.fault_at is not None:
+            return primary.fault_at
+        since = run.started_at if run else None
+        recent = [d.injected_at for d in self.s.drills if since is None or d.injected_at >= since]
+        return max(recent) if recent else None
+
     async def _on_failure(self, outcome: _AttemptOutcome) -> None:
-        """Record the incident and decide: restart in place, or give up with a verdict."""
-        now = workflow.now()
+        """Record the incident, then act: evict a machine that is surely at fault (a spare
+        takes its place), else restart in place; give up after attempts without progress."""
+        primary = outcome.primary
+        assert primary is not None
         run = self.s.running
         self.s.running = None
         self._set_phase("recovering")
         progressed = self.s.ledger.high_water_step > self.s.progress_at_attempt_start
         self.s.attempts_without_progress = 0 if progressed else self.s.attempts_without_progress + 1
-        lost = max(0, self.s.step - (self.s.checkpoint.step if self.s.checkpoint else 0))
-        self.s.incidents.append(
-            Incident(
-                id=f"i-{len(self.s.incidents) + 1}",
-                kind="crash",
-                detected_at=now,
-                suspects=outcome.suspects,
-                action="reattempt",
-                evidence=outcome.failure[:2000],
-                lost_steps=lost,
-                attempt=run.attempt if run else self.s.attempt,
-            )
+        fault_at = self._fault_time(primary, run)
+        detection_s = round((primary.detected_at - fault_at).total_seconds(), 3) if fault_at else None
+        evidence = primary.evidence
+        seen_also = sorted({f"{o.node}: {o.kind}" for o in outcome.others if o.node != primary.node})
+        if seen_also:
+            evidence += " | also seen: " + ", ".join(seen_also)
+        incident = Incident(
+            id=f"i-{len(self.s.incidents) + 1}",
+            kind=primary.kind,
+            detected_at=primary.detected_at,
+            fault_at=fault_at,
+            detection_s=detection_s,
+            suspects=[primary.node],
+            action="reattempt",
+            evidence=evidence[:2000],
+            attempt=run.attempt if run else self.s.attempt,
         )
-        if self.s.attempts_without_progress >= self.s.spec.detection.max_attempts:
+        self.s.incidents.append(incident)
+        if detection_s is not None:
+            self.s.ledger = ettr.add_badput(self.s.ledger, "detection", detection_s)
+        det = self.s.spec.detection
+        if primary.kind in MACHINE_KINDS and primary.confidence >= det.evict_confidence:
+            await self._evict([primary.node], incident)
+        if self.s.attempts_without_progress >= det.max_attempts:
             self.s.verdict = (
                 f"gave up after {self.s.attempts_without_progress} attempts without progress; "
-                f"last failure: {outcome.failure[:500]}"
+                f"last incident: {primary.kind} on {primary.node}: {primary.evidence[:400]}"
             )
+            incident.action = "stop"
             await self._finish("failed")
             raise ApplicationError(self.s.verdict, type="JobFailed", non_retryable=True)
+
+    async def _evict(self, nodes: list[str], incident: Incident) -> None:
+        """Quarantine ``nodes``; spares take their places (same logical ranks)."""
+        res: EvictResult = await workflow.execute_activity(
+            "evict_nodes",
+            EvictRequest(
+                job_id=self.s.spec.name,
+                nodes=nodes,
+                reason=f"{incident.id} {incident.kind}: {incident.evidence[:300]}",
+                current=[n.name for n in self.s.nodes],
+            ),
+            task_queue=CONTROLLER_QUEUE,
+            start_to_close_timeout=SHORT,
+            retry_policy=CONTROLLER_RETRY,
+            result_type=EvictResult,
+        )
+        if res.replaced:
+            self.s.nodes = list(res.nodes)
+            incident.action = "evict"
+            incident.evicted = list(res.evicted)
+        else:
+            incident.evidence = f"{incident.evidence} | not evicted: {res.message}"[:2000]
 
     async def _continue_as_new(self) -> None:
         await self._wait_commits()

@@ -84,18 +84,29 @@ class Context:
         data-parallel replicas can be compared (silent corruption makes them differ).
         """
         self._drilled_step = step
-        faults.apply(self._faults.active(step), step, model, self._median_step_s())
+        every = self.env.hash_every
+        if every and step > 1 and (step - 1) % every == 0:
+            # Parameters as the previous step left them: exactly what its checkpoint holds.
+            self._local["param_hash"] = param_hash(model)
+            self._local["hash_step"] = step - 1
+        faults.apply(self._faults.active(step), step, model, self._median_step_s(), self._fault_fired)
         sq = torch.zeros((), dtype=torch.float64)
         for p in model.parameters():
             if p.grad is not None:
                 sq += p.grad.detach().double().pow(2).sum()
         norm = float(sq.sqrt())
         finite = math.isfinite(norm)
-        self._local = {"local_grad_norm": norm if finite else None}
+        self._local["local_grad_norm"] = norm if finite else None
         if not finite:
             self._local["local_nonfinite"] = True
-        if self.env.hash_every and step % self.env.hash_every == 0:
-            self._local["param_hash"] = param_hash(model)
+        if self._last_report_t is not None:
+            # Forward/backward time, pipeline waits included, the dp all-reduce excluded:
+            # a slow machine (and its pipeline) stands out here, not in step times.
+            self._local["compute_s"] = time.monotonic() - self._last_report_t
+
+    def _fault_fired(self, fault: dict[str, Any]) -> None:
+        self._faults.used.add(str(fault.get("id")))
+        self._send({"t": "fault", "id": fault.get("id"), "fault": fault.get("fault")})
 
     def _median_step_s(self) -> float:
         return statistics.median(self._step_times) if self._step_times else 0.1
@@ -106,7 +117,7 @@ class Context:
         """Record that ``step`` finished, with its metrics; cheap enough to call every step."""
         if self._drilled_step != step:
             # The script has no before_sync: drills that need no model still act here.
-            faults.apply(self._faults.active(step), step, None, self._median_step_s())
+            faults.apply(self._faults.active(step), step, None, self._median_step_s(), self._fault_fired)
         now = time.monotonic()
         step_time = None if self._last_report_t is None else now - self._last_report_t
         self._last_report_t = now

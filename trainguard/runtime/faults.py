@@ -16,11 +16,11 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-RANK_FAULTS = ("crash", "hang", "nan", "loss-spike", "slow", "sdc")
 # Messages real CUDA failures print; the agent's classifier must treat them alike.
 CUDA_CRASH = "CUDA error: an illegal memory access was encountered"
 GPU_LOST_CRASH = "CUDA error: unspecified launch failure (GPU has fallen off the bus)"
@@ -38,6 +38,8 @@ class FaultFile:
         self.rank = rank
         self._mtime: float | None = None
         self.faults: list[dict[str, Any]] = []
+        # One-shot faults this rank already fired (until the agent removes them from the file).
+        self.used: set[str] = set()
 
     def refresh(self) -> None:
         if not self.path:
@@ -62,6 +64,8 @@ class FaultFile:
         self.refresh()
         out = []
         for f in self.faults:
+            if str(f.get("id")) in self.used:
+                continue
             if f.get("rank") is not None and int(f["rank"]) != self.rank:
                 continue
             if f.get("at_step") is not None and step < int(f["at_step"]):
@@ -70,10 +74,23 @@ class FaultFile:
         return out
 
 
-def apply(faults: list[dict[str, Any]], step: int, model: torch.nn.Module | None, base_step_s: float) -> None:
-    """Make the standing faults happen to this rank, now."""
+# Events, not conditions: they act once (or ``count`` times) and are then used up.
+ONE_SHOT = ("crash", "hang", "nan", "loss-spike")
+
+
+def apply(
+    faults: list[dict[str, Any]],
+    step: int,
+    model: torch.nn.Module | None,
+    base_step_s: float,
+    fired: Callable[[dict[str, Any]], None],
+) -> None:
+    """Make the standing faults happen to this rank, now; ``fired`` tells the agent
+    a one-shot fault acted (before it acts: a crash or hang leaves no later chance)."""
     for f in faults:
         kind = f.get("fault")
+        if kind in ONE_SHOT:
+            fired(f)
         if kind == "gpu-lost":
             # The machine's GPU is gone: every CUDA call fails while the fault stands.
             raise FaultInjected(GPU_LOST_CRASH)

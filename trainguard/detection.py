@@ -1,0 +1,260 @@
+"""Real-time training-side checks, as pure code the agent feeds with rank reports.
+
+- ``classify_exit``: what a rank's exit code and stderr tail say (CUDA error,
+  NCCL/gloo error, OOM, an exception in the user's own code with its location, a
+  signal).
+- ``TrainingMonitor``: NaN/Inf in loss or gradient norm, a loss or gradient-norm
+  spike against the rolling median, no progress (hang) with a threshold adapted
+  to the measured step time, and no first step within the startup timeout.
+- ``incident_priority``: when several machines report at once, which report is
+  the cause and which are consequences (a peer's gloo error follows a crash).
+
+Times are plain floats (monotonic seconds) so the code is trivially testable.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import signal as signal_mod
+import statistics
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from trainguard.spec import DetectionSpec
+
+# Kinds a machine itself is blamed for when reported with high confidence.
+MACHINE_KINDS = frozenset(
+    {
+        "gpu-lost",
+        "gpu-xid",
+        "ecc",
+        "row-remap",
+        "disk-full",
+        "nic-down",
+        "nic-flap",
+        "machine-lost",
+        "kernel-fault",
+    }
+)
+SPIKE_WARMUP = 10
+SPIKE_WINDOW = 20
+
+
+class ExitInfo(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    error_class: str  # cuda | nccl | gloo | oom | python | signal | unknown
+    summary: str
+    user_code: bool = False
+    code_location: str | None = None  # "module.py:123"
+    exception: str | None = None  # "TypeError"
+
+
+_TRACE_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)', re.M)
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Injected)):?\s?(.*)$", re.M)
+
+
+def _last_exception(tail: str) -> tuple[str | None, str]:
+    found = _EXC_LINE.findall(tail)
+    if not found:
+        return None, ""
+    name, msg = found[-1]
+    return name.rsplit(".", 1)[-1], msg.strip()
+
+
+def _user_frame(tail: str, code_dir: Path | None) -> str | None:
+    """The innermost traceback frame in the job's own code (not libraries, not trainguard)."""
+    for path, line, _func in reversed(_TRACE_FRAME.findall(tail)):
+        if "site-packages" in path or "/trainguard/" in path or path.startswith("<"):
+            continue
+        p = Path(path)
+        if code_dir is not None and p.is_absolute():
+            try:
+                p = p.relative_to(code_dir)
+            except ValueError:
+                if "/lib/python" in path:
+                    continue
+        return f"{p}:{line}"
+    return None
+
+
+def classify_exit(
+    exit_code: int | None, signal: int | None, stderr_tail: str, code_dir: Path | None = None
+) -> ExitInfo:
+    low = stderr_tail.lower()
+    exc, msg = _last_exception(stderr_tail)
+    if "out of memory" in low or "memoryerror" in low or "bad_alloc" in low:
+        return ExitInfo(error_class="oom", summary=(msg or "out of memory")[:300], exception=exc)
+    if "cuda error" in low or "cudaerror" in low or "illegal memory access" in low or "xid" in low:
+        return ExitInfo(error_class="cuda", summary=(msg or "CUDA error")[:300], exception=exc)
+    if "nccl" in low:
+        return ExitInfo(error_class="nccl", summary=(msg or "NCCL error")[:300], exception=exc)
+    if "gloo" in low or "connection closed by peer" in low or "connection reset by peer" in low:
+        return ExitInfo(error_class="gloo", summary=(msg or "collective failed")[:300], exception=exc)
+    if exc is not None:
+        where = _user_frame(stderr_tail, code_dir)
+        return ExitInfo(
+            error_class="python",
+            summary=f"{exc}: {msg}"[:300],
+            user_code=where is not None,
+            code_location=where,
+            exception=exc,
+        )
+    if signal is not None:
+        try:
+            name = signal_mod.Signals(signal).name
+        except ValueError:
+            name = str(signal)
+        return ExitInfo(error_class="signal", summary=f"killed by {name}")
+    return ExitInfo(error_class="unknown", summary=f"exit code {exit_code}")
+
+
+def exit_kind(info: ExitInfo) -> str:
+    """The incident kind a rank exit maps to."""
+    if info.user_code:
+        return "user-code"
+    if info.error_class in ("nccl", "gloo"):
+        return "comm"
+    if info.error_class == "oom":
+        return "oom"
+    return "crash"
+
+
+class Anomaly(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    kind: str
+    ranks: list[int]
+    evidence: str
+    # True when the anomaly started on this machine (not merely seen here after an all-reduce).
+    origin: bool = False
+    confidence: float = 0.5
+    step: int | None = None
+
+
+def _finite(x: Any) -> bool:
+    return x is None or (isinstance(x, int | float) and math.isfinite(x))
+
+
+class TrainingMonitor:
+    """The checks one machine runs over its own ranks' reports during an attempt."""
+
+    def __init__(self, spec: DetectionSpec, ranks: list[int], started_at: float) -> None:
+        self.spec = spec
+        self.ranks = ranks
+        self.started_at = started_at
+        self.last_step: dict[int, int] = {}
+        self.last_step_at: dict[int, float] = {}
+        self.step_times: deque[float] = deque(maxlen=50)
+        self.history: dict[tuple[int, str], deque[float]] = {}
+
+    def _spike(self, rank: int, name: str, value: float | None, origin: bool, step: int) -> Anomaly | None:
+        if value is None or step <= self.spec.spike_warmup_steps:
+            return None
+        hist = self.history.setdefault((rank, name), deque(maxlen=SPIKE_WINDOW))
+        out = None
+        if len(hist) >= SPIKE_WARMUP:
+            med = statistics.median(hist)
+            if med > 0 and value > self.spec.spike_factor * med:
+                out = Anomaly(
+                    kind="loss-spike",
+                    ranks=[rank],
+                    origin=origin,
+                    confidence=0.6,
+                    step=step,
+                    evidence=f"rank {rank} step {step}: {name} {value:.4g} is {value / med:.1f}x "
+                    f"the rolling median {med:.4g} (threshold {self.spec.spike_factor}x)",
+                )
+        if out is None:
+            hist.append(value)  # a spike does not become part of the baseline
+        return out
+
+    def on_step(self, rank: int, rec: dict[str, Any], now: float) -> Anomaly | None:
+        step = int(rec["step"])
+        self.last_step[rank] = step
+        self.last_step_at[rank] = now
+        if rec.get("step_time_s") is not None:
+            self.step_times.append(float(rec["step_time_s"]))
+        if rec.get("local_nonfinite"):
+            return Anomaly(
+                kind="nan",
+                ranks=[rank],
+                origin=True,
+                confidence=0.7,
+                step=step,
+                evidence=f"rank {rank} step {step}: its own gradients are NaN/Inf before the all-reduce",
+            )
+        for name in ("loss", "grad_norm"):
+            if not _finite(rec.get(name)):
+                return Anomaly(
+                    kind="nan",
+                    ranks=[rank],
+                    origin=False,
+                    confidence=0.5,
+                    step=step,
+                    evidence=f"rank {rank} step {step}: {name} is {rec.get(name)}",
+                )
+        local = self._spike(rank, "local gradient norm", rec.get("local_grad_norm"), True, step)
+        if local is not None:
+            return local
+        for name in ("loss", "grad_norm"):
+            found = self._spike(rank, name.replace("_", " "), rec.get(name), False, step)
+            if found is not None:
+                return found
+        return None
+
+    @property
+    def median_step_s(self) -> float | None:
+        return statistics.median(self.step_times) if self.step_times else None
+
+    def hang_threshold_s(self) -> float:
+        med = self.median_step_s
+        return max(self.spec.hang_factor * med if med else 0.0, self.spec.hang_floor_s)
+
+    def check(self, now: float) -> Anomaly | None:
+        """Time-based checks: no first step in time, or no progress (hang)."""
+        if not self.last_step_at:
+            waited = now - self.started_at
+            if waited > self.spec.startup_timeout_s:
+                return Anomaly(
+                    kind="hang",
+                    ranks=list(self.ranks),
+                    confidence=0.4,
+                    evidence=f"no first step {waited:.0f}s after start (startup timeout "
+                    f"{self.spec.startup_timeout_s:.0f}s)",
+                )
+            return None
+        oldest_rank = min(self.ranks, key=lambda r: self.last_step_at.get(r, self.started_at))
+        since = now - self.last_step_at.get(oldest_rank, self.started_at)
+        threshold = self.hang_threshold_s()
+        if since > threshold:
+            step = self.last_step.get(oldest_rank, 0)
+            return Anomaly(
+                kind="hang",
+                ranks=list(self.ranks),
+                confidence=0.4,
+                step=step,
+                evidence=f"rank {oldest_rank}: no progress for {since:.1f}s after step {step} "
+                f"(threshold {threshold:.1f}s = max({self.spec.hang_factor:g} x median step "
+                f"{(self.median_step_s or 0):.3f}s, floor {self.spec.hang_floor_s:g}s))",
+            )
+        return None
+
+
+def incident_priority(kind: str, confidence: float, origin: bool) -> int:
+    """Rank concurrent reports of one failure: the cause outranks its consequences."""
+    if kind == "machine-lost":
+        return 100
+    if kind in MACHINE_KINDS and confidence >= 0.9:
+        return 90
+    if kind == "comm":
+        return 20  # a collective failed because some peer went away first
+    if origin or kind in ("crash", "user-code", "oom", "sdc", "slow"):
+        return 70
+    if kind in MACHINE_KINDS:
+        return 60
+    return 50
