@@ -293,8 +293,11 @@ class RankSession:
         """Upload every local shard of ``step``; retried until it succeeds or the session ends.
 
         Nothing reaches the workflow until all of this machine's shards are stored, and
-        the manifest is written by the controller only after every machine's are.
+        the manifest is written by the controller only after every machine's are. A
+        step saved at or after an anomaly (NaN, spike) is never uploaded.
         """
+        if self.incident is not None and (self.incident.step is None or step >= self.incident.step):
+            return
         delay = 0.5
         while True:
             try:

@@ -47,6 +47,16 @@ class RankActivities:
         self.host = host
         self.sessions: dict[tuple[str, int], RankSession] = {}
 
+    def rank_pids(self) -> dict[int, int]:
+        """Rank -> pid of every rank this agent runs now (for the host probe)."""
+        return {
+            rank: proc.pid
+            for sess in self.sessions.values()
+            if not sess.done
+            for rank, proc in sess.procs.items()
+            if proc.returncode is None
+        }
+
     async def _signal(self, workflow_id: str, report: ProgressReport) -> None:
         await self.client.get_workflow_handle(workflow_id).signal("progress", report)
 

@@ -215,6 +215,8 @@ class IncidentReport(Msg):
 
     kind: str
     node: str
+    # Machines that may be at fault, when the report cannot name one (default: ``node``).
+    suspects: list[str] = []
     ranks: list[int] = []
     evidence: str
     confidence: float = 0.5

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from activities.health import HealthMonitor
 from activities.ranks import RankActivities
 from trainguard import pool_client
 from trainguard.health.events import Probe
+from trainguard.health.host import HostProbe
+from trainguard.health.nvml import NvmlProbe
 from trainguard.models import NodeInfo, node_queue
 from trainguard.settings import Settings
 from trainguard.storage import S3Store
@@ -35,9 +38,15 @@ async def main(name: str, workdir: Path, code_dir: Path, host: str, gpus: int) -
     workdir.mkdir(parents=True, exist_ok=True)
     info = NodeInfo(name=name, task_queue=node_queue(name), host=host, gpus=gpus)
     drills = DrillState(workdir, name)
-    health = HealthMonitor(probes(name, workdir, drills, gpus))
+    sessions: list[RankActivities] = []
+
+    def rank_pids() -> dict[int, int]:
+        return sessions[0].rank_pids() if sessions else {}
+
+    health = HealthMonitor(probes(name, workdir, drills, gpus, rank_pids))
     health.start()
     ranks = RankActivities(client, S3Store(settings), workdir, code_dir, host, health, drills)
+    sessions.append(ranks)
     drill = DrillActivities(drills)
     worker = Worker(
         client,
@@ -54,20 +63,25 @@ async def main(name: str, workdir: Path, code_dir: Path, host: str, gpus: int) -
         await health.stop()
 
 
-def probes(name: str, workdir: Path, drills: DrillState, gpus: int) -> list[Probe]:
+RankPids = Callable[[], dict[int, int]]
+
+
+def probes(name: str, workdir: Path, drills: DrillState, gpus: int, rank_pids: RankPids) -> list[Probe]:
     """Every health provider this machine runs; NVML says once if it cannot run here."""
-    return [DrillProbe(drills)]
+    return [
+        DrillProbe(drills),
+        NvmlProbe(name, expected_gpus=gpus or None),
+        HostProbe(name, [workdir], min_free_bytes=512 << 20, min_free_fraction=0.005, rank_pids=rank_pids),
+    ]
 
 
 def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--name", required=True, help="machine name, unique in the cluster")
-    parser.add_argument(
-        "--workdir", type=Path, required=True, help="local dir for ranks' logs and checkpoints"
-    )
+    parser.add_argument("--workdir", type=Path, required=True, help="local dir: rank logs, checkpoints")
     parser.add_argument("--code-dir", type=Path, default=Path.cwd(), help="directory ranks run in")
     parser.add_argument("--host", default="127.0.0.1", help="address peers use to reach this machine")
-    parser.add_argument("--gpus", type=int, default=0)
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs expected on this machine (0: as found)")
     args = parser.parse_args()
     setup_logging(f"agent-{args.name}")
     asyncio.run(main(args.name, args.workdir.resolve(), args.code_dir.resolve(), args.host, args.gpus))

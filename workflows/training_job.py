@@ -393,6 +393,7 @@ class TrainingJobWorkflow:
                 self.found = IncidentReport(
                     kind="sdc",
                     node=bad[0],
+                    suspects=bad,
                     evidence=f"replicas disagree after step {step} (last agreement: step "
                     f"{self.s.replicas_agreed_step}): " + "; ".join(evidence) + f"; suspects {bad}",
                     confidence=0.6 if len(bad) == 1 else 0.3,
@@ -534,6 +535,17 @@ class TrainingJobWorkflow:
         recent = [d.injected_at for d in self.s.drills if since is None or d.injected_at >= since]
         return max(recent) if recent else None
 
+    @staticmethod
+    def _suspects(primary: IncidentReport, others: list[IncidentReport]) -> list[str]:
+        """The machine to blame, or every machine that saw the same thing when the
+        report cannot tell (a hang stalls every rank; stack aggregation narrows it)."""
+        if primary.suspects:
+            return list(primary.suspects)
+        if primary.origin:
+            return [primary.node]
+        same = [o.node for o in others if o.kind == primary.kind and o.node != primary.node]
+        return [primary.node, *dict.fromkeys(same)]
+
     async def _on_failure(self, outcome: _AttemptOutcome) -> None:
         """Record the incident, then act: evict a machine that is surely at fault (a spare
         takes its place), else restart in place; give up after attempts without progress."""
@@ -556,7 +568,7 @@ class TrainingJobWorkflow:
             detected_at=primary.detected_at,
             fault_at=fault_at,
             detection_s=detection_s,
-            suspects=[primary.node],
+            suspects=self._suspects(primary, outcome.others),
             action="reattempt",
             evidence=evidence[:2000],
             attempt=run.attempt if run else self.s.attempt,
