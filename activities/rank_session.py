@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -57,10 +58,13 @@ _PRIVATE_ENV_PREFIXES = ("TRAINGUARD_", "AWS_", "TG_")
 SignalFn = Callable[[ProgressReport], Awaitable[None]]
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGKILL if the agent dies, so ranks never run unsupervised."""
+def _rank_preexec(nice: int) -> None:
+    """In the child: get SIGKILL if the agent dies, so ranks never run unsupervised; and
+    optionally yield the CPU to the agent and controller (stacks that share a host)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if nice:
+        os.nice(nice)
 
 
 def resolve_argv(argv: list[str]) -> list[str]:
@@ -91,8 +95,10 @@ class RankSession:
         send_progress: SignalFn,
         health: HealthMonitor,
         drills: DrillState,
+        rank_nice: int = 0,
     ) -> None:
         self.inp = inp
+        self.rank_nice = rank_nice
         self.health = health
         self.drills = drills
         self.spec = inp.spec
@@ -212,7 +218,7 @@ class RankSession:
                 stderr=err,
                 pass_fds=(w_fd,),
                 start_new_session=True,  # its own process group: killpg reaches its children
-                preexec_fn=_die_with_parent,
+                preexec_fn=functools.partial(_rank_preexec, self.rank_nice),
             )
         finally:
             os.close(w_fd)
@@ -265,6 +271,24 @@ class RankSession:
             ranks.add(rank)
             if ranks >= set(self.inp.ranks):
                 self._uploads.put_nowait(step)
+        elif kind == "error":
+            # A rank is dying of an uncaught exception: act now, not when it has exited.
+            tail = str(rec.get("traceback", ""))[-STDERR_TAIL_BYTES:]
+            info = classify_exit(1, None, tail, self.code_dir)
+            kind_ = exit_kind(info)
+            self._raise_incident(
+                self._report(
+                    kind_,
+                    [rank],
+                    origin=kind_ != "comm",
+                    confidence=0.5,
+                    evidence=f"rank {rank} raised ({info.error_class}): {info.summary}"
+                    + (f" at {info.code_location}" if info.code_location else ""),
+                    error_class=info.error_class,
+                    user_code=info.user_code,
+                    code_location=info.code_location,
+                )
+            )
         elif kind == "fault":
             # A drill acted inside a rank; one-shot faults are used up here.
             fired = [f for f in self.drills.load() if f["id"] == rec.get("id")]

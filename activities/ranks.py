@@ -37,7 +37,9 @@ class RankActivities:
         host: str,
         health: HealthMonitor,
         drills: DrillState,
+        rank_nice: int = 0,
     ) -> None:
+        self.rank_nice = rank_nice
         self.client = client
         self.health = health
         self.drills = drills
@@ -92,7 +94,9 @@ class RankActivities:
             async def send(report: ProgressReport) -> None:
                 await self._signal(inp.workflow_id, report)
 
-            sess = RankSession(inp, self.workdir, self.code_dir, self.store, send, self.health, self.drills)
+            sess = RankSession(
+                inp, self.workdir, self.code_dir, self.store, send, self.health, self.drills, self.rank_nice
+            )
             self.sessions[key] = sess
             try:
                 await sess.start()

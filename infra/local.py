@@ -48,6 +48,10 @@ def start_agent(stack: Stack, name: str, code_dir: Path) -> None:
         str(workdir),
         "--code-dir",
         str(code_dir),
+        # Every simulated machine shares this host's cores: ranks yield to the control plane
+        # (a starved controller trips Temporal's 2 s workflow deadlock detector).
+        "--rank-nice",
+        "19",
     ]
     stack.start_process(f"agent-{name}", argv, process_env(stack.config))
 

@@ -152,26 +152,34 @@ class TrainingMonitor:
         self.step_times: deque[float] = deque(maxlen=50)
         self.history: dict[tuple[int, str], deque[float]] = {}
 
-    def _spike(self, rank: int, name: str, value: float | None, origin: bool, step: int) -> Anomaly | None:
-        if value is None or step <= self.spec.spike_warmup_steps:
+    def _ratio(self, rank: int, name: str, value: float | None, step: int) -> float | None:
+        """``value`` over the rolling median of earlier values (None while warming up);
+        a value that is a spike does not join the baseline."""
+        if value is None:
             return None
         hist = self.history.setdefault((rank, name), deque(maxlen=SPIKE_WINDOW))
-        out = None
-        if len(hist) >= SPIKE_WARMUP:
+        ratio = None
+        if len(hist) >= SPIKE_WARMUP and step > self.spec.spike_warmup_steps:
             med = statistics.median(hist)
-            if med > 0 and value > self.spec.spike_factor * med:
-                out = Anomaly(
-                    kind="loss-spike",
-                    ranks=[rank],
-                    origin=origin,
-                    confidence=0.6,
-                    step=step,
-                    evidence=f"rank {rank} step {step}: {name} {value:.4g} is {value / med:.1f}x "
-                    f"the rolling median {med:.4g} (threshold {self.spec.spike_factor}x)",
-                )
-        if out is None:
-            hist.append(value)  # a spike does not become part of the baseline
-        return out
+            ratio = value / med if med > 0 else None
+        if ratio is None or ratio < self.spec.spike_factor:
+            hist.append(value)
+        return ratio
+
+    def _spike(self, rank: int, name: str, value: float | None, step: int) -> Anomaly | None:
+        hist = self.history.get((rank, name))
+        med = statistics.median(hist) if hist else None
+        ratio = self._ratio(rank, name, value, step)
+        if ratio is None or ratio < self.spec.spike_factor or value is None or med is None:
+            return None
+        return Anomaly(
+            kind="loss-spike",
+            ranks=[rank],
+            confidence=0.6,
+            step=step,
+            evidence=f"rank {rank} step {step}: {name} {value:.4g} is {ratio:.1f}x "
+            f"the rolling median {med:.4g} (threshold {self.spec.spike_factor}x)",
+        )
 
     def on_step(self, rank: int, rec: dict[str, Any], now: float) -> Anomaly | None:
         step = int(rec["step"])
@@ -198,13 +206,15 @@ class TrainingMonitor:
                     step=step,
                     evidence=f"rank {rank} step {step}: {name} is {rec.get(name)}",
                 )
-        local = self._spike(rank, "local gradient norm", rec.get("local_grad_norm"), True, step)
-        if local is not None:
-            return local
+        # The job-wide loss and gradient norm decide; this rank's own gradient norm (before
+        # the all-reduce) says whether the spike started here.
+        local_ratio = self._ratio(rank, "local", rec.get("local_grad_norm"), step)
         for name in ("loss", "grad_norm"):
-            found = self._spike(rank, name.replace("_", " "), rec.get(name), False, step)
+            found = self._spike(rank, name.replace("_", " "), rec.get(name), step)
             if found is not None:
-                return found
+                origin = local_ratio is not None and local_ratio >= self.spec.spike_factor
+                extra = f"; its own gradient norm is {local_ratio:.1f}x its median" if local_ratio else ""
+                return found.model_copy(update={"origin": origin, "evidence": found.evidence + extra})
         return None
 
     @property

@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from pydantic import BaseModel
 
 WINDOW = timedelta(hours=1)
+SAMPLE_EVERY = timedelta(seconds=30)
 BUCKETS = ("startup", "detection", "diagnosis", "recovery", "recompute", "checkpoint", "idle")
 
 
@@ -52,7 +53,11 @@ def record_steps(ledger: Ledger, now: datetime, prev_step: int, step: int, step_
     )
     if redone:
         out = add_badput(out, "recompute", redone * step_time_s)
-    samples = [*out.samples, (now, productive)]
+    samples = list(out.samples)
+    if samples and (now - samples[-1][0]) < SAMPLE_EVERY:
+        samples[-1] = (samples[-1][0], productive)  # same slot: a bounded list, ~120 per hour
+    else:
+        samples.append((now, productive))
     # Keep the newest sample older than the window: it anchors the window's start.
     while len(samples) > 2 and samples[1][0] <= now - WINDOW:
         samples.pop(0)

@@ -32,7 +32,7 @@ from trainguard.temporal import connect
 from workers.common import run_until_signalled, setup_logging
 
 
-async def main(name: str, workdir: Path, code_dir: Path, host: str, gpus: int) -> None:
+async def main(name: str, workdir: Path, code_dir: Path, host: str, gpus: int, rank_nice: int) -> None:
     settings = Settings.load()
     client = await connect(settings)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -45,7 +45,7 @@ async def main(name: str, workdir: Path, code_dir: Path, host: str, gpus: int) -
 
     health = HealthMonitor(probes(name, workdir, drills, gpus, rank_pids))
     health.start()
-    ranks = RankActivities(client, S3Store(settings), workdir, code_dir, host, health, drills)
+    ranks = RankActivities(client, S3Store(settings), workdir, code_dir, host, health, drills, rank_nice)
     sessions.append(ranks)
     drill = DrillActivities(drills)
     worker = Worker(
@@ -82,9 +82,12 @@ def cli() -> None:
     parser.add_argument("--code-dir", type=Path, default=Path.cwd(), help="directory ranks run in")
     parser.add_argument("--host", default="127.0.0.1", help="address peers use to reach this machine")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs expected on this machine (0: as found)")
+    parser.add_argument("--rank-nice", type=int, default=0, help="niceness of ranks (shared local hosts)")
     args = parser.parse_args()
     setup_logging(f"agent-{args.name}")
-    asyncio.run(main(args.name, args.workdir.resolve(), args.code_dir.resolve(), args.host, args.gpus))
+    asyncio.run(
+        main(args.name, args.workdir.resolve(), args.code_dir.resolve(), args.host, args.gpus, args.rank_nice)
+    )
 
 
 if __name__ == "__main__":

@@ -1,25 +1,30 @@
 """One real local stack for the integration tests: Temporal dev server, SeaweedFS,
-two controller workers and two node agents, all on free loopback ports."""
+a controller worker and three node agents (two for jobs, one spare), all on free
+loopback ports."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from infra.local import bring_down, bring_up
+from infra.local import bring_down, bring_up, node_names, start_agent
 from infra.stack import Stack, StackConfig, client_env
-from tests.integration.helpers import REPO
+from tests.integration.helpers import REPO, example_spec, run_to_end
 from trainguard.client import TrainguardClient
 from trainguard.settings import Settings
+
+NODES = 3
 
 
 @pytest.fixture(scope="session")
 def stack_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     state_dir = tmp_path_factory.mktemp("tg-stack")
     try:
-        bring_up(state_dir, nodes=2, config=StackConfig.for_tests(state_dir), code_dir=REPO, controllers=1)
+        bring_up(state_dir, nodes=NODES, config=StackConfig.for_tests(state_dir), code_dir=REPO)
         yield state_dir
     finally:
         bring_down(state_dir)
@@ -38,3 +43,33 @@ def settings(stack: Stack) -> Settings:
 @pytest.fixture(scope="session")
 async def tg(settings: Settings) -> AsyncIterator[TrainguardClient]:
     yield await TrainguardClient.connect(settings)
+
+
+@pytest.fixture(scope="session")
+async def reference(tg: TrainguardClient) -> dict[str, Any]:
+    """An uninterrupted run: every run with faults must end with its parameter hash."""
+    final = await run_to_end(await tg.submit(example_spec("ref")))
+    assert final["phase"] == "completed", final
+    return final
+
+
+@pytest.fixture
+async def healthy_pool(tg: TrainguardClient, stack_dir: Path) -> AsyncIterator[None]:
+    """After a test: every agent running, no fault standing, no machine quarantined."""
+    yield
+    stack = Stack.load(stack_dir)
+    for name in node_names(NODES, 0):
+        if not stack.is_running(f"agent-{name}"):
+            start_agent(stack, name, REPO)
+    deadline = asyncio.get_running_loop().time() + 60
+    while True:
+        pool = await tg.nodes()
+        if all(name in pool.nodes and pool.nodes[name].state != "lost" for name in node_names(NODES, 0)):
+            break
+        assert asyncio.get_running_loop().time() < deadline, "agents did not come back"
+        await asyncio.sleep(0.2)
+    for name, node in pool.nodes.items():
+        if node.state == "quarantined":
+            await tg.release_node(name)
+        else:
+            await tg.clear_faults(name)

@@ -2,24 +2,55 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainguard.client import JobHandle
 from trainguard.spec import JobSpec, load_spec
 
 REPO = Path(__file__).resolve().parents[2]
+JOB_TIMEOUT_S = 240.0
 
 
 def example_spec(name: str, **over: Any) -> JobSpec:
-    """The example job, shortened for tests: 80 steps, a checkpoint every 10."""
+    """The example job, shortened for tests: 80 steps, a checkpoint every 10, fast checks."""
     spec = load_spec(REPO / "examples" / "gpt" / "job.yaml")
     data = spec.model_dump()
     data.update(
         name=name,
         target_steps=80,
         checkpoint={**data["checkpoint"], "every_steps": 10},
-        detection={**data["detection"], "progress_interval_s": 0.5},
+        detection={
+            **data["detection"],
+            "progress_interval_s": 0.5,
+            "replica_check_every": 10,
+            "spike_warmup_steps": 15,
+            "hang_floor_s": 3.0,
+            "slow_round_s": 1.0,
+            "slow_rounds": 4,
+        },
         env={"GPT_SEQ_LEN": "32", "GPT_STEP_SLEEP_S": "0.03"},
     )
     data.update(over)
     return JobSpec.model_validate(data)
+
+
+async def wait_until(
+    job: JobHandle, pred: Callable[[dict[str, Any]], bool], timeout_s: float = JOB_TIMEOUT_S
+) -> dict[str, Any]:
+    """Poll the job's status until ``pred`` holds; fail with the last status on timeout."""
+    deadline = time.monotonic() + timeout_s
+    st: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        st = await job.status()
+        if pred(st):
+            return st
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"condition not reached in {timeout_s}s; last status: {st}")
+
+
+async def run_to_end(job: JobHandle) -> dict[str, Any]:
+    return await asyncio.wait_for(job.wait(poll_s=0.5), JOB_TIMEOUT_S)

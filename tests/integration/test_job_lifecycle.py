@@ -3,12 +3,9 @@ stop and resubmit, a controller SIGKILL, continue-as-new while ranks run."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,43 +13,13 @@ import pytest
 
 from infra.local import start_controller
 from infra.stack import Stack
-from tests.integration.helpers import REPO, example_spec
+from tests.integration.helpers import REPO, example_spec, run_to_end, wait_until
 from trainguard import checkpoints
-from trainguard.client import JobAlreadyRunning, JobHandle, TrainguardClient
+from trainguard.client import JobAlreadyRunning, TrainguardClient
 from trainguard.settings import Settings
 from trainguard.storage import S3Store
 
 pytestmark = pytest.mark.integration
-
-JOB_TIMEOUT_S = 240.0
-
-
-async def wait_until(
-    job: JobHandle, pred: Callable[[dict[str, Any]], bool], timeout_s: float = JOB_TIMEOUT_S
-) -> dict[str, Any]:
-    """Poll the job's status until ``pred`` holds; fail with the last status on timeout."""
-    deadline = time.monotonic() + timeout_s
-    st: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        st = await job.status()
-        if pred(st):
-            return st
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"condition not reached in {timeout_s}s; last status: {st}")
-
-
-async def run_to_end(job: JobHandle) -> dict[str, Any]:
-    return await asyncio.wait_for(job.wait(poll_s=0.5), JOB_TIMEOUT_S)
-
-
-@pytest.fixture(scope="session")
-async def reference(tg: TrainguardClient) -> dict[str, Any]:
-    """An uninterrupted run: every other run must end with its parameter hash."""
-    job = await tg.submit(example_spec("ref"))
-    final = await run_to_end(job)
-    assert final["phase"] == "completed", final
-    return final
-
 
 async def test_job_completes_with_checkpoints_in_s3(reference: dict[str, Any], settings: Settings) -> None:
     assert reference["step"] == 80

@@ -11,10 +11,13 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -173,6 +176,21 @@ class Context:
             self._report = None
 
 
+def _report_fatal_errors(ctx: Context) -> None:
+    """Send an uncaught exception to the agent before the interpreter unwinds: exiting
+    a process with torch loaded takes a second or more, the report takes microseconds."""
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        ctx._send({"t": "error", "traceback": text[-8000:]})
+        if ctx._report is not None:
+            ctx._report.flush()
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+
+
 def init(backend: str | None = None, timeout_s: float = 600.0) -> Context:
     """Join the job's process group from the environment the agent set."""
     env = RankEnv.from_environ()
@@ -196,4 +214,5 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> Context:
     )
     ctx._make_groups()
     ctx._send({"t": "start", "pid": os.getpid(), "start_step": ctx.start_step})
+    _report_fatal_errors(ctx)
     return ctx
