@@ -265,7 +265,12 @@ class RankSession:
             if anomaly is not None:
                 self._raise_incident(self._from_anomaly(anomaly))
             self._progress_dirty.set()
+        elif kind == "local":
+            anomaly = self.monitor.on_local(rank, rec)
+            if anomaly is not None:
+                self._raise_incident(self._from_anomaly(anomaly))
         elif kind == "ckpt":
+            self.monitor.on_alive(rank, time.monotonic())
             step = int(rec["step"])
             ranks = self.saved.setdefault(step, set())
             ranks.add(rank)
@@ -295,6 +300,7 @@ class RankSession:
             self.fired.extend(fired)
             self.drills.consume(str(rec.get("id")))
         elif kind == "final":
+            self.monitor.on_alive(rank, time.monotonic(), finished=True)
             self.final_hashes[rank] = str(rec["param_hash"])
 
     @property
@@ -502,7 +508,15 @@ class RankSession:
 
     def _raise_incident(self, report: IncidentReport) -> None:
         """The first confirmed anomaly ends the attempt on this machine, at once."""
-        if self.incident is not None or self.done:
+        if self.done:
+            return
+        if self.incident is not None:
+            # A report that traces the anomaly here (a rank's own NaN gradients) may
+            # arrive just after a peer rank's report of its effect; the cause wins.
+            if incident_priority(report.kind, report.confidence, report.origin) > incident_priority(
+                self.incident.kind, self.incident.confidence, self.incident.origin
+            ):
+                self.incident = report
             return
         self.incident = report
         log.warning("incident on %s: %s: %s", report.node, report.kind, report.evidence)

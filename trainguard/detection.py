@@ -151,6 +151,8 @@ class TrainingMonitor:
         self.last_step_at: dict[int, float] = {}
         self.step_times: deque[float] = deque(maxlen=50)
         self.history: dict[tuple[int, str], deque[float]] = {}
+        self.local_spikes: dict[int, dict[int, float]] = {}  # step -> rank -> ratio
+        self.finished: set[int] = set()
 
     def _ratio(self, rank: int, name: str, value: float | None, step: int) -> float | None:
         """``value`` over the rolling median of earlier values (None while warming up);
@@ -181,12 +183,10 @@ class TrainingMonitor:
             f"the rolling median {med:.4g} (threshold {self.spec.spike_factor}x)",
         )
 
-    def on_step(self, rank: int, rec: dict[str, Any], now: float) -> Anomaly | None:
+    def on_local(self, rank: int, rec: dict[str, Any]) -> Anomaly | None:
+        """A rank's own gradients, sent before the all-reduce: the only moment the origin
+        of a NaN or a spike is visible, and before any peer can see its effect."""
         step = int(rec["step"])
-        self.last_step[rank] = step
-        self.last_step_at[rank] = now
-        if rec.get("step_time_s") is not None:
-            self.step_times.append(float(rec["step_time_s"]))
         if rec.get("local_nonfinite"):
             return Anomaly(
                 kind="nan",
@@ -196,6 +196,17 @@ class TrainingMonitor:
                 step=step,
                 evidence=f"rank {rank} step {step}: its own gradients are NaN/Inf before the all-reduce",
             )
+        ratio = self._ratio(rank, "local", rec.get("local_grad_norm"), step)
+        if ratio is not None and ratio >= self.spec.spike_factor:
+            self.local_spikes[step] = {**self.local_spikes.get(step, {}), rank: ratio}
+        return None
+
+    def on_step(self, rank: int, rec: dict[str, Any], now: float) -> Anomaly | None:
+        step = int(rec["step"])
+        self.last_step[rank] = step
+        self.last_step_at[rank] = now
+        if rec.get("step_time_s") is not None:
+            self.step_times.append(float(rec["step_time_s"]))
         for name in ("loss", "grad_norm"):
             if not _finite(rec.get(name)):
                 return Anomaly(
@@ -206,15 +217,24 @@ class TrainingMonitor:
                     step=step,
                     evidence=f"rank {rank} step {step}: {name} is {rec.get(name)}",
                 )
-        # The job-wide loss and gradient norm decide; this rank's own gradient norm (before
-        # the all-reduce) says whether the spike started here.
-        local_ratio = self._ratio(rank, "local", rec.get("local_grad_norm"), step)
+        # The job-wide loss and gradient norm decide; a local rank whose own gradient
+        # norm spiked at this step (see on_local) says the spike started on this machine.
         for name in ("loss", "grad_norm"):
             found = self._spike(rank, name.replace("_", " "), rec.get(name), step)
             if found is not None:
-                origin = local_ratio is not None and local_ratio >= self.spec.spike_factor
-                extra = f"; its own gradient norm is {local_ratio:.1f}x its median" if local_ratio else ""
-                return found.model_copy(update={"origin": origin, "evidence": found.evidence + extra})
+                local = self.local_spikes.get(step, {})
+                if not local:
+                    return found
+                where = ", ".join(f"rank {r} {x:.1f}x" for r, x in sorted(local.items()))
+                return found.model_copy(
+                    update={
+                        "origin": True,
+                        "ranks": sorted(local),
+                        "evidence": f"{found.evidence}; own gradient norm spiked on {where}",
+                    }
+                )
+        for old in [s for s in self.local_spikes if s < step - 10]:
+            del self.local_spikes[old]
         return None
 
     @property
@@ -225,27 +245,39 @@ class TrainingMonitor:
         med = self.median_step_s
         return max(self.spec.hang_factor * med if med else 0.0, self.spec.hang_floor_s)
 
+    def on_alive(self, rank: int, now: float, finished: bool = False) -> None:
+        """Other signs of life: a checkpoint written counts as progress, a finished rank
+        is no longer expected to make any."""
+        if finished:
+            self.finished.add(rank)
+        if rank in self.last_step_at:
+            self.last_step_at[rank] = now
+
     def check(self, now: float) -> Anomaly | None:
-        """Time-based checks: no first step in time, or no progress (hang)."""
-        if not self.last_step_at:
+        """Time-based checks: a rank with no first step in time, or no progress (hang)."""
+        waiting = [r for r in self.ranks if r not in self.finished]
+        starting = [r for r in waiting if r not in self.last_step_at]
+        if starting:
             waited = now - self.started_at
             if waited > self.spec.startup_timeout_s:
                 return Anomaly(
                     kind="hang",
-                    ranks=list(self.ranks),
+                    ranks=starting,
                     confidence=0.4,
-                    evidence=f"no first step {waited:.0f}s after start (startup timeout "
+                    evidence=f"ranks {starting}: no first step {waited:.0f}s after start (startup timeout "
                     f"{self.spec.startup_timeout_s:.0f}s)",
                 )
             return None
-        oldest_rank = min(self.ranks, key=lambda r: self.last_step_at.get(r, self.started_at))
-        since = now - self.last_step_at.get(oldest_rank, self.started_at)
+        if not waiting:
+            return None
+        oldest_rank = min(waiting, key=lambda r: self.last_step_at[r])
+        since = now - self.last_step_at[oldest_rank]
         threshold = self.hang_threshold_s()
         if since > threshold:
             step = self.last_step.get(oldest_rank, 0)
             return Anomaly(
                 kind="hang",
-                ranks=list(self.ranks),
+                ranks=list(waiting),
                 confidence=0.4,
                 step=step,
                 evidence=f"rank {oldest_rank}: no progress for {since:.1f}s after step {step} "

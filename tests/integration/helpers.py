@@ -28,7 +28,7 @@ def example_spec(name: str, **over: Any) -> JobSpec:
             "progress_interval_s": 0.5,
             "replica_check_every": 10,
             "spike_warmup_steps": 15,
-            "hang_floor_s": 3.0,
+            "hang_floor_s": 5.0,
             "slow_round_s": 1.0,
             "slow_rounds": 4,
         },

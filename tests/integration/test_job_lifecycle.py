@@ -21,6 +21,7 @@ from trainguard.storage import S3Store
 
 pytestmark = pytest.mark.integration
 
+
 async def test_job_completes_with_checkpoints_in_s3(reference: dict[str, Any], settings: Settings) -> None:
     assert reference["step"] == 80
     assert reference["attempt"] == 1

@@ -99,9 +99,11 @@ class Context:
                 sq += p.grad.detach().double().pow(2).sum()
         norm = float(sq.sqrt())
         finite = math.isfinite(norm)
-        self._local["local_grad_norm"] = norm if finite else None
+        # Sent now, before the all-reduce spreads a NaN or a spike to every rank.
+        local: dict[str, Any] = {"t": "local", "step": step, "local_grad_norm": norm if finite else None}
         if not finite:
-            self._local["local_nonfinite"] = True
+            local["local_nonfinite"] = True
+        self._send(local)
         if self._last_report_t is not None:
             # Forward/backward time, pipeline waits included, the dp all-reduce excluded:
             # a slow machine (and its pipeline) stands out here, not in step times.
