@@ -53,21 +53,33 @@ class HealthMonitor:
         for q in self._subscribers:
             q.put_nowait(event)
 
+    async def probe_now(self) -> list[HealthEvent]:
+        """One round of every probe, now: when a rank dies, ask the machine at once
+        whether the hardware did it, rather than wait for the next interval."""
+        rounds = await asyncio.gather(*(self._check(p) for p in self.probes))
+        return [e for events in rounds for e in events]
+
+    async def _check(self, probe: Probe) -> list[HealthEvent]:
+        try:
+            events = await asyncio.wait_for(
+                asyncio.to_thread(probe.check, datetime.now(UTC)), timeout=probe.timeout_s
+            )
+        except TimeoutError:
+            log.warning("probe %s took longer than %.1fs", probe.name, probe.timeout_s)
+            return []
+        except Exception as exc:  # one broken probe must not stop the others
+            log.warning("probe %s failed: %s", probe.name, exc)
+            return []
+        out = []
+        for e in events:
+            if e.kind == "provider-unavailable":
+                log.info("%s", e.message)
+                continue
+            self.publish(e)
+            out.append(e)
+        return out
+
     async def _run(self, probe: Probe) -> None:
         while True:
-            try:
-                events = await asyncio.wait_for(
-                    asyncio.to_thread(probe.check, datetime.now(UTC)), timeout=probe.timeout_s
-                )
-            except TimeoutError:
-                log.warning("probe %s took longer than %.1fs", probe.name, probe.timeout_s)
-                events = []
-            except Exception as exc:  # one broken probe must not stop the others
-                log.warning("probe %s failed: %s", probe.name, exc)
-                events = []
-            for e in events:
-                if e.kind == "provider-unavailable":
-                    log.info("%s", e.message)
-                    continue
-                self.publish(e)
+            await self._check(probe)
             await asyncio.sleep(probe.interval_s)

@@ -548,6 +548,12 @@ class RankSession:
             await self._uploads.join()
         if self.incident is None and not self._killed and (failed or missing):
             self.incident = self._exit_incident(missing)
+        if self.incident is not None and self.incident.kind in ("crash", "comm", "oom"):
+            # A rank died: did the machine do it? (A lost GPU crashes its ranks first.)
+            for event in await self.health.probe_now():
+                report = self._from_health(event)
+                if report is not None:
+                    self._raise_incident(report)
         message = "ranks stopped" if self._killed else (self.incident.evidence if self.incident else "")
         last = max(self.shards) if self.shards else None
         self.result.set_result(

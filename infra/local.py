@@ -4,22 +4,37 @@
 idempotent (a process whose recorded pid is alive is left alone) and returns
 only when Temporal and S3 answer and every agent has registered with the pool.
 ``bring_down`` stops exactly the recorded pids.
+
+With ``netns=True`` (``trainguard up --netns``, root only) every simulated machine
+gets its own network namespace on a private bridge (see ``infra.netns``), and its
+agent runs inside it with ``--host <its address>`` and ``--nic eth0``, so NIC
+drills take a real interface down. The servers stay on loopback (host-side
+clients are unchanged); a relay (``infra.relay``) listens on the bridge address
+only, on the same ports, and agents are pointed at it. ``bring_down`` then also
+removes the namespaces, veths and bridge.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
 import sys
 import time
 from pathlib import Path
 
+from infra import netns as netns_mod
+from infra.netns import NetnsPlan
+from infra.ports import LOOPBACK, port_is_free
+from infra.processes import wait_for
 from infra.stack import Stack, StackConfig, addresses, client_env
 from trainguard import pool_client
 from trainguard.settings import Settings
 from trainguard.temporal import connect
 
 AGENT_READY_TIMEOUT_S = 120.0
+RELAY = "relay"
 
 
 def node_names(nodes: int, standby: int) -> list[str]:
@@ -31,12 +46,14 @@ def process_env(cfg: StackConfig) -> dict[str, str]:
 
 
 def start_controller(stack: Stack, name: str = "controller") -> None:
-    stack.start_process(
-        name, [sys.executable, "-m", "workers.controller", "--identity", name], process_env(stack.config)
-    )
+    # The local stack shares its cores with training ranks: see workers/controller.py.
+    argv = [sys.executable, "-m", "workers.controller", "--identity", name, "--no-deadlock-detection"]
+    stack.start_process(name, argv, process_env(stack.config))
 
 
-def start_agent(stack: Stack, name: str, code_dir: Path) -> None:
+def start_agent(stack: Stack, name: str, code_dir: Path, plan: NetnsPlan | None = None) -> None:
+    """Start one node agent; in a netns stack (``plan``, else the recorded one) inside its namespace."""
+    plan = plan or netns_mod.load(stack.config.state_dir)
     workdir = stack.config.state_dir / "nodes" / name
     argv = [
         sys.executable,
@@ -53,7 +70,50 @@ def start_agent(stack: Stack, name: str, code_dir: Path) -> None:
         "--rank-nice",
         "19",
     ]
-    stack.start_process(f"agent-{name}", argv, process_env(stack.config))
+    env = process_env(stack.config)
+    if plan is not None:
+        env.update(netns_env(stack.config, plan))
+        node = plan.node(name)
+        # Peers reach rank 0's rendezvous on the namespace's address; gloo must use eth0 too
+        # (by default it binds what the hostname resolves to, 127.0.0.1 here).
+        argv = [*netns_mod.exec_prefix(plan, name), *argv, "--host", node.ip, "--nic", plan.nic]
+        env["GLOO_SOCKET_IFNAME"] = plan.nic
+    stack.start_process(f"agent-{name}", argv, env)
+
+
+def netns_env(cfg: StackConfig, plan: NetnsPlan) -> dict[str, str]:
+    """client_env as seen from inside a namespace: the servers through the relay on the bridge."""
+    return {
+        **client_env(cfg),
+        "TRAINGUARD_TEMPORAL_ADDRESS": f"{plan.bridge_ip}:{cfg.temporal_port}",
+        "TRAINGUARD_S3_ENDPOINT": f"http://{plan.bridge_ip}:{cfg.s3_port}",
+    }
+
+
+def _accepts(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+        return True
+    return False
+
+
+def start_relay(stack: Stack, plan: NetnsPlan, timeout_s: float = 15.0) -> None:
+    """Temporal's and S3's ports on the bridge address, relayed to loopback; waits until they accept."""
+    cfg = stack.config
+    ports = [cfg.temporal_port, cfg.s3_port]
+    if not stack.is_running(RELAY):
+        busy = [p for p in ports if not port_is_free(p, plan.bridge_ip)]
+        if busy:
+            raise RuntimeError(f"cannot start the relay: port(s) {busy} on {plan.bridge_ip} are in use")
+        pairs = [a for p in ports for a in ("--pair", f"{plan.bridge_ip}:{p}={LOOPBACK}:{p}")]
+        stack.start_process(RELAY, [sys.executable, "-m", "infra.relay", *pairs], process_env(cfg))
+    record = stack.processes[RELAY]
+    wait_for(
+        lambda: all(_accepts(plan.bridge_ip, p) for p in ports),
+        timeout_s,
+        f"relay on {plan.bridge_ip}",
+        log_path=record.log,
+        pid=record.pid,
+    )
 
 
 async def wait_agents(settings: Settings, names: list[str], timeout_s: float = AGENT_READY_TIMEOUT_S) -> None:
@@ -81,21 +141,52 @@ def bring_up(
     config: StackConfig | None = None,
     code_dir: Path | None = None,
     controllers: int = 1,
+    netns: bool = False,
 ) -> dict[str, str]:
     """Start (or find running) the whole stack; returns the addresses to print."""
     stack = Stack.load_or_create(state_dir, (lambda _: config) if config else StackConfig.default)
+    names = node_names(nodes, standby)
+    plan = _network(stack, names, netns)
     stack.start_servers()
+    if plan is not None:
+        start_relay(stack, plan)
     for i in range(controllers):
         start_controller(stack, "controller" if i == 0 else f"controller-{i + 1}")
-    names = node_names(nodes, standby)
     for name in names:
-        start_agent(stack, name, (code_dir or Path.cwd()).resolve())
+        start_agent(stack, name, (code_dir or Path.cwd()).resolve(), plan)
     settings = Settings.from_mapping(client_env(stack.config), state_dir)
     asyncio.run(wait_agents(settings, names))
-    return {**addresses(stack.config), "nodes": ", ".join(names)}
+    out = {**addresses(stack.config), "nodes": ", ".join(names)}
+    if plan is not None:
+        out["netns"] = ", ".join(f"{n}={plan.nodes[n].namespace} ({plan.nodes[n].ip})" for n in names)
+        out["bridge"] = f"{plan.bridge} {plan.bridge_ip}/{plan.prefixlen}"
+        env = netns_env(stack.config, plan)
+        out["relay"] = f"{env['TRAINGUARD_TEMPORAL_ADDRESS']}, {env['TRAINGUARD_S3_ENDPOINT']}"
+    return out
+
+
+def _network(stack: Stack, names: list[str], use_netns: bool) -> NetnsPlan | None:
+    """Set up (or check) the netns plumbing; a stack changes modes only while nothing of it runs."""
+    recorded = netns_mod.load(stack.config.state_dir)
+    running = [n for n, alive in stack.status().items() if alive]
+    if running and (recorded is not None) != use_netns:
+        mode = "in netns mode" if recorded is not None else "on loopback"
+        raise RuntimeError(
+            f"the stack in {stack.config.state_dir} runs {mode} ({', '.join(running)}); "
+            f"run `trainguard down` before switching modes"
+        )
+    plan = None
+    if use_netns:
+        plan = netns_mod.setup(stack.config.state_dir, names)
+    elif recorded is not None:
+        netns_mod.teardown(recorded)  # leftovers of a netns stack that is not running
+    return plan
 
 
 def bring_down(state_dir: Path) -> list[str]:
-    if not Stack.record_path(state_dir).exists():
-        return []
-    return Stack.load(state_dir).down()
+    """Stop every recorded process, then remove a netns stack's namespaces and bridge."""
+    stopped = Stack.load(state_dir).down() if Stack.record_path(state_dir).exists() else []
+    plan = netns_mod.load(state_dir)
+    if plan is not None:
+        netns_mod.teardown(plan)
+    return stopped

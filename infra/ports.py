@@ -16,8 +16,8 @@ GRPC_TWIN_OFFSET = 10000
 _MAX_PORT = 65535
 
 
-def _bind(port: int, listen: bool = False) -> socket.socket | None:
-    """Bind a TCP socket on loopback (port 0: any), or None when the port is taken.
+def _bind(port: int, listen: bool = False, host: str = LOOPBACK) -> socket.socket | None:
+    """Bind a TCP socket on `host` (port 0: any), or None when the port is taken.
 
     SO_REUSEADDR, as the Go servers set it: a port whose only users are connections
     in TIME_WAIT (a server we just stopped) counts as free; a listener does not.
@@ -25,7 +25,7 @@ def _bind(port: int, listen: bool = False) -> socket.socket | None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((LOOPBACK, port))
+        sock.bind((host, port))
         if listen:  # a listener also blocks SO_REUSEADDR binds of other free_ports callers
             sock.listen(1)
     except OSError:
@@ -34,9 +34,9 @@ def _bind(port: int, listen: bool = False) -> socket.socket | None:
     return sock
 
 
-def port_is_free(port: int) -> bool:
-    """Whether a TCP listener could bind `port` on loopback right now."""
-    sock = _bind(port)
+def port_is_free(port: int, host: str = LOOPBACK) -> bool:
+    """Whether a TCP listener could bind `port` on `host` (loopback, or a netns stack's bridge) now."""
+    sock = _bind(port, host=host)
     if sock is None:
         return False
     sock.close()

@@ -95,13 +95,25 @@ def _print_json(data: Any) -> None:
 def up(
     nodes: Annotated[int, typer.Option(min=1, max=64, help="machines (node agents) for jobs")] = 2,
     standby: Annotated[int, typer.Option(min=0, max=64, help="extra machines kept as spares")] = 0,
+    netns: Annotated[
+        bool,
+        typer.Option(
+            "--netns",
+            help="each machine in its own network namespace on a private bridge (root): "
+            "nic-down / nic-flap drills take a real interface down",
+        ),
+    ] = False,
     state_dir: StateDir = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Start the local stack: Temporal dev server, SeaweedFS S3, a controller, node agents."""
     from infra.local import bring_up
+    from infra.netns import NetnsError
 
-    addresses = bring_up(state_dir_from_env(state_dir), nodes=nodes, standby=standby)
+    try:
+        addresses = bring_up(state_dir_from_env(state_dir), nodes=nodes, standby=standby, netns=netns)
+    except NetnsError as exc:
+        _fail(1, str(exc))
     if json_out:
         _print_json(addresses)
         return
@@ -310,6 +322,16 @@ def inject(
     rank: Annotated[int | None, typer.Option(min=0, help="only this rank (rank faults)")] = None,
     at_step: Annotated[int | None, typer.Option(min=1, help="act from this step on")] = None,
     count: Annotated[int | None, typer.Option(min=1, help="nic-flap: number of flaps")] = None,
+    duration_s: Annotated[
+        float | None,
+        typer.Option(
+            "--duration-s",
+            min=0.1,
+            max=3600,
+            help="real NIC (up --netns): nic-down time before the agent restores the link (20), "
+            "or each nic-flap's down time (1)",
+        ),
+    ] = None,
     state_dir: StateDir = None,
     json_out: JsonFlag = False,
 ) -> None:
@@ -319,7 +341,7 @@ def inject(
         c = await _client(state_dir)
         if fault == "clear":
             return {"node": node, "cleared": await c.clear_faults(node)}
-        r = await c.inject(node, fault, rank=rank, at_step=at_step, count=count)
+        r = await c.inject(node, fault, rank=rank, at_step=at_step, count=count, duration_s=duration_s)
         return r.model_dump(mode="json")
 
     res = _run(go())

@@ -219,12 +219,20 @@ class TrainguardClient:
         rank: int | None = None,
         at_step: int | None = None,
         count: int | None = None,
+        duration_s: float | None = None,
     ) -> InjectResult:
-        """A fault drill on ``node`` (see CONTRACT.md for the faults); persists until cleared."""
+        """A fault drill on ``node`` (see CONTRACT.md for the faults); persists until cleared.
+
+        ``duration_s`` matters on machines with a real NIC (``trainguard up --netns``): how
+        long nic-down keeps the link down (default 20 s; the agent restores it itself, as
+        nothing can reach it meanwhile), or each nic-flap's down time (default 1 s).
+        """
         if fault not in ALL_FAULTS:
             raise BadFault(fault)
         await self._known_node(node)
-        req = InjectRequest(node=node, fault=fault, rank=rank, at_step=at_step, count=count)
+        req = InjectRequest(
+            node=node, fault=fault, rank=rank, at_step=at_step, count=count, duration_s=duration_s
+        )
         return await pool_client.inject(self.temporal, req)
 
     async def clear_faults(self, node: str) -> int:

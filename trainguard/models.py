@@ -197,6 +197,9 @@ class InjectRequest(Msg):
     at_step: int | None = None
     # nic-flap: how many flaps (default 1, which the tolerance absorbs).
     count: int | None = None
+    # Real-NIC drills (agent run with --nic): how long nic-down keeps the link down before the
+    # agent restores it itself (default 20 s), or each nic-flap's down time (default 1 s).
+    duration_s: float | None = Field(default=None, gt=0, le=3600)
 
 
 class InjectResult(Msg):

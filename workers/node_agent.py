@@ -5,6 +5,11 @@ queue (``node-<name>``): start and watch ranks, and later probe health, keep
 checkpoint copies and run diagnostics. It listens on no port of its own.
 
     python -m workers.node_agent --name node-1 --workdir /var/lib/trainguard
+
+``--nic IF`` hands the agent a real interface that drills may take down (the
+netns mode of the local stack: each machine in its own network namespace). A
+link probe then watches it, and nic-down / nic-flap drills act on the link
+itself; see ``activities.drills``.
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ from pathlib import Path
 
 from temporalio.worker import Worker
 
-from activities.drills import DrillActivities, DrillProbe, DrillState
+from activities.drills import DrillActivities, DrillProbe, DrillState, LinkControl
 from activities.health import HealthMonitor
 from activities.ranks import RankActivities
 from trainguard import pool_client
 from trainguard.health.events import Probe
 from trainguard.health.host import HostProbe
+from trainguard.health.link import LinkProbe
 from trainguard.health.nvml import NvmlProbe
 from trainguard.models import NodeInfo, node_queue
 from trainguard.settings import Settings
@@ -32,22 +38,25 @@ from trainguard.temporal import connect
 from workers.common import run_until_signalled, setup_logging
 
 
-async def main(name: str, workdir: Path, code_dir: Path, host: str, gpus: int, rank_nice: int) -> None:
+async def main(
+    name: str, workdir: Path, code_dir: Path, host: str, gpus: int, rank_nice: int, nic: str | None = None
+) -> None:
+    workdir.mkdir(parents=True, exist_ok=True)
+    drills = DrillState(workdir, name)
+    drill = DrillActivities(drills, LinkControl(nic, workdir) if nic else None)
+    await drill.restore_link()  # before connecting: a link left down would keep us offline
     settings = Settings.load()
     client = await connect(settings)
-    workdir.mkdir(parents=True, exist_ok=True)
     info = NodeInfo(name=name, task_queue=node_queue(name), host=host, gpus=gpus)
-    drills = DrillState(workdir, name)
     sessions: list[RankActivities] = []
 
     def rank_pids() -> dict[int, int]:
         return sessions[0].rank_pids() if sessions else {}
 
-    health = HealthMonitor(probes(name, workdir, drills, gpus, rank_pids))
+    health = HealthMonitor(probes(name, workdir, drills, gpus, rank_pids, nic))
     health.start()
     ranks = RankActivities(client, S3Store(settings), workdir, code_dir, host, health, drills, rank_nice)
     sessions.append(ranks)
-    drill = DrillActivities(drills)
     worker = Worker(
         client,
         task_queue=info.task_queue,
@@ -66,13 +75,21 @@ async def main(name: str, workdir: Path, code_dir: Path, host: str, gpus: int, r
 RankPids = Callable[[], dict[int, int]]
 
 
-def probes(name: str, workdir: Path, drills: DrillState, gpus: int, rank_pids: RankPids) -> list[Probe]:
-    """Every health provider this machine runs; NVML says once if it cannot run here."""
-    return [
-        DrillProbe(drills),
+def probes(
+    name: str, workdir: Path, drills: DrillState, gpus: int, rank_pids: RankPids, nic: str | None = None
+) -> list[Probe]:
+    """Every health provider this machine runs; NVML says once if it cannot run here.
+
+    With a real NIC the link probe reports link faults and the drill probe does not fake them.
+    """
+    out: list[Probe] = [
+        DrillProbe(drills, real_link=nic is not None),
         NvmlProbe(name, expected_gpus=gpus or None),
         HostProbe(name, [workdir], min_free_bytes=512 << 20, min_free_fraction=0.005, rank_pids=rank_pids),
     ]
+    if nic is not None:
+        out.append(LinkProbe(name, nic))
+    return out
 
 
 def cli() -> None:
@@ -83,10 +100,23 @@ def cli() -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address peers use to reach this machine")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs expected on this machine (0: as found)")
     parser.add_argument("--rank-nice", type=int, default=0, help="niceness of ranks (shared local hosts)")
+    parser.add_argument(
+        "--nic",
+        default=None,
+        help="this machine's NIC, a real interface link drills may take down (netns local stack)",
+    )
     args = parser.parse_args()
     setup_logging(f"agent-{args.name}")
     asyncio.run(
-        main(args.name, args.workdir.resolve(), args.code_dir.resolve(), args.host, args.gpus, args.rank_nice)
+        main(
+            args.name,
+            args.workdir.resolve(),
+            args.code_dir.resolve(),
+            args.host,
+            args.gpus,
+            args.rank_nice,
+            args.nic,
+        )
     )
 
 
