@@ -52,6 +52,8 @@ STDERR_TAIL_BYTES = 4000
 KILL_GRACE_S = 5.0
 LOCAL_STEPS_KEPT = 3
 WATCH_EVERY_S = 0.25
+# Hung ranks wait this long for the workflow to dump their stacks and stop them.
+ORPHAN_FROZEN_S = 60.0
 # Variables the agent holds that ranks must not inherit (credentials, agent config).
 _PRIVATE_ENV_PREFIXES = ("TRAINGUARD_", "AWS_", "TG_")
 
@@ -135,6 +137,7 @@ class RankSession:
         self.flaps: list[datetime] = []
         self.health_notes: list[str] = []
         self._we_killed: set[int] = set()
+        self.frozen = False  # hung ranks kept alive for their stacks
 
     @property
     def key(self) -> tuple[str, int]:
@@ -520,7 +523,18 @@ class RankSession:
             return
         self.incident = report
         log.warning("incident on %s: %s: %s", report.node, report.kind, report.evidence)
+        if report.kind == "hang":
+            # Keep the hung ranks as they are: their stacks say who is stuck where. The
+            # workflow dumps them on every machine, then stops the ranks (stop_ranks);
+            # the orphan timer is the safety net.
+            self.frozen = True
+            self._set_result(ok=False)
+            self.orphan(ORPHAN_FROZEN_S)
+            return
         self._tasks.append(asyncio.create_task(self._terminate(), name="terminate"))
+
+    def live_pids(self) -> dict[int, int]:
+        return {r: p.pid for r, p in self.procs.items() if p.returncode is None}
 
     # -- lifecycle ---------------------------------------------------------------
     async def _supervise(self) -> None:
@@ -554,6 +568,14 @@ class RankSession:
                 report = self._from_health(event)
                 if report is not None:
                     self._raise_incident(report)
+        self._set_result(ok)
+        for t in self._tasks:
+            if t is not asyncio.current_task():
+                t.cancel()
+
+    def _set_result(self, ok: bool) -> None:
+        if self.result.done():
+            return  # a frozen (hung) session answered already
         message = "ranks stopped" if self._killed else (self.incident.evidence if self.incident else "")
         last = max(self.shards) if self.shards else None
         self.result.set_result(
@@ -569,9 +591,6 @@ class RankSession:
                 incident=None if ok else self.incident,
             )
         )
-        for t in self._tasks:
-            if t is not asyncio.current_task():
-                t.cancel()
 
     def _exit_incident(self, missing: list[int]) -> IncidentReport:
         """The most telling rank exit: a CUDA error or user exception outranks the gloo
@@ -643,7 +662,7 @@ class RankSession:
 
     def orphan(self, timeout_s: float) -> None:
         """Nobody is attached: kill the ranks unless someone attaches within ``timeout_s``."""
-        if self._orphan_task is None and not self.done:
+        if self._orphan_task is None and (not self.done or self.frozen):
             self._orphan_task = asyncio.create_task(self._orphan_after(timeout_s))
 
     def adopt(self, owner: object) -> None:

@@ -38,8 +38,10 @@ class RankActivities:
         health: HealthMonitor,
         drills: DrillState,
         rank_nice: int = 0,
+        node_name: str = "",
     ) -> None:
         self.rank_nice = rank_nice
+        self.node_name = node_name
         self.client = client
         self.health = health
         self.drills = drills

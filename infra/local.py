@@ -46,8 +46,7 @@ def process_env(cfg: StackConfig) -> dict[str, str]:
 
 
 def start_controller(stack: Stack, name: str = "controller") -> None:
-    # The local stack shares its cores with training ranks: see workers/controller.py.
-    argv = [sys.executable, "-m", "workers.controller", "--identity", name, "--no-deadlock-detection"]
+    argv = [sys.executable, "-m", "workers.controller", "--identity", name]
     stack.start_process(name, argv, process_env(stack.config))
 
 
@@ -65,8 +64,7 @@ def start_agent(stack: Stack, name: str, code_dir: Path, plan: NetnsPlan | None 
         str(workdir),
         "--code-dir",
         str(code_dir),
-        # Every simulated machine shares this host's cores: ranks yield to the control plane
-        # (a starved controller trips Temporal's 2 s workflow deadlock detector).
+        # Every simulated machine shares this host's cores: ranks yield to the control plane.
         "--rank-nice",
         "19",
     ]

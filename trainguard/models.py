@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainguard.spec import JobSpec
+from trainguard.spec import JobSpec, Topology
 
 CONTROLLER_QUEUE = "trainguard-controller"
 POOL_WORKFLOW_ID = "trainguard-pool"
@@ -211,6 +211,37 @@ class InjectResult(Msg):
 
 class ClearFaultsRequest(Msg):
     node: str
+
+
+class StackRequest(Msg):
+    job_id: str
+    attempt: int
+    # S3 key prefix for the dumps (under the job's checkpoint prefix).
+    prefix: str
+
+
+class StackDump(Msg):
+    node: str
+    uri: str | None = None
+    ranks: list[int] = []
+    error: str = ""
+
+
+class LocalizeStacksInput(Msg):
+    dumps: list[StackDump]
+    topology: Topology
+    ranks_per_node: int
+    nodes: list[str]  # the job's machines in rank-block order
+
+
+class StackFinding(Msg):
+    machines: list[str] = []
+    evidence: str
+
+
+class StopRanksRequest(Msg):
+    job_id: str
+    attempt: int
 
 
 class IncidentReport(Msg):

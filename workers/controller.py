@@ -16,6 +16,7 @@ from temporalio.worker import Worker
 
 from activities.checkpoints import CheckpointActivities
 from activities.pool import PoolActivities
+from activities.stacks import StackActivities
 from trainguard.models import CONTROLLER_QUEUE
 from trainguard.settings import Settings
 from trainguard.storage import S3Store
@@ -25,11 +26,13 @@ from workflows.node_pool import NodePoolWorkflow
 from workflows.training_job import TrainingJobWorkflow
 
 
-async def main(identity: str | None = None, deadlock_detection: bool = True) -> None:
+async def main(identity: str | None = None) -> None:
     settings = Settings.load()
     client = await connect(settings)
     pool = PoolActivities(client)
-    ckpt = CheckpointActivities(S3Store(settings))
+    store = S3Store(settings)
+    ckpt = CheckpointActivities(store)
+    stacks = StackActivities(store)
     worker = Worker(
         client,
         task_queue=CONTROLLER_QUEUE,
@@ -40,13 +43,10 @@ async def main(identity: str | None = None, deadlock_detection: bool = True) -> 
             pool.evict_nodes,
             ckpt.latest_checkpoint,
             ckpt.commit_checkpoint,
+            stacks.localize_stacks,
         ],
         identity=identity,
         graceful_shutdown_timeout=timedelta(seconds=10),
-        # Temporal fails a workflow task that holds its thread for 2 s. On a host whose
-        # cores are shared with training ranks (the local stack) that is CPU starvation,
-        # not a deadlock; production controllers keep the check.
-        debug_mode=not deadlock_detection,
     )
     await run_until_signalled(worker)
 
@@ -54,14 +54,9 @@ async def main(identity: str | None = None, deadlock_detection: bool = True) -> 
 def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--identity", default=None, help="worker identity shown in the Temporal UI")
-    parser.add_argument(
-        "--no-deadlock-detection",
-        action="store_true",
-        help="for hosts shared with training ranks, where CPU starvation looks like a deadlock",
-    )
     args = parser.parse_args()
     setup_logging("controller")
-    asyncio.run(main(args.identity, deadlock_detection=not args.no_deadlock_detection))
+    asyncio.run(main(args.identity))
 
 
 if __name__ == "__main__":

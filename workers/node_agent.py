@@ -26,6 +26,7 @@ from temporalio.worker import Worker
 from activities.drills import DrillActivities, DrillProbe, DrillState, LinkControl
 from activities.health import HealthMonitor
 from activities.ranks import RankActivities
+from activities.stacks import StackActivities
 from trainguard import pool_client
 from trainguard.health.events import Probe
 from trainguard.health.host import HostProbe
@@ -55,12 +56,21 @@ async def main(
 
     health = HealthMonitor(probes(name, workdir, drills, gpus, rank_pids, nic))
     health.start()
-    ranks = RankActivities(client, S3Store(settings), workdir, code_dir, host, health, drills, rank_nice)
+    store = S3Store(settings)
+    ranks = RankActivities(client, store, workdir, code_dir, host, health, drills, rank_nice, name)
+    stacks = StackActivities(store, ranks)
     sessions.append(ranks)
     worker = Worker(
         client,
         task_queue=info.task_queue,
-        activities=[ranks.run_ranks, ranks.pick_master_port, drill.inject_fault, drill.clear_faults],
+        activities=[
+            ranks.run_ranks,
+            ranks.pick_master_port,
+            drill.inject_fault,
+            drill.clear_faults,
+            stacks.dump_stacks,
+            stacks.stop_ranks,
+        ],
         identity=f"agent-{name}@{os.getpid()}",
         max_concurrent_activities=16,
         graceful_shutdown_timeout=timedelta(seconds=5),

@@ -13,6 +13,7 @@ Deterministic code only: time is ``workflow.now()``, side effects are activities
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from datetime import timedelta
 from typing import Any
@@ -47,6 +48,7 @@ with workflow.unsafe.imports_passed_through():
         IncidentReport,
         InjectResult,
         LatestCheckpointInput,
+        LocalizeStacksInput,
         PortRequest,
         ProgressReport,
         ReleaseRequest,
@@ -54,6 +56,10 @@ with workflow.unsafe.imports_passed_through():
         ReserveResult,
         RunRanksInput,
         RunRanksResult,
+        StackDump,
+        StackFinding,
+        StackRequest,
+        StopRanksRequest,
     )
     from trainguard.topology import group_of, place_ranks, ranks_on
 
@@ -73,6 +79,8 @@ class _AttemptOutcome(BaseModel):
     results: list[RunRanksResult] = []
     primary: IncidentReport | None = None
     others: list[IncidentReport] = []
+    # Machines the diagnosis says to evict (stack aggregation for a hang).
+    evict: list[str] = []
 
 
 @workflow.defn
@@ -231,21 +239,26 @@ class TrainingJobWorkflow:
                 result_type=RunRanksResult,
                 summary=f"{node.name}: ranks {inp.ranks[0]}-{inp.ranks[-1]} (attempt {inp.attempt})",
             )
+        seen_done = 0
         while True:
+            # Wake on news only: a machine that finished early must not make this spin.
             await workflow.wait_condition(
                 lambda: (
                     bool(self.progress)
                     or self.stop_reason is not None
-                    or any(h.done() for h in handles.values())
+                    or sum(h.done() for h in handles.values()) > seen_done  # noqa: B023 - read at once
+                    or self.found is not None
                     or self._history_full()
                 )
             )
+            seen_done = sum(h.done() for h in handles.values())
             self._drain_progress()
             if self.stop_reason is not None:
                 await self._cancel_all(handles)
                 return _AttemptOutcome(kind="stopped")
             if self.found is not None or any(self._failed(h) for h in handles.values()):
-                return await self._collect_failure(handles)
+                finding = await self._localize_hang() if self._hung(handles) else None
+                return await self._collect_failure(handles, finding)
             if all(h.done() for h in handles.values()):
                 return _AttemptOutcome(kind="completed", results=[h.result() for h in handles.values()])
             if self._history_full():
@@ -272,7 +285,63 @@ class TrainingJobWorkflow:
             detected_at=workflow.now(),
         )
 
-    async def _collect_failure(self, handles: dict[str, Any]) -> _AttemptOutcome:
+    @staticmethod
+    def _hung(handles: dict[str, Any]) -> bool:
+        for h in handles.values():
+            if not h.done():
+                continue
+            try:
+                r: RunRanksResult = h.result()
+            except ActivityError:
+                continue
+            if r.incident is not None and r.incident.kind == "hang":
+                return True
+        return False
+
+    async def _on_every_machine(self, activity: str, arg: Any, result_type: type) -> list[Any]:
+        """Run one short activity on every machine of the job at once; failures are skipped."""
+        calls = [
+            workflow.execute_activity(
+                activity,
+                arg,
+                task_queue=node.task_queue,
+                schedule_to_start_timeout=timedelta(seconds=10),
+                start_to_close_timeout=timedelta(seconds=60),
+                retry_policy=NO_RETRY,
+                result_type=result_type,
+            )
+            for node in self.s.nodes
+        ]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        return [r for r in results if not isinstance(r, BaseException)]
+
+    async def _localize_hang(self) -> StackFinding:
+        """Hung ranks are kept alive: dump every rank's stack, then find the outliers' group."""
+        self._set_phase("diagnosing")
+        spec = self.s.spec
+        run = self.s.running
+        assert run is not None
+        prefix = checkpoints.job_prefix(spec.checkpoint.s3_prefix, spec.name)
+        dumps = await self._on_every_machine(
+            "dump_stacks", StackRequest(job_id=spec.name, attempt=run.attempt, prefix=prefix), StackDump
+        )
+        return await workflow.execute_activity(
+            "localize_stacks",
+            LocalizeStacksInput(
+                dumps=dumps,
+                topology=spec.topology,
+                ranks_per_node=spec.ranks_per_node,
+                nodes=[n.name for n in self.s.nodes],
+            ),
+            task_queue=CONTROLLER_QUEUE,
+            start_to_close_timeout=SHORT,
+            retry_policy=CONTROLLER_RETRY,
+            result_type=StackFinding,
+        )
+
+    async def _collect_failure(
+        self, handles: dict[str, Any], finding: StackFinding | None = None
+    ) -> _AttemptOutcome:
         """Stop the attempt everywhere, then name the cause among every machine's reports.
 
         A crash on one machine makes its peers' collectives fail a moment later;
@@ -280,6 +349,13 @@ class TrainingJobWorkflow:
         timeout) lets the cause outrank its consequences.
         """
         await self._cancel_all(handles)
+        if finding is not None:
+            # Ranks kept for their stacks are stopped now.
+            run = self.s.running
+            assert run is not None
+            await self._on_every_machine(
+                "stop_ranks", StopRanksRequest(job_id=self.s.spec.name, attempt=run.attempt), bool
+            )
         reports: list[IncidentReport] = [self.found] if self.found else []
         self.found = None
         for name, h in handles.items():
@@ -311,7 +387,17 @@ class TrainingJobWorkflow:
                 )
             )
         reports.sort(key=lambda r: (-incident_priority(r.kind, r.confidence, r.origin), r.detected_at))
-        return _AttemptOutcome(kind="failed", primary=reports[0], others=reports[1:])
+        primary = reports[0]
+        if finding is not None and primary.kind == "hang":
+            primary = primary.model_copy(
+                update={
+                    "suspects": finding.machines or primary.suspects,
+                    "origin": bool(finding.machines),
+                    "evidence": f"{primary.evidence} | {finding.evidence}",
+                }
+            )
+            return _AttemptOutcome(kind="failed", primary=primary, others=reports[1:], evict=finding.machines)
+        return _AttemptOutcome(kind="failed", primary=primary, others=reports[1:])
 
     async def _cancel_all(self, handles: dict[str, Any]) -> None:
         pending = [h for h in handles.values() if not h.done()]
@@ -577,7 +663,10 @@ class TrainingJobWorkflow:
         if detection_s is not None:
             self.s.ledger = ettr.add_badput(self.s.ledger, "detection", detection_s)
         det = self.s.spec.detection
-        if primary.kind in MACHINE_KINDS and primary.confidence >= det.evict_confidence:
+        if outcome.evict:
+            # Over-eviction is deliberate: the whole group the outliers share goes.
+            await self._evict(outcome.evict, incident)
+        elif primary.kind in MACHINE_KINDS and primary.confidence >= det.evict_confidence:
             await self._evict([primary.node], incident)
         if self.s.attempts_without_progress >= det.max_attempts:
             self.s.verdict = (
