@@ -169,7 +169,7 @@ def _network(stack: Stack, names: list[str], use_netns: bool) -> NetnsPlan | Non
     running = [n for n, alive in stack.status().items() if alive]
     if running and (recorded is not None) != use_netns:
         mode = "in netns mode" if recorded is not None else "on loopback"
-        raise RuntimeError(
+        raise netns_mod.NetnsError(
             f"the stack in {stack.config.state_dir} runs {mode} ({', '.join(running)}); "
             f"run `trainguard down` before switching modes"
         )

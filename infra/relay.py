@@ -82,20 +82,26 @@ def parse_pair(text: str) -> tuple[tuple[str, int], tuple[str, int]]:
     return out[0], out[1]
 
 
-async def serve(pairs: list[tuple[tuple[str, int], tuple[str, int]]]) -> None:
-    """Listen on every pair's address until SIGTERM / SIGINT."""
+async def serve(pairs: list[tuple[tuple[str, int], tuple[str, int]]], stop: asyncio.Event) -> None:
+    """Listen on every pair's address until ``stop`` is set."""
     servers = []
     for (host, port), target in pairs:
         handle = functools.partial(_serve_one, target)
         servers.append(await asyncio.start_server(handle, host, port, reuse_address=True))
         log.info("relaying %s:%s -> %s:%s", host, port, *target)
+    try:
+        await stop.wait()
+    finally:
+        for s in servers:
+            s.close()
+
+
+async def _main(pairs: list[tuple[tuple[str, int], tuple[str, int]]]) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    for s in servers:
-        s.close()
+    await serve(pairs, stop)
 
 
 def cli() -> None:
@@ -105,7 +111,7 @@ def cli() -> None:
     parser.add_argument("--pair", action="append", required=True, help="LISTEN_IP:PORT=TARGET_IP:PORT")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve([parse_pair(p) for p in args.pair]))
+    asyncio.run(_main([parse_pair(p) for p in args.pair]))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from trainguard import ettr
 from trainguard.models import CheckpointRef, Endpoint, InjectResult, NodeInfo, ShardInfo
+from trainguard.policy import JobHistory
 from trainguard.spec import JobSpec
 
 Phase = Literal[
@@ -91,6 +92,8 @@ class JobState(BaseModel):
     replica_hashes: dict[int, dict[int, str]] = {}
     replicas_agreed_step: int | None = None
     attempts_without_progress: int = 0
+    # What the decision ladder remembers: incidents, their actions, code versions.
+    history: JobHistory = JobHistory()
     progress_at_attempt_start: int = 0
 
 

@@ -244,6 +244,20 @@ class StopRanksRequest(Msg):
     attempt: int
 
 
+class DiagnosticRequest(Msg):
+    job_id: str
+    attempt: int
+
+
+class CheckResult(Msg):
+    node: str
+    passed: bool
+    digest: str | None = None
+    # The exact answer the digest should equal (alignment test).
+    reference: str | None = None
+    evidence: str = ""
+
+
 class IncidentReport(Msg):
     """What a machine saw when it ended its ranks' attempt: the first confirmed anomaly."""
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from temporalio.worker import Worker
 
+from activities.diagnostics import DiagnosticActivities
 from activities.drills import DrillActivities, DrillProbe, DrillState, LinkControl
 from activities.health import HealthMonitor
 from activities.ranks import RankActivities
@@ -59,6 +60,7 @@ async def main(
     store = S3Store(settings)
     ranks = RankActivities(client, store, workdir, code_dir, host, health, drills, rank_nice, name)
     stacks = StackActivities(store, ranks)
+    diagnostics = DiagnosticActivities(name, health, drills)
     sessions.append(ranks)
     worker = Worker(
         client,
@@ -70,6 +72,8 @@ async def main(
             drill.clear_faults,
             stacks.dump_stacks,
             stacks.stop_ranks,
+            diagnostics.self_test,
+            diagnostics.alignment_test,
         ],
         identity=f"agent-{name}@{os.getpid()}",
         max_concurrent_activities=16,

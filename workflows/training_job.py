@@ -26,7 +26,7 @@ with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
 
     from trainguard import checkpoints, ettr
-    from trainguard.detection import MACHINE_KINDS, incident_priority
+    from trainguard.detection import incident_priority
     from trainguard.job_state import (
         CheckpointStatus,
         Incident,
@@ -41,7 +41,9 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.models import (
         CONTROLLER_QUEUE,
         CheckpointRef,
+        CheckResult,
         CommitCheckpointInput,
+        DiagnosticRequest,
         Endpoint,
         EvictRequest,
         EvictResult,
@@ -60,6 +62,19 @@ with workflow.unsafe.imports_passed_through():
         StackFinding,
         StackRequest,
         StopRanksRequest,
+    )
+    from trainguard.policy import (
+        CodeVersion,
+        Decision,
+        IncidentFacts,
+        JobHistory,
+        PolicyConfig,
+        decide,
+        mark_progress,
+        outcome_after_alignment,
+        outcome_after_checks,
+        outcome_after_stacks,
+        record_incident,
     )
     from trainguard.topology import group_of, place_ranks, ranks_on
 
@@ -88,7 +103,14 @@ class TrainingJobWorkflow:
     @workflow.init
     def __init__(self, inp: JobInput) -> None:
         self.inp = inp
-        self.s = inp.state or JobState(spec=inp.spec, code_version=inp.spec.code_version)
+        self.s = inp.state or JobState(
+            spec=inp.spec,
+            code_version=inp.spec.code_version,
+            history=JobHistory(
+                code_versions=[CodeVersion(version=inp.spec.code_version, note="submitted")],
+                current_version=inp.spec.code_version,
+            ),
+        )
         self.stop_reason: str | None = None
         self.progress: list[ProgressReport] = []
         self.commits: dict[int, Any] = {}  # step -> activity handle
@@ -298,8 +320,11 @@ class TrainingJobWorkflow:
                 return True
         return False
 
-    async def _on_every_machine(self, activity: str, arg: Any, result_type: type) -> list[Any]:
-        """Run one short activity on every machine of the job at once; failures are skipped."""
+    async def _on_every_machine(
+        self, activity: str, arg: Any, result_type: type, only: list[str] | None = None
+    ) -> list[Any]:
+        """Run one short activity on every (or ``only`` these) machine(s) of the job at once;
+        machines that cannot answer are skipped."""
         calls = [
             workflow.execute_activity(
                 activity,
@@ -311,6 +336,7 @@ class TrainingJobWorkflow:
                 result_type=result_type,
             )
             for node in self.s.nodes
+            if only is None or node.name in only
         ]
         results = await asyncio.gather(*calls, return_exceptions=True)
         return [r for r in results if not isinstance(r, BaseException)]
@@ -445,6 +471,10 @@ class TrainingJobWorkflow:
             )
         if r.step > self.s.step:
             self.s.step = r.step
+        if self.s.history.recoveries_without_progress and self.s.ledger.high_water_step > (
+            self.s.progress_at_attempt_start
+        ):
+            self.s.history = mark_progress(self.s.history)  # the last recovery worked
         if r.loss is not None:
             self.s.loss = r.loss
         if r.step_time_s is not None:
@@ -633,13 +663,15 @@ class TrainingJobWorkflow:
         return [primary.node, *dict.fromkeys(same)]
 
     async def _on_failure(self, outcome: _AttemptOutcome) -> None:
-        """Record the incident, then act: evict a machine that is surely at fault (a spare
-        takes its place), else restart in place; give up after attempts without progress."""
+        """Record the incident, then climb the decision ladder (``trainguard.policy``):
+        evict a machine surely at fault, or diagnose (stop-time checks, stacks, the
+        alignment test) and act on the result, or reattempt; stop with a verdict
+        when recoveries stop making progress."""
         primary = outcome.primary
         assert primary is not None
         run = self.s.running
         self.s.running = None
-        self._set_phase("recovering")
+        self._set_phase("diagnosing")
         progressed = self.s.ledger.high_water_step > self.s.progress_at_attempt_start
         self.s.attempts_without_progress = 0 if progressed else self.s.attempts_without_progress + 1
         fault_at = self._fault_time(primary, run)
@@ -662,20 +694,67 @@ class TrainingJobWorkflow:
         self.s.incidents.append(incident)
         if detection_s is not None:
             self.s.ledger = ettr.add_badput(self.s.ledger, "detection", detection_s)
+        facts = IncidentFacts(
+            kind=primary.kind,
+            machines=incident.suspects,
+            ranks=primary.ranks,
+            confidence=primary.confidence,
+            user_code=primary.user_code,
+            code_location=primary.code_location,
+            error_class=primary.error_class or "",
+            evidence=primary.evidence[:500],
+        )
         det = self.s.spec.detection
-        if outcome.evict:
-            # Over-eviction is deliberate: the whole group the outliers share goes.
-            await self._evict(outcome.evict, incident)
-        elif primary.kind in MACHINE_KINDS and primary.confidence >= det.evict_confidence:
-            await self._evict([primary.node], incident)
-        if self.s.attempts_without_progress >= det.max_attempts:
-            self.s.verdict = (
-                f"gave up after {self.s.attempts_without_progress} attempts without progress; "
-                f"last incident: {primary.kind} on {primary.node}: {primary.evidence[:400]}"
-            )
-            incident.action = "stop"
+        cfg = PolicyConfig(
+            evict_confidence=det.evict_confidence, max_recoveries_without_progress=det.max_attempts
+        )
+        diagnosing_since = workflow.now()
+        decisions = [decide(facts, self.s.history, cfg)]
+        follow = await self._diagnose(decisions[0], outcome, run.attempt if run else self.s.attempt)
+        if follow is not None:
+            decisions.append(follow)
+        self.s.ledger = ettr.add_badput(
+            self.s.ledger, "diagnosis", (workflow.now() - diagnosing_since).total_seconds()
+        )
+        final = decisions[-1]
+        self.s.history = record_incident(self.s.history, facts, decisions)
+        incident.action = final.action
+        incident.evidence = f"{incident.evidence} | {' -> '.join(d.evidence for d in decisions)}"[:3000]
+        self._set_phase("recovering")
+        if final.action == "evict":
+            await self._evict(final.machines, incident)
+        if final.action == "stop":
+            self.s.verdict = final.verdict or f"stopped after {primary.kind} on {primary.node}"
             await self._finish("failed")
             raise ApplicationError(self.s.verdict, type="JobFailed", non_retryable=True)
+
+    async def _diagnose(self, decision: Decision, outcome: _AttemptOutcome, attempt: int) -> Decision | None:
+        """Run the diagnosis a decision asks for; returns the decision its result leads to."""
+        primary = outcome.primary
+        assert primary is not None
+        req = DiagnosticRequest(job_id=self.s.spec.name, attempt=attempt)
+        if decision.action == "stop-time-checks":
+            targets = decision.suspects if decision.scope == "suspects" and decision.suspects else None
+            results = await self._on_every_machine("self_test", req, CheckResult, only=targets)
+            failed = [r.node for r in results if not r.passed]
+            details = "; ".join(f"{r.node}: {r.evidence}" for r in results)
+            return outcome_after_checks(failed, evidence=details)
+        if decision.action == "stack-aggregation":
+            # Stacks were taken while the hung ranks still stood; fail-slow rounds named the machine.
+            machines = outcome.evict or ([primary.node] if primary.kind == "slow" else [])
+            return outcome_after_stacks(machines, primary.evidence[-300:])
+        if decision.action == "alignment-test":
+            results = await self._on_every_machine("alignment_test", req, CheckResult)
+            hashes: dict[str, str | None] = {r.node: r.digest for r in results}
+            reference = next((r.reference for r in results if r.reference), None)
+            if reference is not None:
+                # The exact answer votes too: with two machines, it breaks the tie.
+                hashes["(exact reference)"] = reference
+            follow = outcome_after_alignment(hashes)
+            if follow.action == "evict":
+                follow = follow.model_copy(update={"machines": [m for m in follow.machines if m in hashes]})
+            return follow
+        return None
 
     async def _evict(self, nodes: list[str], incident: Incident) -> None:
         """Quarantine ``nodes``; spares take their places (same logical ranks)."""

@@ -44,6 +44,8 @@ Knobs (environment variables; the defaults make ~0.24M parameters):
     GPT_LAYERS            transformer blocks in total (divisible by pp) default 4
     GPT_D_MODEL           model width (divisible by 4 heads)          default 64
     GPT_STEP_SLEEP_S      extra sleep after each step, for demos      default 0
+    GPT_BUG_AT_STEP       a deliberate bug (TypeError) from this step on, to
+                          show how a bad code version is handled         default off
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class Config:
     n_layers: int = 4
     d_model: int = 64
     step_sleep_s: float = 0.0
+    bug_at_step: int = 0
 
     @classmethod
     def from_env(cls) -> Config:
@@ -98,6 +101,7 @@ class Config:
             n_layers=int(e.get("GPT_LAYERS", cls.n_layers)),
             d_model=int(e.get("GPT_D_MODEL", cls.d_model)),
             step_sleep_s=float(e.get("GPT_STEP_SLEEP_S", cls.step_sleep_s)),
+            bug_at_step=int(e.get("GPT_BUG_AT_STEP", cls.bug_at_step)),
         )
 
 
@@ -307,6 +311,11 @@ def sync_and_clip(model: Stage, ctx: Context, loss: torch.Tensor) -> tuple[float
     return totals[1].item(), grad_norm
 
 
+def scale_lr(opt: torch.optim.Optimizer, factor: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = group["lr"] * factor
+
+
 # -- main --------------------------------------------------------------------------
 
 
@@ -349,6 +358,8 @@ def main() -> None:
         ctx.maybe_save(step, checkpoint)  # the runtime adds the step to the saved dict
         if cfg.step_sleep_s > 0:
             time.sleep(cfg.step_sleep_s)
+        if cfg.bug_at_step and step >= cfg.bug_at_step:
+            scale_lr(opt, "0.5")  # the bug: a string where a number belongs
 
     ctx.finish(tg.param_hash(model))
 

@@ -1,0 +1,90 @@
+"""The decision ladder on the real stack: each drill case ends with the expected
+action and exactly the expected machines evicted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.integration.helpers import example_spec, run_to_end, wait_until
+from trainguard.client import TrainguardClient
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("healthy_pool")]
+
+
+async def drill(
+    tg: TrainguardClient, name: str, fault: str, rank: int | None = 1, count: int | None = None
+) -> dict[str, Any]:
+    job = await tg.submit(example_spec(name))
+    await wait_until(job, lambda s: s["step"] >= 25)
+    await tg.inject("node-1", fault, rank=rank, count=count)
+    return await run_to_end(job)
+
+
+def single(final: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    assert final["phase"] == "completed", final
+    assert final["result"]["param_hash"] == reference["result"]["param_hash"]
+    assert len(final["incidents"]) == 1, final["incidents"]
+    return final["incidents"][0]
+
+
+async def test_crash_on_bad_machine_fails_its_self_test(
+    tg: TrainguardClient, reference: dict[str, Any]
+) -> None:
+    # A crash that will recur: the machine's unit is bad, so its compute self-test fails.
+    inc = single(await drill(tg, "loc-crash", "crash", count=5), reference)
+    assert inc["kind"] == "crash"
+    assert inc["action"] == "evict" and inc["evicted"] == ["node-1"]
+    assert "stop-time checks" in inc["evidence"] and "matmul" in inc["evidence"]
+
+
+async def test_transient_crash_passes_checks_and_reattempts(
+    tg: TrainguardClient, reference: dict[str, Any]
+) -> None:
+    final = await drill(tg, "loc-transient", "crash")
+    inc = single(final, reference)
+    assert inc["action"] == "reattempt" and inc["evicted"] == []
+    assert "all stop-time checks passed" in inc["evidence"]
+    assert final["nodes"] == {"0": "node-1", "1": "node-2"}
+
+
+async def test_gpu_lost_is_evicted_without_checks(tg: TrainguardClient, reference: dict[str, Any]) -> None:
+    inc = single(await drill(tg, "loc-gpu-lost", "gpu-lost", rank=None), reference)
+    assert inc["kind"] == "gpu-lost"
+    assert inc["action"] == "evict" and inc["evicted"] == ["node-1"]
+    assert "stop-time checks" not in inc["evidence"]
+
+
+async def test_hang_in_a_pipeline_stage_evicts_that_pipeline(
+    tg: TrainguardClient, reference: dict[str, Any]
+) -> None:
+    # pp=2 x dp=2: node-1 holds pipeline 0 (ranks 0, 1); rank 1 hangs.
+    final = await drill(tg, "loc-hang", "hang")
+    inc = single(final, reference)
+    assert inc["kind"] == "hang"
+    assert inc["action"] == "evict" and inc["evicted"] == ["node-1"]
+    assert "stacks:" in inc["evidence"] and "outliers" in inc["evidence"]
+    assert final["nodes"] == {"0": "node-3", "1": "node-2"}
+
+
+async def test_silent_corruption_is_named_by_the_alignment_test(
+    tg: TrainguardClient, reference: dict[str, Any]
+) -> None:
+    inc = single(await drill(tg, "loc-sdc", "sdc"), reference)
+    assert inc["kind"] == "sdc"
+    assert inc["action"] == "evict" and inc["evicted"] == ["node-1"]
+    assert "alignment test" in inc["evidence"]
+
+
+async def test_bug_in_the_only_code_version_stops_with_a_verdict(tg: TrainguardClient) -> None:
+    spec = example_spec("loc-bug", env={"GPT_SEQ_LEN": "32", "GPT_BUG_AT_STEP": "12"})
+    final = await run_to_end(await tg.submit(spec))
+    assert final["phase"] == "failed"
+    assert final["verdict"] and "TypeError" in final["verdict"]
+    assert all(i["evicted"] == [] for i in final["incidents"])
+    assert final["incidents"][0]["kind"] == "user-code"
+    assert "train.py" in final["incidents"][0]["evidence"]
+    assert final["incidents"][-1]["action"] == "stop"
+    pool = await tg.nodes()
+    assert all(n.state != "quarantined" for n in pool.nodes.values())
