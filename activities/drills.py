@@ -270,7 +270,10 @@ class DrillActivities:
     async def restore_link(self) -> None:
         """At agent start: a link a previous agent left down (killed mid-drill) comes back up."""
         if self.link is not None and any(f["fault"] in LINK_FAULTS for f in self.state.load()):
-            await self.link.up(force=True)
+            try:
+                await self.link.up(force=True)
+            except (OSError, RuntimeError) as exc:  # no such NIC, no `ip`: start anyway, say why
+                log.error("cannot restore %s: %s", self.link.nic, exc)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
