@@ -79,9 +79,12 @@ async def main(
         max_concurrent_activities=16,
         graceful_shutdown_timeout=timedelta(seconds=5),
     )
-    await pool_client.register(client, info)
+    # Poll first, then register: once the pool lists this machine, work sent to its
+    # queue is picked up at once.
+    running = asyncio.create_task(run_until_signalled(worker))
     try:
-        await run_until_signalled(worker)
+        await pool_client.register(client, info)
+        await running
     finally:
         await health.stop()
 

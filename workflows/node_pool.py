@@ -185,7 +185,7 @@ class NodePoolWorkflow:
             "clear_faults",
             ClearFaultsRequest(node=n.info.name),
             task_queue=n.info.task_queue,
-            schedule_to_start_timeout=timedelta(seconds=10),
+            schedule_to_start_timeout=timedelta(seconds=30),
             start_to_close_timeout=timedelta(seconds=10),
             retry_policy=RetryPolicy(maximum_attempts=1),
             result_type=int,
