@@ -34,7 +34,7 @@ from typing import Any
 
 from temporalio import activity
 
-from trainguard.health.events import HealthEvent, Probe
+from trainguard.health.events import HealthEvent, Probe, Severity
 from trainguard.models import MACHINE_FAULTS, ClearFaultsRequest, InjectRequest, InjectResult
 
 log = logging.getLogger(__name__)
@@ -96,14 +96,26 @@ class DrillState:
         return n
 
 
+# Machine faults as the real probes report them: severity, confidence, message, device, details.
+_MACHINE_EVENTS: dict[str, tuple[Severity, float, str, int | None, dict[str, str | int | float]]] = {
+    "gpu-lost": ("critical", 1.0, "GPU 0 is lost (drill)", 0, {}),
+    "gpu-xid": ("critical", 1.0, "Xid 79: GPU has fallen off the bus (drill)", 0, {"xid": 79}),
+    "ecc": ("critical", 1.0, "volatile uncorrected ECC errors: 1 (drill)", 0, {"count": 1}),
+    "disk-full": ("critical", 0.9, "work dir has 0 bytes free (drill)", None, {}),
+    "nic-down": ("critical", 0.9, "NIC down: peers unreachable (drill)", None, {}),
+}
+
+
 class DrillProbe(Probe):
     """Turns standing machine faults into the health events real probes would emit."""
 
     name = "drill"
+    source = "drill"
     interval_s = 0.5
 
     def __init__(self, state: DrillState, real_link: bool = False) -> None:
         self.state = state
+        self.node = state.node
         # With a real NIC the drill takes the link down and the link probe reports it.
         self.real_link = real_link
         self.reported: set[str] = set()
@@ -111,105 +123,34 @@ class DrillProbe(Probe):
 
     def check(self, now: datetime) -> list[HealthEvent]:
         out = []
-        node = self.state.node
         for f in self.state.load():
             kind, fid = f["fault"], f["id"]
             if self.real_link and kind in LINK_FAULTS:
                 continue
             details = {"drill": fid, "injected_at": f["injected_at"]}
-            if kind == "gpu-lost":
-                # Repeats while it stands, as NVML's device count would.
-                out.append(
-                    HealthEvent(
-                        kind="gpu-lost",
-                        node=node,
-                        severity="critical",
-                        confidence=1.0,
-                        at=now,
-                        source="drill",
-                        device=0,
-                        message="GPU 0 is lost (drill)",
-                        details=details,
-                    )
-                )
-            elif fid in self.reported:
-                continue
-            elif kind == "gpu-xid":
-                out.append(
-                    HealthEvent(
-                        kind="gpu-xid",
-                        node=node,
-                        severity="critical",
-                        confidence=1.0,
-                        at=now,
-                        source="drill",
-                        device=0,
-                        message="Xid 79: GPU has fallen off the bus (drill)",
-                        details={**details, "xid": 79},
-                    )
-                )
-            elif kind == "ecc":
-                out.append(
-                    HealthEvent(
-                        kind="ecc",
-                        node=node,
-                        severity="critical",
-                        confidence=1.0,
-                        at=now,
-                        source="drill",
-                        device=0,
-                        message="volatile uncorrected ECC errors: 1 (drill)",
-                        details={**details, "count": 1},
-                    )
-                )
-            elif kind == "disk-full":
-                out.append(
-                    HealthEvent(
-                        kind="disk-full",
-                        node=node,
-                        severity="critical",
-                        confidence=0.9,
-                        at=now,
-                        source="drill",
-                        message="work dir has 0 bytes free (drill)",
-                        details=details,
-                    )
-                )
-            elif kind == "nic-down":
-                out.append(
-                    HealthEvent(
-                        kind="nic-down",
-                        node=node,
-                        severity="critical",
-                        confidence=0.9,
-                        at=now,
-                        source="drill",
-                        message="NIC down: peers unreachable (drill)",
-                        details=details,
-                    )
-                )
-            elif kind == "nic-flap":
+            if kind == "nic-flap":
                 # One flap per check until `count` flaps were seen (default 1: tolerated).
                 sent = self.flaps_sent.get(fid, 0)
                 if sent < int(f.get("count") or 1):
                     self.flaps_sent[fid] = sent + 1
                     out.append(
-                        HealthEvent(
-                            kind="nic-flap",
-                            node=node,
-                            severity="warning",
-                            confidence=0.4,
-                            at=now,
-                            source="drill",
-                            message="link down then up again (drill)",
-                            details={**details, "flap": sent + 1},
+                        self._event(
+                            "nic-flap",
+                            "warning",
+                            0.4,
+                            "link down then up again (drill)",
+                            now,
+                            **details,
+                            flap=sent + 1,
                         )
                     )
                 continue
-            else:
+            # gpu-lost repeats while it stands, as NVML's device count would; the rest once.
+            if kind not in _MACHINE_EVENTS or (fid in self.reported and kind != "gpu-lost"):
                 continue
-            if kind != "gpu-lost":
-                self.reported.add(fid)
+            severity, confidence, message, device, extra = _MACHINE_EVENTS[kind]
+            out.append(self._event(kind, severity, confidence, message, now, device, **details, **extra))
+            self.reported.add(fid)
         return out
 
 

@@ -136,6 +136,21 @@ def stop_pid(pid: int, grace_s: float = 10.0, ticks: int | None = None) -> bool:
     Returns False when there was nothing to stop (already dead, or `ticks` shows the
     pid now belongs to another process). Reaps the process when it is our child.
     """
+    return _signal_until_gone(pid, [(signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)], ticks)
+
+
+def kill_pid(pid: int, sig: int = signal.SIGKILL, ticks: int | None = None, timeout_s: float = 10.0) -> bool:
+    """Send ``sig`` to `pid` (and the group it leads) and wait until it is gone.
+
+    For fault drills: unlike a bare ``os.kill``, the process is dead (and reaped,
+    if ours) on return, so a replacement can be started without racing it.
+    Returns False when there was nothing to kill.
+    """
+    return _signal_until_gone(pid, [(sig, timeout_s)], ticks)
+
+
+def _signal_until_gone(pid: int, steps: list[tuple[int, float]], ticks: int | None) -> bool:
+    """Send each (signal, wait) in turn until `pid` and its group are gone."""
     if not pid_alive(pid, ticks):
         _reap(pid)
         return False
@@ -147,34 +162,12 @@ def stop_pid(pid: int, grace_s: float = 10.0, ticks: int | None = None) -> bool:
     def gone() -> bool:
         return not pid_alive(pid) and (not group or not _group_alive(pid))
 
-    _signal(pid, signal.SIGTERM, group)
-    if not _poll_until(gone, grace_s):
-        _signal(pid, signal.SIGKILL, group)
-        if not _poll_until(gone, 10.0):
-            raise RuntimeError(f"process {pid} survived SIGKILL")
-    _reap(pid)
-    return True
-
-
-def kill_pid(pid: int, sig: int = signal.SIGKILL, ticks: int | None = None, timeout_s: float = 10.0) -> bool:
-    """Send ``sig`` to `pid` (and the group it leads) and wait until it is gone.
-
-    For fault drills: unlike a bare ``os.kill``, the process is dead (and reaped,
-    if ours) on return, so a replacement can be started without racing it.
-    Returns False when there was nothing to kill.
-    """
-    if not pid_alive(pid, ticks):
-        _reap(pid)
-        return False
-    try:
-        group = os.getpgid(pid) == pid
-    except ProcessLookupError:
-        return False
-    _signal(pid, sig, group)
-    if not _poll_until(lambda: not pid_alive(pid) and (not group or not _group_alive(pid)), timeout_s):
-        raise RuntimeError(f"process {pid} still alive {timeout_s:.0f}s after signal {sig}")
-    _reap(pid)
-    return True
+    for sig, wait_s in steps:
+        _signal(pid, sig, group)
+        if _poll_until(gone, wait_s):
+            _reap(pid)
+            return True
+    raise RuntimeError(f"process {pid} still alive after signals {[s for s, _ in steps]}")
 
 
 def _poll_until(predicate: Callable[[], bool], timeout_s: float) -> bool:

@@ -49,8 +49,33 @@ class Probe(ABC):
     worker thread while ranks run; a check must return within ``timeout_s``."""
 
     name: str = "probe"
+    source: Source = "host"
     interval_s: float = 2.0
     timeout_s: float = 5.0
+    node: str = ""
+
+    def _event(
+        self,
+        kind: EventKind,
+        severity: Severity,
+        confidence: float,
+        message: str,
+        now: datetime,
+        device: int | None = None,
+        **details: str | int | float,
+    ) -> HealthEvent:
+        """An event from this probe about this machine."""
+        return HealthEvent(
+            kind=kind,
+            node=self.node,
+            severity=severity,
+            confidence=confidence,
+            message=message,
+            at=now,
+            source=self.source,
+            device=device,
+            details=details,
+        )
 
     @abstractmethod
     def check(self, now: datetime) -> list[HealthEvent]:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
-from trainguard.health.events import EventKind, HealthEvent, Probe, Severity
+from trainguard.health.events import HealthEvent, Probe
 from trainguard.health.nvml import classify_xid, pci_key
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ class HostProbe(Probe):
     """Disk space, memory pressure, OOM kills, kernel log faults, dead ranks."""
 
     name = "host"
+    source = "host"
 
     def __init__(
         self,
@@ -121,28 +122,6 @@ class HostProbe(Probe):
         self._kmsg_off = False  # unreadable here: skipped from now on
         self._kmsg_partial = b""
         self._dead_said: set[int] = set()
-
-    def _event(
-        self,
-        kind: EventKind,
-        severity: Severity,
-        confidence: float,
-        message: str,
-        now: datetime,
-        device: int | None = None,
-        **details: str | int | float,
-    ) -> HealthEvent:
-        return HealthEvent(
-            kind=kind,
-            node=self.node,
-            severity=severity,
-            confidence=confidence,
-            message=message,
-            at=now,
-            source="host",
-            device=device,
-            details=details,
-        )
 
     def check(self, now: datetime) -> list[HealthEvent]:
         """Each part is independent: one that fails (unreadable file) does not hide the others."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
-from trainguard.health.events import EventKind, HealthEvent, Probe, Severity
+from trainguard.health.events import HealthEvent, Probe
 
 SYSFS_NET = Path("/sys/class/net")
 # "unknown": drivers that do not report operational state (lo, some virtual NICs) and are up.
@@ -24,6 +24,7 @@ class LinkProbe(Probe):
     """nic-down (critical) once per outage that outlasts the grace, one nic-flap per down-then-up."""
 
     name = "link"
+    source = "network"
     interval_s = 0.5
     timeout_s = 2.0
 
@@ -47,26 +48,6 @@ class LinkProbe(Probe):
             changes = None
         return state, changes
 
-    def _event(
-        self,
-        kind: EventKind,
-        severity: Severity,
-        confidence: float,
-        message: str,
-        now: datetime,
-        **details: str | int | float,
-    ) -> HealthEvent:
-        return HealthEvent(
-            kind=kind,
-            node=self.node,
-            severity=severity,
-            confidence=confidence,
-            message=message,
-            at=now,
-            source="network",
-            details={"nic": self.nic, **details},
-        )
-
     def _ups(self, was_down: bool, is_down: bool, changes: int | None) -> int:
         """Down-to-up transitions since the last check, those too quick to be seen included."""
         delta = changes - self.changes if changes is not None and self.changes is not None else 0
@@ -85,6 +66,7 @@ class LinkProbe(Probe):
         is_down = state not in _UP_STATES
         ups = self._ups(was_down, is_down, changes)
         details: dict[str, str | int | float] = {
+            "nic": self.nic,
             "operstate": state,
             "carrier_changes": changes if changes is not None else -1,
         }

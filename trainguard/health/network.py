@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from trainguard.health.events import EventKind, HealthEvent, Probe, Severity
+from trainguard.health.events import HealthEvent, Probe
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,7 @@ class NetworkProbe(Probe):
     """peer-unreachable once per outage; nic-flap when a peer comes back, with the flaps in the window."""
 
     name = "network"
+    source = "network"
 
     def __init__(
         self,
@@ -129,26 +130,6 @@ class NetworkProbe(Probe):
         self.flap_tolerance = flap_tolerance
         self._lock = threading.Lock()
         self._state: dict[str, _PeerState] = {}
-
-    def _event(
-        self,
-        kind: EventKind,
-        severity: Severity,
-        confidence: float,
-        message: str,
-        now: datetime,
-        **details: str | int | float,
-    ) -> HealthEvent:
-        return HealthEvent(
-            kind=kind,
-            node=self.node,
-            severity=severity,
-            confidence=confidence,
-            message=message,
-            at=now,
-            source="network",
-            details=details,
-        )
 
     def check(self, now: datetime) -> list[HealthEvent]:
         """Connect to every peer once; report outages as they start and flaps as they end."""

@@ -141,6 +141,7 @@ class NvmlProbe(Probe):
     """
 
     name = "nvml"
+    source = "nvml"
 
     def __init__(
         self,
@@ -288,19 +289,10 @@ class NvmlProbe(Probe):
         device: int | None = None,
         **details: str | int | float,
     ) -> HealthEvent:
+        # The PCI address lets an Xid seen here be matched with the kernel log's.
         if device is not None and device in self._pci:
             details.setdefault("pci", self._pci[device])
-        return HealthEvent(
-            kind=kind,
-            node=self.node,
-            severity=severity,
-            confidence=confidence,
-            message=message,
-            at=now,
-            source="nvml",
-            device=device,
-            details=details,
-        )
+        return super()._event(kind, severity, confidence, message, now, device, **details)
 
     def _changed(self, kind: str, device: int | None, signature: object | None) -> bool:
         """Edge detection: True when a condition appears or changes; None clears it."""
