@@ -1,10 +1,13 @@
-"""``make demo``: the local stack, the example job, a controller crash in the middle.
+"""``make demo``: the local stack, the example job, and faults on the way.
 
 Brings the stack up (state in ./.trainguard unless TRAINGUARD_STATE_DIR says
-otherwise), submits ``examples/gpt/job.yaml`` under a fresh name, SIGKILLs the
-controller worker once the job is a third of the way through, starts a new one,
-and prints the job's final status. The stack stays up afterwards so the job can
-be looked at in the Temporal UI; ``trainguard down`` stops it.
+otherwise; 2 machines and 1 spare), submits ``examples/gpt/job.yaml`` under a
+fresh name, and while it trains: a rank crashes (checks pass, the job restarts in
+place), a GPU is lost (the machine is evicted, the spare takes its place), and
+the controller worker is SIGKILLed and replaced. Prints the final status: every
+incident with its evidence, and the hash of the final parameters, which is the
+same as a run without faults. The stack stays up afterwards so the job can be
+looked at in the Temporal UI; ``trainguard down`` stops it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -19,7 +23,7 @@ from rich.console import Console
 from infra.local import bring_up, start_controller
 from infra.stack import Stack
 from trainguard.cli import _print_status, exit_now
-from trainguard.client import TrainguardClient
+from trainguard.client import TERMINAL_PHASES, TrainguardClient
 from trainguard.settings import Settings
 from trainguard.spec import load_spec
 
@@ -36,36 +40,50 @@ async def run_job(state_dir: Path) -> dict:
         f"submitted [bold]{spec.name}[/]: {spec.nodes} machines x {spec.ranks_per_node} ranks, "
         f"pp={spec.topology.pp} dp={spec.topology.dp}, {spec.target_steps} steps"
     )
-    crashed = False
+
+    def kill_controller() -> str:
+        stack = Stack.load(state_dir)
+        stack.kill("controller")
+        start_controller(stack)
+        return "SIGKILL the controller worker, start a new one"
+
+    # (at step, what): a crash on a healthy machine, a lost GPU (evicted to the spare),
+    # and the controller dying under the running job.
+    faults: list[tuple[int, str, Callable[[dict], Awaitable[str]]]] = [
+        (40, "crash", lambda st: _inject(client, st, "crash", rank=1)),
+        (90, "gpu-lost", lambda st: _inject(client, st, "gpu-lost")),
+        (140, "controller", lambda st: asyncio.to_thread(kill_controller)),
+    ]
     last_step = -20
-    shown_phase = [""]
-
-    def show(st: dict) -> None:
-        nonlocal crashed, last_step
-        if st["step"] >= last_step + 20 or st["phase"] not in ("running", shown_phase[0]):
+    last_phase = ""
+    while True:
+        st = await job.status()
+        if st["step"] >= last_step + 20 or st["phase"] != last_phase:
             loss = f"{st['loss']:.3f}" if st.get("loss") is not None else "-"
-            console.print(f"  step {st['step']:>4}/{st['target_steps']}  phase {st['phase']:<10} loss {loss}")
-            last_step = st["step"]
-        shown_phase[0] = st["phase"]
-        if not crashed and st["step"] >= spec.target_steps // 3:
-            crashed = True
-            stack = Stack.load(state_dir)
-            rec = stack.processes.get("controller")
-            if rec is not None:
-                console.print(f"  [red]SIGKILL controller worker (pid {rec.pid})[/]; starting a new one")
-                stack.kill("controller")
-                start_controller(stack)
+            console.print(f"  step {st['step']:>4}/{st['target_steps']}  phase {st['phase']:<11} loss {loss}")
+            last_step, last_phase = st["step"], st["phase"]
+        if st["phase"] in TERMINAL_PHASES:
+            return st
+        if faults and st["phase"] == "running" and st["step"] >= faults[0][0]:
+            _, _, act = faults.pop(0)
+            console.print(f"  [red]{await act(st)}[/]")
+        await asyncio.sleep(0.5)
 
-    return await job.wait(on_progress=show, poll_s=0.5)
+
+async def _inject(client: TrainguardClient, st: dict, fault: str, rank: int | None = None) -> str:
+    node = st["nodes"]["0"]
+    await client.inject(node, fault, rank=rank)
+    return f"inject {fault} on {node}" + (f" rank {rank}" if rank is not None else "")
 
 
 def main() -> None:
     state_dir = Path(os.environ.get("TRAINGUARD_STATE_DIR", REPO / ".trainguard")).resolve()
     t0 = time.monotonic()
     console.print(
-        "[bold]bringing up the local stack[/] (Temporal dev server, SeaweedFS S3, controller, 2 agents)"
+        "[bold]bringing up the local stack[/] (Temporal dev server, SeaweedFS S3, controller, "
+        "2 machines + 1 spare)"
     )
-    addrs = bring_up(state_dir, nodes=2, code_dir=REPO)
+    addrs = bring_up(state_dir, nodes=2, standby=1, code_dir=REPO)
     for k, v in addrs.items():
         console.print(f"  {k}: {v}")
     final = asyncio.run(run_job(state_dir))
