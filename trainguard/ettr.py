@@ -54,8 +54,9 @@ def record_steps(ledger: Ledger, now: datetime, prev_step: int, step: int, step_
     if redone:
         out = add_badput(out, "recompute", redone * step_time_s)
     samples = list(out.samples)
-    if samples and (now - samples[-1][0]) < SAMPLE_EVERY:
-        samples[-1] = (samples[-1][0], productive)  # same slot: a bounded list, ~120 per hour
+    if len(samples) >= 2 and (now - samples[-2][0]) < SAMPLE_EVERY:
+        # The newest sample moves forward; the others stay >= SAMPLE_EVERY apart (~120 an hour).
+        samples[-1] = (now, productive)
     else:
         samples.append((now, productive))
     # Keep the newest sample older than the window: it anchors the window's start.

@@ -44,3 +44,12 @@ def test_badput_bucket_validation() -> None:
     assert led.badput_s["startup"] == 3.0
     with pytest.raises(ValueError):
         ettr.add_badput(led, "coffee", 1.0)
+
+
+def test_window_with_frequent_reports() -> None:
+    led = ettr.start(ettr.Ledger(), T0)
+    for i in range(1, 601):  # a report every second for 10 minutes, fully productive
+        led = ettr.record_steps(led, T0 + timedelta(seconds=i), i - 1, i, 1.0)
+    now = T0 + timedelta(seconds=600)
+    assert ettr.ettr_window(led, now) == pytest.approx(1.0)
+    assert len(led.samples) <= 25  # bounded: about one per 30 s
