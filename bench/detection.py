@@ -94,37 +94,32 @@ async def trial(tg: TrainguardClient, job: JobHandle, state_dir: Path, fault: st
     return inc["detection_s"]
 
 
-async def run(trials: int, faults: list[str], log: Any) -> dict[str, Any]:
-    state_dir = Path(tempfile.mkdtemp(prefix="tg-bench-detect-"))
+async def run(state_dir: Path, trials: int, faults: list[str], log: Any) -> dict[str, Any]:
+    cfg = Stack.load(state_dir).config
+    tg = await TrainguardClient.connect(Settings.from_mapping(client_env(cfg), state_dir))
+    spec = example_spec("bench-detect", target_steps=1_000_000)
+    spec = spec.model_copy(update={"detection": spec.detection.model_copy(update={"max_attempts": 1000})})
+    job = await tg.submit(spec)
     rows = []
-    try:
-        bring_up(state_dir, nodes=NODES, config=StackConfig.for_tests(state_dir), code_dir=REPO)
-        cfg = Stack.load(state_dir).config
-        tg = await TrainguardClient.connect(Settings.from_mapping(client_env(cfg), state_dir))
-        spec = example_spec("bench-detect", target_steps=1_000_000)
-        spec = spec.model_copy(update={"detection": spec.detection.model_copy(update={"max_attempts": 1000})})
-        job = await tg.submit(spec)
-        for fault in faults:
-            values = []
-            for i in range(trials):
-                v = await trial(tg, job, state_dir, fault)
-                log(f"{fault} trial {i + 1}: {v}")
-                if v is not None:
-                    values.append(v)
-            if fault == "nic-flap":
-                rows.append({"fault": fault, "trials": trials, "incidents": int(sum(values))})
-            else:
-                rows.append(
-                    {
-                        "fault": fault,
-                        "trials": len(values),
-                        "median_s": round(statistics.median(values), 3) if values else None,
-                        "p95_s": round(p95(values), 3) if values else None,
-                    }
-                )
-        await job.stop("benchmark done")
-    finally:
-        bring_down(state_dir)
+    for fault in faults:
+        values = []
+        for i in range(trials):
+            v = await trial(tg, job, state_dir, fault)
+            log(f"{fault} trial {i + 1}: {v}")
+            if v is not None:
+                values.append(v)
+        if fault == "nic-flap":
+            rows.append({"fault": fault, "trials": trials, "incidents": int(sum(values))})
+        else:
+            rows.append(
+                {
+                    "fault": fault,
+                    "trials": len(values),
+                    "median_s": round(statistics.median(values), 3) if values else None,
+                    "p95_s": round(p95(values), 3) if values else None,
+                }
+            )
+    await job.stop("benchmark done")
     return {"rows": rows}
 
 
@@ -140,7 +135,14 @@ def main() -> None:
         print(f"error: faults: unknown {unknown} (one of {', '.join(FAULTS)})", file=sys.stderr)
         exit_now(2)
     t0 = time.monotonic()
-    result = asyncio.run(run(args.trials, faults, lambda m: print(m, file=sys.stderr, flush=True)))
+    state_dir = Path(tempfile.mkdtemp(prefix="tg-bench-detect-"))
+    try:
+        bring_up(state_dir, nodes=NODES, config=StackConfig.for_tests(state_dir), code_dir=REPO)
+        result = asyncio.run(
+            run(state_dir, args.trials, faults, lambda m: print(m, file=sys.stderr, flush=True))
+        )
+    finally:
+        bring_down(state_dir)
     result["wall_s"] = round(time.monotonic() - t0, 1)
     if args.json:
         print(json.dumps(result))
