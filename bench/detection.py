@@ -25,7 +25,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from infra.local import bring_down, bring_up, node_names, start_agent  # noqa: E402
+from infra.local import bring_down, bring_up, node_names, restore_pool  # noqa: E402
 from infra.stack import Stack, StackConfig, client_env  # noqa: E402
 from tests.integration.helpers import example_spec, wait_until  # noqa: E402
 from trainguard.cli import exit_now  # noqa: E402
@@ -43,23 +43,6 @@ NODES = 3
 def p95(values: list[float]) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, round(0.95 * (len(s) - 1)))]
-
-
-async def restore_pool(tg: TrainguardClient, state_dir: Path) -> None:
-    stack = Stack.load(state_dir)
-    for name in node_names(NODES, 0):
-        if not stack.is_running(f"agent-{name}"):
-            start_agent(stack, name, REPO)
-    while True:
-        pool = await tg.nodes()
-        if all(n in pool.nodes and pool.nodes[n].state != "lost" for n in node_names(NODES, 0)):
-            break
-        await asyncio.sleep(0.2)
-    for name, node in pool.nodes.items():
-        if node.state == "quarantined":
-            await tg.release_node(name)
-        else:
-            await tg.clear_faults(name)
 
 
 async def ready(job: JobHandle, settle_steps: int) -> dict[str, Any]:
@@ -85,12 +68,12 @@ async def trial(tg: TrainguardClient, job: JobHandle, state_dir: Path, fault: st
         while time.monotonic() < t_end:
             await asyncio.sleep(0.5)
         after = await job.status()
-        await restore_pool(tg, state_dir)
+        await restore_pool(tg, state_dir, node_names(NODES, 0), REPO)
         return float(len(after["incidents"]) - before)
     st = await wait_until(job, lambda s: len(s["incidents"]) > before, timeout_s=300)
     inc = st["incidents"][before]
     if fault in CONDITIONS or inc["action"] == "evict":
-        await restore_pool(tg, state_dir)
+        await restore_pool(tg, state_dir, node_names(NODES, 0), REPO)
     return inc["detection_s"]
 
 

@@ -30,6 +30,7 @@ from infra.ports import LOOPBACK, port_is_free
 from infra.processes import wait_for
 from infra.stack import Stack, StackConfig, addresses, client_env
 from trainguard import pool_client
+from trainguard.client import TrainguardClient
 from trainguard.settings import Settings
 from trainguard.temporal import connect
 
@@ -188,3 +189,17 @@ def bring_down(state_dir: Path) -> list[str]:
     if plan is not None:
         netns_mod.teardown(plan)
     return stopped
+
+
+async def restore_pool(client: TrainguardClient, state_dir: Path, names: list[str], code_dir: Path) -> None:
+    """After drills: every agent running again, no fault standing, no machine quarantined."""
+    stack = Stack.load(state_dir)
+    for name in names:
+        if not stack.is_running(f"agent-{name}"):
+            start_agent(stack, name, code_dir)
+    await wait_agents(client.settings, names)
+    for name, node in (await client.nodes()).nodes.items():
+        if node.state == "quarantined":
+            await client.release_node(name)
+        elif node.state != "lost":
+            await client.clear_faults(name)

@@ -4,14 +4,13 @@ loopback ports."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from infra.local import bring_down, bring_up, node_names, start_agent
+from infra.local import bring_down, bring_up, node_names, restore_pool
 from infra.stack import Stack, StackConfig, client_env
 from tests.integration.helpers import REPO, example_spec, run_to_end
 from trainguard.client import TrainguardClient
@@ -57,19 +56,4 @@ async def reference(tg: TrainguardClient) -> dict[str, Any]:
 async def healthy_pool(tg: TrainguardClient, stack_dir: Path) -> AsyncIterator[None]:
     """After a test: every agent running, no fault standing, no machine quarantined."""
     yield
-    stack = Stack.load(stack_dir)
-    for name in node_names(NODES, 0):
-        if not stack.is_running(f"agent-{name}"):
-            start_agent(stack, name, REPO)
-    deadline = asyncio.get_running_loop().time() + 60
-    while True:
-        pool = await tg.nodes()
-        if all(name in pool.nodes and pool.nodes[name].state != "lost" for name in node_names(NODES, 0)):
-            break
-        assert asyncio.get_running_loop().time() < deadline, "agents did not come back"
-        await asyncio.sleep(0.2)
-    for name, node in pool.nodes.items():
-        if node.state == "quarantined":
-            await tg.release_node(name)
-        else:
-            await tg.clear_faults(name)
+    await restore_pool(tg, stack_dir, node_names(NODES, 0), REPO)

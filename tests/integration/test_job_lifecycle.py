@@ -93,45 +93,35 @@ async def test_continue_as_new_while_ranks_run(tg: TrainguardClient, reference: 
     assert len(runs) >= 2
 
 
+def cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    """The real command line against the test stack."""
+    env = {**os.environ, **settings.to_env()}
+    return subprocess.run(
+        [sys.executable, "-m", "trainguard", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=60,
+    )
+
+
 def test_cli_rejects_bad_spec_and_starts_nothing(tmp_path: Path, settings: Settings) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(
         "name: bad-spec\nentrypoint: [python, x.py]\nnodes: 2\nranks_per_node: 2\n"
         "topology: {pp: 3}\ntarget_steps: 10\n"
     )
-    env = {**os.environ, **settings.to_env()}
-    r = subprocess.run(
-        [sys.executable, "-m", "trainguard", "submit", str(bad)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=60,
-    )
+    r = cli(settings, "submit", str(bad))
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0
     assert "topology" in r.stderr
-    listed = subprocess.run(
-        [sys.executable, "-m", "trainguard", "list", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=60,
-    )
+    listed = cli(settings, "list", "--json")
     assert listed.returncode == 0
     assert "bad-spec" not in listed.stdout
 
 
 def test_cli_status_unknown_job(settings: Settings) -> None:
-    env = {**os.environ, **settings.to_env()}
-    r = subprocess.run(
-        [sys.executable, "-m", "trainguard", "status", "no-such-job", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=60,
-    )
+    r = cli(settings, "status", "no-such-job", "--json")
     assert r.returncode == 2
     assert "no-such-job" in r.stderr
