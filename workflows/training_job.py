@@ -181,9 +181,11 @@ class TrainingJobWorkflow:
                 self.s.nodes = list(res.nodes)
                 return True
             self._details(f"waiting for machines: {res.message}")
-            await workflow.wait_condition(
-                lambda: self.stop_reason is not None, timeout=timedelta(seconds=self.inp.pool_retry_s)
-            )
+            # wait_condition raises on timeout: here the timeout is the retry timer.
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(
+                    lambda: self.stop_reason is not None, timeout=timedelta(seconds=self.inp.pool_retry_s)
+                )
         return False
 
     async def _begin_attempt(self) -> None:
