@@ -588,7 +588,8 @@ class TrainingJobWorkflow:
                 keep=spec.checkpoint.keep,
             ),
             task_queue=CONTROLLER_QUEUE,
-            start_to_close_timeout=timedelta(minutes=5),
+            # Short: a controller that dies mid-commit is noticed by this timeout, then retried.
+            start_to_close_timeout=SHORT,
             retry_policy=CONTROLLER_RETRY,
             result_type=CheckpointRef,
             summary=f"commit checkpoint step {step}",
