@@ -33,7 +33,14 @@ from typing import Any
 from activities.drills import DrillState
 from activities.health import HealthMonitor
 from trainguard import checkpoints
-from trainguard.detection import Anomaly, TrainingMonitor, classify_exit, exit_kind, incident_priority
+from trainguard.detection import (
+    Anomaly,
+    ExitInfo,
+    TrainingMonitor,
+    classify_exit,
+    exit_kind,
+    incident_priority,
+)
 from trainguard.health.events import HealthEvent
 from trainguard.models import (
     IncidentReport,
@@ -283,20 +290,7 @@ class RankSession:
             # A rank is dying of an uncaught exception: act now, not when it has exited.
             tail = str(rec.get("traceback", ""))[-STDERR_TAIL_BYTES:]
             info = classify_exit(1, None, tail, self.code_dir)
-            kind_ = exit_kind(info)
-            self._raise_incident(
-                self._report(
-                    kind_,
-                    [rank],
-                    origin=kind_ != "comm",
-                    confidence=0.5,
-                    evidence=f"rank {rank} raised ({info.error_class}): {info.summary}"
-                    + (f" at {info.code_location}" if info.code_location else ""),
-                    error_class=info.error_class,
-                    user_code=info.user_code,
-                    code_location=info.code_location,
-                )
-            )
+            self._raise_incident(self._exit_report(rank, info, "raised"))
         elif kind == "fault":
             # A drill acted inside a rank; one-shot faults are used up here.
             fired = [f for f in self.drills.load() if f["id"] == rec.get("id")]
@@ -592,6 +586,21 @@ class RankSession:
             )
         )
 
+    def _exit_report(self, rank: int, info: ExitInfo, how: str) -> IncidentReport:
+        """A rank's fatal error as an incident; a peer's collective error is not the origin."""
+        kind = exit_kind(info)
+        where = f" at {info.code_location}" if info.code_location else ""
+        return self._report(
+            kind,
+            [rank],
+            origin=kind != "comm",
+            confidence=0.5,
+            evidence=f"rank {rank} {how} ({info.error_class}): {info.summary}{where}",
+            error_class=info.error_class,
+            user_code=info.user_code,
+            code_location=info.code_location,
+        )
+
     def _exit_incident(self, missing: list[int]) -> IncidentReport:
         """The most telling rank exit: a CUDA error or user exception outranks the gloo
         errors its peers die of; ranks we stopped ourselves say nothing."""
@@ -600,19 +609,8 @@ class RankSession:
             if e.exit_code == 0 or e.rank in self._we_killed:
                 continue
             info = classify_exit(e.exit_code, e.signal, e.stderr_tail, self.code_dir)
-            kind = exit_kind(info)
-            report = self._report(
-                kind,
-                [e.rank],
-                origin=kind != "comm",
-                confidence=0.5,
-                evidence=f"rank {e.rank} exited ({info.error_class}): {info.summary}"
-                + (f" at {info.code_location}" if info.code_location else ""),
-                error_class=info.error_class,
-                user_code=info.user_code,
-                code_location=info.code_location,
-            )
-            prio = incident_priority(kind, report.confidence, report.origin)
+            report = self._exit_report(e.rank, info, "exited")
+            prio = incident_priority(report.kind, report.confidence, report.origin)
             if best is None or prio > best[0]:
                 best = (prio, report)
         if best is not None:
