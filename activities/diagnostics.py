@@ -2,25 +2,61 @@
 
 ``self_test``: the machine's health probes right now (NVML where present, host,
 drills) plus a matmul checked bit for bit against its exact reference.
+``collective_test``: the machine's ranks (one process each) all-gather,
+all-reduce and multiply with exact answers (``trainguard.collective_check``).
+``pair_test``: this machine's side of an inter-machine pair running the same
+check; the controller pairs machines in two rounds (``analysis.pairing``).
 ``alignment_test``: one step of a tiny reference model from fixed weights and
 input, hashed; the controller compares it with the exact reference and with the
 other machines (``trainguard.selftest``). A drill fault standing on the machine
 that damages compute (sdc, a lost or failing GPU, a crash that keeps recurring)
-makes these tests fail the way a faulty unit would.
+makes these tests fail the way a faulty unit would; a slow unit (slow) makes
+its collectives late and an unreachable NIC (nic-down) keeps it out of them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import socket
+import sys
 
 from temporalio import activity
 
 from activities.drills import DrillState
 from activities.health import HealthMonitor
-from trainguard.models import CheckResult, DiagnosticRequest
+from trainguard.models import CheckResult, DiagnosticRequest, PairTestRequest
 
 # Standing drill faults that mean "this unit computes wrongly".
 _DAMAGING = {"sdc", "gpu-lost", "gpu-xid", "ecc"}
+# How late a slow unit's part of a collective arrives, unless the drill says.
+_SLOW_DELAY_S = 2.0
+
+
+async def _check_process(args: list[str], timeout_s: float) -> dict:
+    """Run one ``trainguard.collective_check`` participant; its JSON line, or why there is none."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "trainguard.collective_check",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s + 30)
+    except (TimeoutError, asyncio.CancelledError):
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise
+    lines = out.decode(errors="replace").strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        tail = err.decode(errors="replace").strip()[-300:]
+        return {"ok": False, "elapsed_s": 0.0, "evidence": f"check exited {proc.returncode}: {tail}"}
 
 
 class DiagnosticActivities:
@@ -34,7 +70,8 @@ class DiagnosticActivities:
         return [
             f["fault"]
             for f in self.drills.load()
-            if f["fault"] in _DAMAGING or (f["fault"] == "crash" and int(f.get("count") or 1) > 1)
+            if not f.get("evades_checks")
+            and (f["fault"] in _DAMAGING or (f["fault"] == "crash" and int(f.get("count") or 1) > 1))
         ]
 
     @activity.defn
@@ -54,6 +91,58 @@ class DiagnosticActivities:
             passed=not problems,
             digest=digest,
             evidence="; ".join(problems) if problems else "health probes clean, matmul exact",
+        )
+
+    def _drill_args(self) -> list[str]:
+        faults = {f["fault"]: f for f in self.drills.load()}
+        args = []
+        if self._damaged():
+            args.append("--corrupt")
+        if "slow" in faults:
+            args += ["--delay-s", str(float(faults["slow"].get("delay_s") or _SLOW_DELAY_S))]
+        if "nic-down" in faults:
+            args.append("--absent")
+        return args
+
+    @activity.defn
+    async def collective_test(self, req: DiagnosticRequest) -> CheckResult:
+        """The machine's ranks, one process each, in a collective with exact answers."""
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        drill = [a for a in self._drill_args() if a != "--absent"]  # loopback needs no NIC
+        common = [
+            "--world",
+            str(req.local_world),
+            "--master",
+            f"127.0.0.1:{port}",
+            "--timeout-s",
+            str(req.timeout_s),
+        ]
+        results = await asyncio.gather(
+            *(
+                _check_process(["--rank", str(r), *common, *drill], req.timeout_s)
+                for r in range(req.local_world)
+            )
+        )
+        bad = [f"local rank {r}: {x['evidence']}" for r, x in enumerate(results) if not x["ok"]]
+        elapsed = max(float(x["elapsed_s"]) for x in results)
+        return CheckResult(
+            node=self.node,
+            passed=not bad,
+            elapsed_s=elapsed,
+            evidence="; ".join(bad) if bad else f"{req.local_world}-rank collective exact in {elapsed:.2f}s",
+        )
+
+    @activity.defn
+    async def pair_test(self, req: PairTestRequest) -> CheckResult:
+        """This machine's side of a pairwise all-gather + matmul with another machine."""
+        args = ["--rank", str(req.rank), "--world", "2", "--master", f"{req.master.host}:{req.master.port}"]
+        x = await _check_process(
+            [*args, "--timeout-s", str(req.timeout_s), *self._drill_args()], req.timeout_s
+        )
+        return CheckResult(
+            node=self.node, passed=bool(x["ok"]), elapsed_s=float(x["elapsed_s"]), evidence=x["evidence"]
         )
 
     @activity.defn

@@ -73,6 +73,7 @@ class DrillState:
             "at_step": req.at_step,
             "count": req.count,
             "duration_s": req.duration_s,
+            "evades_checks": req.evades_checks,
             "injected_at": now.isoformat(),
         }
         self._write([*self.load(), fault])

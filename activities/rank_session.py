@@ -177,7 +177,7 @@ class RankSession:
         assert ref is not None
         by_rank = {s.rank: s for s in ref.shards}
         for rank in self.inp.ranks:
-            shard = by_rank[rank]
+            shard = by_rank[self.inp.restore_from.get(rank, rank)]
             path = self.ckpt_dir / shard_name(ref.step, rank)
             if path.exists() and await asyncio.to_thread(sha256_file, path) == shard.sha256:
                 continue
@@ -325,6 +325,8 @@ class RankSession:
         """
         if self.incident is not None and (self.incident.step is None or step >= self.incident.step):
             return
+        if self.inp.dry_run:
+            return  # a replay's state is thrown away
         delay = 0.5
         while True:
             try:

@@ -94,7 +94,8 @@ class RankActivities:
             await self._stop_older_attempts(inp.job_id, inp.attempt)
 
             async def send(report: ProgressReport) -> None:
-                await self._signal(inp.workflow_id, report)
+                if not inp.dry_run:
+                    await self._signal(inp.workflow_id, report)
 
             sess = RankSession(
                 inp, self.workdir, self.code_dir, self.store, send, self.health, self.drills, self.rank_nice

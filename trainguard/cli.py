@@ -22,6 +22,7 @@ from rich.table import Table
 
 from trainguard.client import (
     BadFault,
+    BadUpdate,
     ControllerUnavailable,
     JobAlreadyRunning,
     TrainguardClient,
@@ -61,7 +62,7 @@ def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (SpecError, UnknownJob, UnknownNode, BadFault, JobAlreadyRunning, BadInput) as exc:
+        except (SpecError, UnknownJob, UnknownNode, BadFault, BadUpdate, JobAlreadyRunning, BadInput) as exc:
             _fail(2, str(exc))
         except ControllerUnavailable as exc:
             _fail(1, str(exc))
@@ -309,6 +310,43 @@ def stop(job: Annotated[str, typer.Argument(metavar="JOB")], state_dir: StateDir
 
 @app.command()
 @handles_errors
+def update(
+    job: Annotated[str, typer.Argument(metavar="JOB")],
+    code_version: Annotated[str, typer.Option("--code-version", help="the version to run")],
+    urgent: Annotated[
+        bool, typer.Option(help="stop and resume now on the same machines (default: at the next recovery)")
+    ] = False,
+    env: Annotated[
+        list[str] | None, typer.Option("--env", metavar="KEY=VALUE", help="env override for this version")
+    ] = None,
+    why: Annotated[str, typer.Option(help="recorded in the job's version history")] = "",
+    state_dir: StateDir = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Hot update JOB to another code version (lazy unless --urgent); recorded with who, when and why."""
+    overrides: dict[str, str] = {}
+    for item in env or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise BadInput(f"env: {item!r} is not KEY=VALUE")
+        overrides[key] = value
+
+    async def go() -> dict[str, Any]:
+        handle = (await _client(state_dir)).job(job)
+        return await handle.update_code(code_version, urgent, env=overrides, why=why)
+
+    res = _run(go())
+    if json_out:
+        _print_json(res)
+    elif urgent:
+        out.print(f"{job} now runs code version {res['current']}")
+    else:
+        when = f"at the next recovery, at the latest {res['deadline']}"
+        out.print(f"{job} will run code version {res['version']} {when}")
+
+
+@app.command()
+@handles_errors
 def inject(
     node: Annotated[str, typer.Argument(metavar="NODE")],
     fault: Annotated[
@@ -321,7 +359,12 @@ def inject(
     ],
     rank: Annotated[int | None, typer.Option(min=0, help="only this rank (rank faults)")] = None,
     at_step: Annotated[int | None, typer.Option(min=1, help="act from this step on")] = None,
-    count: Annotated[int | None, typer.Option(min=1, help="nic-flap: number of flaps")] = None,
+    count: Annotated[
+        int | None, typer.Option(min=1, help="how many times a one-shot fault acts; nic-flap: flaps")
+    ] = None,
+    evades_checks: Annotated[
+        bool, typer.Option("--evades-checks", help="stop-time checks do not see it (drills the replay rung)")
+    ] = False,
     duration_s: Annotated[
         float | None,
         typer.Option(
@@ -341,7 +384,15 @@ def inject(
         c = await _client(state_dir)
         if fault == "clear":
             return {"node": node, "cleared": await c.clear_faults(node)}
-        r = await c.inject(node, fault, rank=rank, at_step=at_step, count=count, duration_s=duration_s)
+        r = await c.inject(
+            node,
+            fault,
+            rank=rank,
+            at_step=at_step,
+            count=count,
+            duration_s=duration_s,
+            evades_checks=evades_checks,
+        )
         return r.model_dump(mode="json")
 
     res = _run(go())

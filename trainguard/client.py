@@ -16,27 +16,32 @@ are not async.
 from __future__ import annotations
 
 import asyncio
+import getpass
+import socket
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from temporalio.client import Client, WorkflowHandle
+from pydantic import ValidationError
+from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.client import WorkflowExecutionStatus as ExecStatus
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
-from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from trainguard import pool_client
+from trainguard.code_versions import CodeUpdate
 from trainguard.job_state import JobInput
 from trainguard.models import ALL_FAULTS, CONTROLLER_QUEUE, InjectRequest, InjectResult, PoolState
 from trainguard.settings import Settings
-from trainguard.spec import JobSpec
+from trainguard.spec import JobSpec, first_validation_error
 from trainguard.temporal import connect
 
 T = TypeVar("T")
 TERMINAL_PHASES = ("completed", "failed", "stopped")
 __all__ = [
     "BadFault",
+    "BadUpdate",
     "ControllerUnavailable",
     "JobAlreadyRunning",
     "JobHandle",
@@ -63,6 +68,10 @@ class BadFault(ValueError):
     def __init__(self, fault: str) -> None:
         super().__init__(f"fault: unknown fault {fault!r} (one of {', '.join(ALL_FAULTS)})")
         self.fault = fault
+
+
+class BadUpdate(ValueError):
+    """A code update the job refused (the message names the field)."""
 
 
 class JobAlreadyRunning(RuntimeError):
@@ -138,11 +147,54 @@ class JobHandle:
             last = st
             await asyncio.sleep(poll_s)
 
+    async def update_code(
+        self,
+        version: str,
+        urgent: bool = False,
+        *,
+        env: dict[str, str] | None = None,
+        entrypoint: list[str] | None = None,
+        why: str = "",
+        who: str | None = None,
+        window_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Hot update to code ``version``. Urgent restarts the ranks on the same machines and
+        returns once they run it; lazy (the default) applies it at the next recovery or, at the
+        latest, after ``window_s`` (24 h). ``env`` and ``entrypoint`` say what the version runs
+        (default: the submitted entrypoint, where ``{code_version}`` names the version)."""
+        fields: dict[str, Any] = {"version": version, "urgent": urgent, "why": why, "who": who or _whoami()}
+        if env:
+            fields["env"] = env
+        if entrypoint is not None:
+            fields["entrypoint"] = entrypoint
+        if window_s is not None:
+            fields["window_s"] = window_s
+        try:
+            req = CodeUpdate.model_validate(fields)
+        except ValidationError as exc:
+            raise first_validation_error(exc) from None
+        if await self._describe_status() != ExecStatus.RUNNING:
+            raise BadUpdate(f"job: {self.job_id} is not running; submit it with code_version: {version}")
+        try:
+            return await self._wf.execute_update("update_code", req, result_type=dict)
+        except WorkflowUpdateFailedError as exc:
+            cause = exc.cause
+            if isinstance(cause, ApplicationError) and cause.type == "BadInput":
+                raise BadUpdate(cause.message) from None
+            raise
+
     async def stop(self, reason: str = "stopped by user") -> None:
         """Ask the job to stop; its ranks are stopped and its last checkpoint stays."""
         if await self._describe_status() != ExecStatus.RUNNING:
             return
         await self._wf.signal("stop", reason)
+
+
+def _whoami() -> str:
+    try:
+        return f"{getpass.getuser()}@{socket.gethostname()}"
+    except (KeyError, OSError):
+        return socket.gethostname()
 
 
 class TrainguardClient:
@@ -220,18 +272,27 @@ class TrainguardClient:
         at_step: int | None = None,
         count: int | None = None,
         duration_s: float | None = None,
+        evades_checks: bool = False,
     ) -> InjectResult:
         """A fault drill on ``node`` (see CONTRACT.md for the faults); persists until cleared.
 
         ``duration_s`` matters on machines with a real NIC (``trainguard up --netns``): how
         long nic-down keeps the link down (default 20 s; the agent restores it itself, as
         nothing can reach it meanwhile), or each nic-flap's down time (default 1 s).
+        ``evades_checks``: the stop-time checks do not see the fault (it shows only under
+        training load), which drills the reattempt, rollback and dual-phase replay rungs.
         """
         if fault not in ALL_FAULTS:
             raise BadFault(fault)
         await self._known_node(node)
         req = InjectRequest(
-            node=node, fault=fault, rank=rank, at_step=at_step, count=count, duration_s=duration_s
+            node=node,
+            fault=fault,
+            rank=rank,
+            at_step=at_step,
+            count=count,
+            duration_s=duration_s,
+            evades_checks=evades_checks,
         )
         return await pool_client.inject(self.temporal, req)
 
@@ -265,6 +326,9 @@ class SyncClient:
         self, job_id: str, on_progress: Callable[[dict[str, Any]], None] | None = None
     ) -> dict[str, Any]:
         return self._run(self._c.job(job_id).wait(on_progress))
+
+    def update_code(self, job_id: str, version: str, urgent: bool = False, **kw: Any) -> dict[str, Any]:
+        return self._run(self._c.job(job_id).update_code(version, urgent, **kw))
 
     def stop(self, job_id: str, reason: str = "stopped by user") -> None:
         self._run(self._c.job(job_id).stop(reason))

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from trainguard import ettr
+from trainguard.code_versions import CodeEvent, CodeRelease, PendingUpdate
 from trainguard.models import CheckpointRef, Endpoint, InjectResult, NodeInfo, ShardInfo
 from trainguard.policy import JobHistory
 from trainguard.spec import JobSpec
@@ -29,6 +30,8 @@ class Incident(BaseModel):
     detected_at: datetime
     fault_at: datetime | None = None
     detection_s: float | None = None
+    # Detection to the final decision (diagnosis included).
+    decision_s: float | None = None
     suspects: list[str] = []
     evicted: list[str] = []
     action: str = "reattempt"
@@ -95,6 +98,10 @@ class JobState(BaseModel):
     # What the decision ladder remembers: incidents, their actions, code versions.
     history: JobHistory = JobHistory()
     progress_at_attempt_start: int = 0
+    # Code versions: what each runs, every change of the current one, a lazy update waiting.
+    releases: dict[str, CodeRelease] = {}
+    code_history: list[CodeEvent] = []
+    pending_update: PendingUpdate | None = None
 
 
 def status_json(state: JobState, now: datetime) -> dict[str, Any]:
@@ -106,6 +113,8 @@ def status_json(state: JobState, now: datetime) -> dict[str, Any]:
         "target_steps": state.spec.target_steps,
         "attempt": state.attempt,
         "code_version": state.code_version,
+        "code_history": [e.model_dump(mode="json") for e in state.code_history],
+        "pending_code_version": _pending(state),
         "ettr": round(ettr.ettr(state.ledger, now), 4),
         "ettr_window_1h": round(ettr.ettr_window(state.ledger, now), 4),
         "badput_s": {k: round(v, 3) for k, v in state.ledger.badput_s.items()},
@@ -120,6 +129,13 @@ def status_json(state: JobState, now: datetime) -> dict[str, Any]:
         "submitted_at": state.submitted_at.isoformat() if state.submitted_at else None,
         "updated_at": state.updated_at.isoformat() if state.updated_at else None,
     }
+
+
+def _pending(state: JobState) -> dict[str, Any] | None:
+    p = state.pending_update
+    if p is None:
+        return None
+    return {"version": p.event.version, "how": p.event.how, "deadline": p.deadline.isoformat()}
 
 
 def combined_param_hash(final_hashes: dict[int, str]) -> str:

@@ -144,6 +144,10 @@ class RunRanksInput(Msg):
     resume: CheckpointRef | None = None
     # Set after continue-as-new: join the ranks already running, never start new ones.
     attach_only: bool = False
+    # Rank -> the rank whose checkpoint shard it restores (a replay on fewer replicas).
+    restore_from: dict[int, int] = {}
+    # A diagnostic run (dual-phase replay): nothing is uploaded and no progress is signalled.
+    dry_run: bool = False
 
 
 class RankExit(Msg):
@@ -200,6 +204,9 @@ class InjectRequest(Msg):
     # Real-NIC drills (agent run with --nic): how long nic-down keeps the link down before the
     # agent restores it itself (default 20 s), or each nic-flap's down time (default 1 s).
     duration_s: float | None = Field(default=None, gt=0, le=3600)
+    # The fault shows only under training load: stop-time checks do not see it, so only a
+    # reattempt, a rollback and the dual-phase replay can find it (drills of those rungs).
+    evades_checks: bool = False
 
 
 class InjectResult(Msg):
@@ -247,6 +254,19 @@ class StopRanksRequest(Msg):
 class DiagnosticRequest(Msg):
     job_id: str
     attempt: int
+    # Ranks per machine: the intra-machine collective test runs that many processes.
+    local_world: int = Field(1, ge=1, le=64)
+    timeout_s: float = Field(20.0, gt=0, le=600)
+
+
+class PairTestRequest(Msg):
+    """One machine's side of a pairwise inter-machine check (rank 0 hosts the rendezvous)."""
+
+    job_id: str
+    attempt: int
+    rank: int = Field(ge=0, le=1)
+    master: Endpoint
+    timeout_s: float = Field(15.0, gt=0, le=600)
 
 
 class CheckResult(Msg):
@@ -256,6 +276,7 @@ class CheckResult(Msg):
     # The exact answer the digest should equal (alignment test).
     reference: str | None = None
     evidence: str = ""
+    elapsed_s: float | None = None
 
 
 class IncidentReport(Msg):

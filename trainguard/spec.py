@@ -97,6 +97,7 @@ class DetectionSpec(_Frozen):
     flap_tolerance: int = Field(2, ge=0, le=1000, description="network flaps tolerated within flap_window_s")
     flap_window_s: float = Field(300.0, gt=0, le=86400)
     evict_confidence: float = Field(0.9, ge=0, le=1, description="health events this sure evict at once")
+    replay_steps: int = Field(3, ge=1, le=1000, description="steps each dual-phase replay group runs")
 
 
 class JobSpec(_Frozen):
@@ -155,7 +156,7 @@ class SpecError(ValueError):
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]-]*): (.*)$", re.S)
 
 
-def _first_error(exc: ValidationError) -> SpecError:
+def first_validation_error(exc: ValidationError) -> SpecError:
     err = exc.errors()[0]
     loc = ".".join(str(p) for p in err["loc"])
     msg = str(err["msg"]).removeprefix("Value error, ")
@@ -174,7 +175,7 @@ def parse_spec(data: Any) -> JobSpec:
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
-        raise _first_error(exc) from None
+        raise first_validation_error(exc) from None
 
 
 def load_spec(path: str | Path) -> JobSpec:

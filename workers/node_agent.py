@@ -74,6 +74,8 @@ async def main(
             stacks.stop_ranks,
             diagnostics.self_test,
             diagnostics.alignment_test,
+            diagnostics.collective_test,
+            diagnostics.pair_test,
         ],
         identity=f"agent-{name}@{os.getpid()}",
         max_concurrent_activities=16,

@@ -26,8 +26,20 @@ with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
 
     from trainguard import checkpoints, ettr
+    from trainguard.analysis import pairing
+    from trainguard.analysis.replay import replay_grid
+    from trainguard.code_versions import (
+        CodeEvent,
+        CodeRelease,
+        CodeUpdate,
+        PendingUpdate,
+        check_update,
+        first_release,
+        spec_for,
+    )
     from trainguard.detection import incident_priority
     from trainguard.job_state import (
+        TERMINAL,
         CheckpointStatus,
         Incident,
         JobInput,
@@ -51,6 +63,7 @@ with workflow.unsafe.imports_passed_through():
         InjectResult,
         LatestCheckpointInput,
         LocalizeStacksInput,
+        PairTestRequest,
         PortRequest,
         ProgressReport,
         ReleaseRequest,
@@ -69,13 +82,16 @@ with workflow.unsafe.imports_passed_through():
         IncidentFacts,
         JobHistory,
         PolicyConfig,
+        apply_code_version,
         decide,
         mark_progress,
         outcome_after_alignment,
         outcome_after_checks,
+        outcome_after_replay,
         outcome_after_stacks,
         record_incident,
     )
+    from trainguard.spec import SpecError
     from trainguard.topology import group_of, place_ranks, ranks_on
 
 SA_PHASE = SearchAttributeKey.for_keyword("TgPhase")
@@ -90,7 +106,7 @@ CONTROLLER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_in
 
 
 class _AttemptOutcome(BaseModel):
-    kind: str  # completed | failed | stopped | continue
+    kind: str  # completed | failed | stopped | continue | update
     results: list[RunRanksResult] = []
     primary: IncidentReport | None = None
     others: list[IncidentReport] = []
@@ -110,6 +126,7 @@ class TrainingJobWorkflow:
                 code_versions=[CodeVersion(version=inp.spec.code_version, note="submitted")],
                 current_version=inp.spec.code_version,
             ),
+            releases={inp.spec.code_version: first_release(inp.spec)},
         )
         self.stop_reason: str | None = None
         self.progress: list[ProgressReport] = []
@@ -136,6 +153,48 @@ class TrainingJobWorkflow:
     def stop(self, reason: str = "stopped by user") -> None:
         self.stop_reason = reason or "stopped by user"
 
+    @workflow.update
+    async def update_code(self, req: CodeUpdate) -> dict[str, Any]:
+        """Hot update: urgent restarts the ranks on the same machines now (and returns once
+        they run the new version); lazy waits for the next recovery or its deadline."""
+        release = self._check_update(req)
+        now = workflow.now()
+        self.s.releases[release.version] = release
+        event = CodeEvent(
+            version=release.version,
+            how="urgent" if req.urgent else "lazy",
+            who=req.who,
+            why=req.why,
+            requested_at=now,
+        )
+        due = now if req.urgent else now + timedelta(seconds=req.window_s)
+        self.s.pending_update = PendingUpdate(event=event, deadline=due)
+        self._details(f"code update to `{release.version}` {'now' if req.urgent else 'at the next recovery'}")
+        if req.urgent:
+            await workflow.wait_condition(
+                lambda: self.s.pending_update is None or self.s.pending_update.event != event
+            )
+        return {
+            "job_id": self.s.spec.name,
+            "version": release.version,
+            "urgent": req.urgent,
+            "current": self.s.code_version,
+            "deadline": None if req.urgent else due.isoformat(),
+        }
+
+    @update_code.validator
+    def _validate_update(self, req: CodeUpdate) -> None:
+        self._check_update(req)
+
+    def _check_update(self, req: CodeUpdate) -> CodeRelease:
+        if self.s.phase in TERMINAL:
+            ended = f"job: {self.s.spec.name} has already ended ({self.s.phase})"
+            raise ApplicationError(ended, type="BadInput")
+        try:
+            return check_update(self.s.spec, self.s.releases, self.s.code_version, self.s.pending_update, req)
+        except SpecError as exc:
+            raise ApplicationError(str(exc), type="BadInput") from None
+
     # -- main loop ---------------------------------------------------------------------
     @workflow.run
     async def run(self, inp: JobInput) -> dict[str, Any]:
@@ -143,6 +202,10 @@ class TrainingJobWorkflow:
         if self.s.submitted_at is None:
             self.s.submitted_at = now
             self.s.ledger = ettr.start(self.s.ledger, now)
+        if not self.s.code_history:
+            self.s.code_history = [
+                CodeEvent(version=self.s.code_version, how="submitted", requested_at=now, applied_at=now)
+            ]
         self._set_phase(self.s.phase)
         if not self.s.nodes and not await self._reserve():
             return await self._finish("stopped")
@@ -163,6 +226,8 @@ class TrainingJobWorkflow:
                 return await self._finish("stopped")
             if outcome.kind == "continue":
                 await self._continue_as_new()
+            if outcome.kind == "update":
+                continue  # the next attempt, on the same machines, runs the new version
             await self._on_failure(outcome)
 
     async def _reserve(self) -> bool:
@@ -188,11 +253,9 @@ class TrainingJobWorkflow:
                 )
         return False
 
-    async def _begin_attempt(self) -> None:
+    async def _latest_checkpoint(self) -> CheckpointRef | None:
         spec = self.s.spec
-        self.s.attempt += 1
-        self.s.progress_at_attempt_start = self.s.ledger.high_water_step
-        resume: CheckpointRef | None = await workflow.execute_activity(
+        return await workflow.execute_activity(
             "latest_checkpoint",
             LatestCheckpointInput(
                 job_id=spec.name,
@@ -205,6 +268,15 @@ class TrainingJobWorkflow:
             retry_policy=CONTROLLER_RETRY,
             result_type=CheckpointRef | None,
         )
+
+    async def _begin_attempt(self) -> None:
+        spec = self.s.spec
+        if self.s.pending_update is not None:
+            # Nothing runs between attempts: an urgent, due or lazy update takes effect now.
+            self._apply_version(self.s.pending_update.event)
+        self.s.attempt += 1
+        self.s.progress_at_attempt_start = self.s.ledger.high_water_step
+        resume = await self._latest_checkpoint()
         if resume is not None:
             self.s.checkpoint = CheckpointStatus(step=resume.step, tier="s3", uri=resume.uri)
         master: Endpoint = await workflow.execute_activity(
@@ -240,7 +312,7 @@ class TrainingJobWorkflow:
             node=node,
             node_index=index,
             ranks=ranks_on(index, spec.ranks_per_node),
-            spec=spec.model_copy(update={"code_version": self.s.code_version}),
+            spec=spec_for(spec, self.s.releases[self.s.code_version]),
             master=run.master,
             ckpt_prefix=checkpoints.job_prefix(spec.checkpoint.s3_prefix, spec.name),
             resume=run.resume,
@@ -266,20 +338,26 @@ class TrainingJobWorkflow:
         seen_done = 0
         while True:
             # Wake on news only: a machine that finished early must not make this spin.
-            await workflow.wait_condition(
-                lambda: (
-                    bool(self.progress)
-                    or self.stop_reason is not None
-                    or sum(h.done() for h in handles.values()) > seen_done  # noqa: B023 - read at once
-                    or self.found is not None
-                    or self._history_full()
+            # A lazy code update also wakes it at its deadline (a timer only while one waits).
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(
+                    lambda: (
+                        bool(self.progress)
+                        or self.stop_reason is not None
+                        or sum(h.done() for h in handles.values()) > seen_done  # noqa: B023 - read at once
+                        or self.found is not None
+                        or self._history_full()
+                        or self._update_due()
+                    ),
+                    timeout=self._until_update_due(),
                 )
-            )
             seen_done = sum(h.done() for h in handles.values())
             self._drain_progress()
             if self.stop_reason is not None:
                 await self._cancel_all(handles)
                 return _AttemptOutcome(kind="stopped")
+            if self._update_due() and not any(self._failed(h) for h in handles.values()):
+                return await self._stop_for_update(handles)
             if self.found is not None or any(self._failed(h) for h in handles.values()):
                 finding = await self._localize_hang() if self._hung(handles) else None
                 return await self._collect_failure(handles, finding)
@@ -287,6 +365,48 @@ class TrainingJobWorkflow:
                 return _AttemptOutcome(kind="completed", results=[h.result() for h in handles.values()])
             if self._history_full():
                 return _AttemptOutcome(kind="continue")
+
+    def _update_due(self) -> bool:
+        p = self.s.pending_update
+        return p is not None and workflow.now() >= p.deadline
+
+    def _until_update_due(self) -> timedelta | None:
+        p = self.s.pending_update
+        if p is None or p.event.how == "urgent":
+            return None
+        return max(p.deadline - workflow.now(), timedelta(seconds=1))
+
+    async def _stop_for_update(self, handles: dict[str, Any]) -> _AttemptOutcome:
+        """Stop the ranks for a code update, keeping the checkpoints they already sent."""
+        p = self.s.pending_update
+        assert p is not None
+        if p.event.how == "lazy":
+            # Its window passed without a recovery: forced now.
+            forced = p.event.model_copy(update={"how": "forced"})
+            self.s.pending_update = p.model_copy(update={"event": forced})
+        self._set_phase("recovering")
+        # Stop the ranks directly: a cancellation reaches the agents only with their next heartbeat.
+        run = self.s.running
+        assert run is not None
+        await self._on_every_machine(
+            "stop_ranks", StopRanksRequest(job_id=self.s.spec.name, attempt=run.attempt), bool
+        )
+        await self._cancel_all(handles)
+        self._drain_progress()
+        await self._wait_commits()
+        self.s.running = None
+        return _AttemptOutcome(kind="update")
+
+    def _apply_version(self, event: CodeEvent) -> None:
+        """Make ``event.version`` current: hot updates (urgent, lazy, forced) and rollbacks alike."""
+        now = workflow.now()
+        if event.how != "rollback":
+            # A new version is a human's answer: the ladder starts over (a rollback already moved it).
+            self.s.history = apply_code_version(self.s.history, event.version, note=event.why)
+        self.s.code_version = event.version
+        self.s.code_history = [*self.s.code_history[-49:], event.model_copy(update={"applied_at": now})]
+        if self.s.pending_update is not None and self.s.pending_update.event.version == event.version:
+            self.s.pending_update = None
 
     @staticmethod
     def _failed(h: Any) -> bool:
@@ -720,12 +840,23 @@ class TrainingJobWorkflow:
             self.s.ledger, "diagnosis", (workflow.now() - diagnosing_since).total_seconds()
         )
         final = decisions[-1]
+        incident.decision_s = round((workflow.now() - primary.detected_at).total_seconds(), 3)
         self.s.history = record_incident(self.s.history, facts, decisions)
         incident.action = final.action
         incident.evidence = f"{incident.evidence} | {' -> '.join(d.evidence for d in decisions)}"[:3000]
         self._set_phase("recovering")
         if final.action == "evict":
             await self._evict(final.machines, incident)
+        if final.action == "rollback" and final.rollback_to:
+            self._apply_version(
+                CodeEvent(
+                    version=final.rollback_to,
+                    how="rollback",
+                    who="trainguard",
+                    why=f"{incident.id}: {final.evidence[:300]}",
+                    requested_at=workflow.now(),
+                )
+            )
         if final.action == "stop":
             self.s.verdict = final.verdict or f"stopped after {primary.kind} on {primary.node}"
             await self._finish("failed")
@@ -735,13 +866,13 @@ class TrainingJobWorkflow:
         """Run the diagnosis a decision asks for; returns the decision its result leads to."""
         primary = outcome.primary
         assert primary is not None
-        req = DiagnosticRequest(job_id=self.s.spec.name, attempt=attempt)
+        req = DiagnosticRequest(
+            job_id=self.s.spec.name, attempt=attempt, local_world=self.s.spec.ranks_per_node
+        )
         if decision.action == "stop-time-checks":
-            targets = decision.suspects if decision.scope == "suspects" and decision.suspects else None
-            results = await self._on_every_machine("self_test", req, CheckResult, only=targets)
-            failed = [r.node for r in results if not r.passed]
-            details = "; ".join(f"{r.node}: {r.evidence}" for r in results)
-            return outcome_after_checks(failed, evidence=details)
+            return await self._stop_time_checks(decision, req)
+        if decision.action == "replay":
+            return await self._replay(attempt)
         if decision.action == "stack-aggregation":
             # Stacks were taken while the hung ranks still stood; fail-slow rounds named the machine.
             machines = outcome.evict or ([primary.node] if primary.kind == "slow" else [])
@@ -758,6 +889,183 @@ class TrainingJobWorkflow:
                 follow = follow.model_copy(update={"machines": [m for m in follow.machines if m in hashes]})
             return follow
         return None
+
+    async def _stop_time_checks(self, decision: Decision, req: DiagnosticRequest) -> Decision:
+        """Cheapest first, stopping at the first check that names a machine: the compute
+        self-test, the intra-machine collective (both on the suspects), then pairwise
+        inter-machine rounds over the job's machines."""
+        targets = decision.suspects if decision.scope == "suspects" and decision.suspects else None
+        results = await self._on_every_machine("self_test", req, CheckResult, only=targets)
+        failed = [r.node for r in results if not r.passed]
+        details = ["self-test: " + "; ".join(f"{r.node}: {r.evidence}" for r in results)]
+        if not failed and req.local_world > 1:
+            results = await self._on_every_machine("collective_test", req, CheckResult, only=targets)
+            failed = [r.node for r in results if not r.passed]
+            details.append(
+                "intra-machine collective: " + "; ".join(f"{r.node}: {r.evidence}" for r in results)
+            )
+        stragglers: list[str] = []
+        if not failed and len(self.s.nodes) > 1:
+            slow_factor = self.s.spec.detection.slow_factor
+            names = [n.name for n in self.s.nodes]
+            round1 = await self._pair_round(pairing.first_round(names), req)
+            round2 = await self._pair_round(pairing.second_round(names, round1, slow_factor), req)
+            found = pairing.verdict(round1, round2, slow_factor)
+            failed, stragglers = found.faulty, found.stragglers
+            details.append(found.evidence)
+        return outcome_after_checks(failed, stragglers, evidence=" | ".join(details))
+
+    async def _pair_round(
+        self, pairs: list[tuple[str, str]], req: DiagnosticRequest
+    ) -> list[pairing.PairResult]:
+        """Every pair at once: the first machine hosts the rendezvous, both run ``pair_test``."""
+        queues = {n.name: n.task_queue for n in self.s.nodes}
+
+        def call(activity: str, arg: Any, node: str, result_type: type) -> Any:
+            return workflow.execute_activity(
+                activity,
+                arg,
+                task_queue=queues[node],
+                schedule_to_start_timeout=timedelta(seconds=10),
+                start_to_close_timeout=timedelta(seconds=req.timeout_s + 45),
+                retry_policy=NO_RETRY,
+                result_type=result_type,
+                summary=f"{node}: pairwise check",
+            )
+
+        async def one(a: str, b: str) -> pairing.PairResult:
+            try:
+                master: Endpoint = await call(
+                    "pick_master_port", PortRequest(job_id=req.job_id, attempt=req.attempt), a, Endpoint
+                )
+            except ActivityError as err:
+                return pairing.PairResult(
+                    machines=(a, b), ok=False, elapsed_s=0.0, evidence=f"{a}: {err.cause or err}"
+                )
+            sides = await asyncio.gather(
+                *(
+                    call(
+                        "pair_test",
+                        PairTestRequest(job_id=req.job_id, attempt=req.attempt, rank=i, master=master),
+                        n,
+                        CheckResult,
+                    )
+                    for i, n in enumerate((a, b))
+                ),
+                return_exceptions=True,
+            )
+            ok = all(isinstance(x, CheckResult) and x.passed for x in sides)
+            elapsed = max((x.elapsed_s or 0.0 for x in sides if isinstance(x, CheckResult)), default=0.0)
+            why = "; ".join(
+                f"{n}: {x.evidence if isinstance(x, CheckResult) else x}"
+                for n, x in zip((a, b), sides, strict=True)
+            )
+            return pairing.PairResult(machines=(a, b), ok=ok, elapsed_s=elapsed, evidence=why[:500])
+
+        return list(await asyncio.gather(*(one(a, b) for a, b in pairs)))
+
+    async def _replay(self, attempt: int) -> Decision:
+        """Dual-phase replay: a few steps of the job from its last checkpoint on every row of
+        the machine grid, then every column (TP and PP kept, DP shrunk to the group); the
+        failing row and column cross at the faulty machine."""
+        spec = self.s.spec
+        per_replica, rpn = spec.topology.tp * spec.topology.pp, spec.ranks_per_node
+        if per_replica % rpn and rpn % per_replica:
+            return Decision(
+                action="reattempt",
+                rung="replay-clean",
+                evidence=f"replay: a replica of {per_replica} ranks does not fill machines of {rpn} ranks",
+            )
+        plan = replay_grid([n.name for n in self.s.nodes], max(1, per_replica // rpn))
+        resume = await self._latest_checkpoint()
+        failed: list[set[int]] = []
+        notes: list[str] = []
+        for phase, groups in ((1, plan.horizontal), (2, plan.vertical)):
+            oks = await asyncio.gather(
+                *(self._replay_group(g, resume, attempt * 100 + phase) for g in groups)
+            )
+            failed.append({i for i, (ok, _) in enumerate(oks) if not ok})
+            kind = "row" if phase == 1 else "column"
+            notes += [
+                f"{kind} {i} [{', '.join(g)}]: {why}"
+                for i, (g, (_, why)) in enumerate(zip(groups, oks, strict=True))
+            ]
+        decision = outcome_after_replay(plan, failed[0], failed[1])
+        return decision.model_copy(update={"evidence": f"{decision.evidence} ({'; '.join(notes)})"[:2000]})
+
+    async def _replay_group(
+        self, machines: list[str], resume: CheckpointRef | None, tag: int
+    ) -> tuple[bool, str]:
+        """Replay on ``machines`` alone: (every rank finished cleanly, what happened)."""
+        spec = self.s.spec
+        rpn = spec.ranks_per_node
+        index = {n.name: i for i, n in enumerate(self.s.nodes)}
+        nodes = [self.s.nodes[index[m]] for m in machines]
+        start = resume.step if resume else 0
+        group_spec = spec_for(spec, self.s.releases[self.s.code_version]).model_copy(
+            update={
+                "nodes": len(nodes),
+                "topology": spec.topology.model_copy(
+                    update={"dp": len(nodes) * rpn // (spec.topology.tp * spec.topology.pp)}
+                ),
+                "target_steps": min(start + spec.detection.replay_steps, spec.target_steps),
+                "checkpoint": spec.checkpoint.model_copy(update={"every_steps": 1_000_000}),
+            }
+        )
+        job_id = f"{spec.name}.replay"
+        try:
+            master: Endpoint = await workflow.execute_activity(
+                "pick_master_port",
+                PortRequest(job_id=job_id, attempt=tag),
+                task_queue=nodes[0].task_queue,
+                schedule_to_start_timeout=timedelta(seconds=10),
+                start_to_close_timeout=SHORT,
+                retry_policy=NO_RETRY,
+                result_type=Endpoint,
+            )
+        except ActivityError as err:
+            return False, f"{nodes[0].name} unreachable: {err.cause or err}"
+        runs = [
+            workflow.execute_activity(
+                "run_ranks",
+                RunRanksInput(
+                    job_id=job_id,
+                    workflow_id=workflow.info().workflow_id,
+                    attempt=tag,
+                    node=node,
+                    node_index=i,
+                    ranks=ranks_on(i, rpn),
+                    spec=group_spec,
+                    master=master,
+                    ckpt_prefix=checkpoints.job_prefix(spec.checkpoint.s3_prefix, spec.name),
+                    resume=resume,
+                    restore_from={i * rpn + k: index[node.name] * rpn + k for k in range(rpn)},
+                    dry_run=True,
+                ),
+                task_queue=node.task_queue,
+                schedule_to_start_timeout=timedelta(seconds=10),
+                start_to_close_timeout=timedelta(minutes=5),
+                heartbeat_timeout=timedelta(seconds=self.inp.heartbeat_timeout_s),
+                retry_policy=NO_RETRY,
+                result_type=RunRanksResult,
+                summary=f"{node.name}: replay {', '.join(machines)}",
+            )
+            for i, node in enumerate(nodes)
+        ]
+        results = await asyncio.gather(*runs, return_exceptions=True)
+        # Ranks kept alive after a hang (for their stacks) are not needed here.
+        await self._on_every_machine(
+            "stop_ranks", StopRanksRequest(job_id=job_id, attempt=tag), bool, only=machines
+        )
+        bad = []
+        for node, r in zip(nodes, results, strict=True):
+            if isinstance(r, BaseException):
+                bad.append(f"{node.name}: {getattr(r, 'cause', None) or r}")
+            elif not r.ok:
+                what = r.incident.kind if r.incident else (r.message or "failed")
+                bad.append(f"{node.name}: {what}")
+        steps = f"steps {start + 1}-{group_spec.target_steps}"
+        return (not bad, "; ".join(bad)[:300] if bad else f"{steps} clean")
 
     async def _evict(self, nodes: list[str], incident: Incident) -> None:
         """Quarantine ``nodes``; spares take their places (same logical ranks)."""

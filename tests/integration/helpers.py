@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from trainguard.client import JobHandle
+from trainguard.settings import Settings
 from trainguard.spec import JobSpec, load_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,3 +58,16 @@ async def wait_until(
 
 async def run_to_end(job: JobHandle) -> dict[str, Any]:
     return await asyncio.wait_for(job.wait(poll_s=0.5), JOB_TIMEOUT_S)
+
+
+def cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    """The real command line against the test stack."""
+    env = {**os.environ, **settings.to_env()}
+    return subprocess.run(
+        [sys.executable, "-m", "trainguard", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=60,
+    )

@@ -3,9 +3,6 @@ stop and resubmit, a controller SIGKILL, continue-as-new while ranks run."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +10,7 @@ import pytest
 
 from infra.local import start_controller
 from infra.stack import Stack
-from tests.integration.helpers import REPO, example_spec, run_to_end, wait_until
+from tests.integration.helpers import cli, example_spec, run_to_end, wait_until
 from trainguard import checkpoints
 from trainguard.client import JobAlreadyRunning, TrainguardClient
 from trainguard.settings import Settings
@@ -91,19 +88,6 @@ async def test_continue_as_new_while_ranks_run(tg: TrainguardClient, reference: 
     assert final["result"]["param_hash"] == reference["result"]["param_hash"]
     runs = [wf async for wf in tg.temporal.list_workflows("WorkflowId = 'can'")]
     assert len(runs) >= 2
-
-
-def cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    """The real command line against the test stack."""
-    env = {**os.environ, **settings.to_env()}
-    return subprocess.run(
-        [sys.executable, "-m", "trainguard", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=60,
-    )
 
 
 def test_cli_rejects_bad_spec_and_starts_nothing(tmp_path: Path, settings: Settings) -> None:

@@ -46,6 +46,7 @@ async def test_transient_crash_passes_checks_and_reattempts(
     inc = single(final, reference)
     assert inc["action"] == "reattempt" and inc["evicted"] == []
     assert "all stop-time checks passed" in inc["evidence"]
+    assert "intra-machine collective" in inc["evidence"] and "pairwise all-gather" in inc["evidence"]
     assert final["nodes"] == {"0": "node-1", "1": "node-2"}
 
 
@@ -88,3 +89,46 @@ async def test_bug_in_the_only_code_version_stops_with_a_verdict(tg: TrainguardC
     assert final["incidents"][-1]["action"] == "stop"
     pool = await tg.nodes()
     assert all(n.state != "quarantined" for n in pool.nodes.values())
+
+
+async def test_bad_code_version_is_rolled_back_without_evicting(
+    tg: TrainguardClient, reference: dict[str, Any]
+) -> None:
+    # v2 raises TypeError from its first step: the ladder rolls back to v1, blaming no machine.
+    job = await tg.submit(example_spec("loc-user-code"))
+    await wait_until(job, lambda s: s["step"] >= 25)
+    applied = await job.update_code("v2", urgent=True, env={"GPT_BUG_AT_STEP": "1"}, why="drill: bad release")
+    assert applied["current"] == "v2"
+    inc = single(await run_to_end(job), reference)
+    final = await job.status()
+    assert inc["kind"] == "user-code" and "TypeError" in inc["evidence"]
+    assert inc["action"] == "rollback" and inc["evicted"] == []
+    assert final["code_version"] == "v1"
+    assert [(e["version"], e["how"]) for e in final["code_history"]] == [
+        ("v1", "submitted"),
+        ("v2", "urgent"),
+        ("v1", "rollback"),
+    ]
+    assert final["code_history"][1]["why"] == "drill: bad release"
+    assert final["code_history"][2]["who"] == "trainguard"
+    assert final["nodes"] == {"0": "node-1", "1": "node-2"}
+
+
+async def test_fault_hidden_from_the_checks_is_named_by_dual_phase_replay(
+    tg: TrainguardClient, reference: dict[str, Any]
+) -> None:
+    # A crash the stop-time checks cannot see: checks pass -> reattempt; it recurs, there is no
+    # earlier code version -> replay on the row [node-1, node-2], then the columns, names node-1.
+    job = await tg.submit(example_spec("loc-replay"))
+    await wait_until(job, lambda s: s["step"] >= 25)
+    await tg.inject("node-1", "crash", rank=1, count=50, evades_checks=True)
+    final = await run_to_end(job)
+    assert final["phase"] == "completed", final
+    assert final["result"]["param_hash"] == reference["result"]["param_hash"]
+    first, second = final["incidents"]
+    assert first["action"] == "reattempt" and first["evicted"] == []
+    assert "all stop-time checks passed" in first["evidence"]
+    assert second["action"] == "evict" and second["evicted"] == ["node-1"]
+    assert "dual-phase replay" in second["evidence"] and "cross at" in second["evidence"]
+    assert "column 1 [node-2]: steps" in second["evidence"]
+    assert final["nodes"] == {"0": "node-3", "1": "node-2"}
