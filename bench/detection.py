@@ -17,7 +17,6 @@ import asyncio
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from infra.local import bring_down, bring_up, node_names, restore_pool  # noqa: E402
-from infra.stack import Stack, StackConfig, client_env  # noqa: E402
+from bench.private_stack import run_bench  # noqa: E402
+from infra.local import node_names, restore_pool  # noqa: E402
+from infra.stack import Stack, client_env  # noqa: E402
 from tests.integration.helpers import example_spec, wait_until  # noqa: E402
 from trainguard.cli import exit_now  # noqa: E402
 from trainguard.client import JobHandle, TrainguardClient  # noqa: E402
@@ -117,16 +117,9 @@ def main() -> None:
     if unknown:
         print(f"error: faults: unknown {unknown} (one of {', '.join(FAULTS)})", file=sys.stderr)
         exit_now(2)
-    t0 = time.monotonic()
-    state_dir = Path(tempfile.mkdtemp(prefix="tg-bench-detect-"))
-    try:
-        bring_up(state_dir, nodes=NODES, config=StackConfig.for_tests(state_dir), code_dir=REPO)
-        result = asyncio.run(
-            run(state_dir, args.trials, faults, lambda m: print(m, file=sys.stderr, flush=True))
-        )
-    finally:
-        bring_down(state_dir)
-    result["wall_s"] = round(time.monotonic() - t0, 1)
+    result = run_bench(
+        "tg-bench-detect-", NODES, lambda state_dir, log: run(state_dir, args.trials, faults, log)
+    )
     if args.json:
         print(json.dumps(result))
     else:

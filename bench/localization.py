@@ -18,8 +18,6 @@ import asyncio
 import json
 import statistics
 import sys
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,8 +25,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from infra.local import bring_down, bring_up, node_names, restore_pool  # noqa: E402
-from infra.stack import Stack, StackConfig, client_env  # noqa: E402
+from bench.private_stack import run_bench  # noqa: E402
+from infra.local import node_names, restore_pool  # noqa: E402
+from infra.stack import Stack, client_env  # noqa: E402
 from tests.integration.helpers import example_spec, wait_until  # noqa: E402
 from trainguard.cli import exit_now  # noqa: E402
 from trainguard.client import TrainguardClient  # noqa: E402
@@ -130,16 +129,7 @@ def main() -> None:
         what = f"cases: unknown {unknown} (one of {', '.join(CASES)})" if unknown else "trials: must be >= 1"
         print(f"error: {what}", file=sys.stderr)
         exit_now(2)
-    t0 = time.monotonic()
-    state_dir = Path(tempfile.mkdtemp(prefix="tg-bench-loc-"))
-    try:
-        bring_up(state_dir, nodes=NODES, config=StackConfig.for_tests(state_dir), code_dir=REPO)
-        result = asyncio.run(
-            run(state_dir, args.trials, cases, lambda m: print(m, file=sys.stderr, flush=True))
-        )
-    finally:
-        bring_down(state_dir)
-    result["wall_s"] = round(time.monotonic() - t0, 1)
+    result = run_bench("tg-bench-loc-", NODES, lambda d, log: run(d, args.trials, cases, log))
     if args.json:
         print(json.dumps(result))
     else:

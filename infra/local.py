@@ -116,14 +116,14 @@ def start_relay(stack: Stack, plan: NetnsPlan, timeout_s: float = 15.0) -> None:
 
 
 async def wait_agents(settings: Settings, names: list[str], timeout_s: float = AGENT_READY_TIMEOUT_S) -> None:
-    """Until every named agent is registered with the pool (and not marked lost)."""
+    """Until every named agent is registered with the pool and past its self-test (not lost)."""
     client = await connect(settings)
     deadline = time.monotonic() + timeout_s
     missing = set(names)
     while True:
         try:
             pool = await pool_client.state(client)
-            missing = {n for n in names if n not in pool.nodes or pool.nodes[n].state == "lost"}
+            missing = {n for n in names if n not in pool.nodes or pool.nodes[n].state in ("lost", "suspect")}
         except Exception:  # the pool or the controller is still starting
             missing = set(names)
         if not missing:

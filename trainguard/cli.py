@@ -269,7 +269,8 @@ def nodes(
     state_dir: StateDir = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """The node pool: which machine is free, active with a job, standby or quarantined (and why)."""
+    """The node pool: each machine active with a job, on standby, suspect (in its self-test),
+    quarantined (and why) or lost; and the standby target for the jobs running now."""
     if action is not None and (action != "release" or not node):
         raise BadInput("action: expected `trainguard nodes` or `trainguard nodes release NODE`")
 
@@ -285,9 +286,9 @@ def nodes(
         for n in sorted(pool.nodes.values(), key=lambda n: n.info.name)
     ]
     if json_out:
-        _print_json({"nodes": rows})
+        _print_json({"nodes": rows, "standby": pool.standby, "standby_target": pool.standby_target})
         return
-    t = Table(title="node pool")
+    t = Table(title=f"node pool: {pool.standby} on standby, target {pool.standby_target}")
     for col in ("node", "state", "job", "reason"):
         t.add_column(col)
     for r in rows:

@@ -32,7 +32,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from trainguard import pool_client
 from trainguard.code_versions import CodeUpdate
 from trainguard.job_state import JobInput
-from trainguard.models import ALL_FAULTS, CONTROLLER_QUEUE, InjectRequest, InjectResult, PoolState
+from trainguard.models import ALL_FAULTS, CONTROLLER_QUEUE, InjectRequest, InjectResult, PoolConfig, PoolState
 from trainguard.settings import Settings
 from trainguard.spec import JobSpec, first_validation_error
 from trainguard.temporal import connect
@@ -259,6 +259,10 @@ class TrainguardClient:
 
     async def nodes(self) -> PoolState:
         return await pool_client.state(self.temporal)
+
+    async def configure_pool(self, config: PoolConfig) -> PoolConfig:
+        """Standby sizing (failure rate, minimum) and how often quarantined machines re-test."""
+        return await pool_client.configure(self.temporal, config)
 
     async def _known_node(self, node: str) -> None:
         if node not in (await self.nodes()).nodes:

@@ -36,15 +36,20 @@ class NodeInfo(Msg):
     gpus: int = 0
 
 
-NodeState = Literal["free", "active", "standby", "quarantined", "suspect", "lost"]
+# suspect: waiting for its self-test (new, returning, or evicted with a group); standby: passed it,
+# ready for a job; active: with a job; quarantined: failed a check or blamed for a fault.
+NodeState = Literal["active", "standby", "quarantined", "suspect", "lost"]
 
 
 class PoolNode(Msg):
     info: NodeInfo
-    state: NodeState = "free"
+    state: NodeState = "suspect"
     job: str | None = None
     reason: str | None = None
     since: datetime | None = None
+    # The latest self-test: when, and what it said.
+    tested_at: datetime | None = None
+    evidence: str | None = None
 
 
 class ReserveRequest(Msg):
@@ -70,6 +75,9 @@ class EvictRequest(Msg):
     nodes: list[str]
     reason: str
     current: list[str]  # the job's machines in rank-block order
+    # False when the machines are only suspected (a whole group evicted for one outlier): they
+    # go to ``suspect`` and back to standby once they pass the self-test, not to quarantine.
+    confirmed: bool = True
 
 
 class EvictResult(Msg):
@@ -79,8 +87,23 @@ class EvictResult(Msg):
     message: str = ""
 
 
+class PoolConfig(Msg):
+    """How the pool sizes and heals itself."""
+
+    # Failures per machine per day: the standby target is the 99th percentile of
+    # Binomial(machines in use, rate) per job (trainguard.standby).
+    daily_failure_rate: float = Field(0.0012, ge=0, le=1)
+    min_standby: int = Field(1, ge=0, le=10_000)
+    # A quarantined machine runs its self-test again this often; it returns when it passes.
+    retest_s: float = Field(1800.0, gt=0, le=30 * 86400)
+
+
 class PoolState(Msg):
     nodes: dict[str, PoolNode] = {}
+    config: PoolConfig = PoolConfig()
+    # Filled in by the ``state`` query: spares wanted for the jobs running now, and spares ready.
+    standby_target: int = 0
+    standby: int = 0
 
 
 # -- checkpoints -----------------------------------------------------------------

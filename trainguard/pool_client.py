@@ -19,6 +19,7 @@ from trainguard.models import (
     InjectRequest,
     InjectResult,
     NodeInfo,
+    PoolConfig,
     PoolNode,
     PoolState,
     ReleaseRequest,
@@ -76,6 +77,10 @@ async def clear_faults(client: Client, name: str) -> int:
     return await client.get_workflow_handle(POOL_WORKFLOW_ID).execute_update(
         "clear_faults", name, result_type=int
     )
+
+
+async def configure(client: Client, config: PoolConfig) -> PoolConfig:
+    return await _update(client, "configure", config, PoolConfig)
 
 
 async def release_node(client: Client, name: str) -> PoolNode:

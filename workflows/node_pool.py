@@ -4,32 +4,46 @@ An entity workflow, one per cluster (id ``trainguard-pool``). Agents register
 when they start; jobs reserve machines and release them when they end. Updates
 run one at a time (a lock), so two jobs never get the same machine. State is a
 single model carried across continue-as-new.
+
+Lifecycle: a new or returning machine is ``suspect`` until its self-test (run
+by the pool in the background) passes, then ``standby``; jobs take standbys
+(``active``); an eviction quarantines a machine (or, for a group evicted for
+one outlier, makes it ``suspect`` again) and hands the job standbys in the same
+step. A quarantined machine re-runs its self-test every ``retest_s`` and
+returns when it passes, or when an operator releases it. The standby target
+(99th percentile of daily failures per job, ``trainguard.standby``) is shown
+with the pool.
 """
 
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
+import contextlib
+from datetime import datetime, timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from trainguard.models import (
         ALL_FAULTS,
+        CheckResult,
         ClearFaultsRequest,
+        DiagnosticRequest,
         EvictRequest,
         EvictResult,
         InjectRequest,
         InjectResult,
         NodeInfo,
+        PoolConfig,
         PoolNode,
         PoolState,
         ReleaseRequest,
         ReserveRequest,
         ReserveResult,
     )
+    from trainguard.standby import standby_target
 
 # Continue-as-new well before Temporal's history limits; the state is small.
 MAX_HISTORY_EVENTS = 4000
@@ -46,18 +60,114 @@ class NodePoolWorkflow:
     @workflow.init
     def __init__(self, state: PoolState | None = None) -> None:
         self.nodes: dict[str, PoolNode] = dict(state.nodes) if state else {}
+        self.config = state.config if state else PoolConfig()
         self.lock = asyncio.Lock()
+        self.replan = False  # the config changed: the loop's retest timer must be recomputed
 
     @workflow.run
     async def run(self, state: PoolState | None = None) -> None:
-        await workflow.wait_condition(
-            lambda: (
-                workflow.info().get_current_history_length() > MAX_HISTORY_EVENTS
-                or workflow.info().is_continue_as_new_suggested()
-            )
-        )
+        # The background loop: self-test suspects at once and quarantined machines when due.
+        while not self._history_full():
+            due = self._due_for_test()
+            if due:
+                await self._self_test(due)
+                continue
+            self.replan = False
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(
+                    lambda: self.replan or bool(self._due_for_test()) or self._history_full(),
+                    timeout=self._next_retest(),
+                )
         await workflow.wait_condition(workflow.all_handlers_finished)
-        workflow.continue_as_new(PoolState(nodes=self.nodes))
+        workflow.continue_as_new(PoolState(nodes=self.nodes, config=self.config))
+
+    def _history_full(self) -> bool:
+        info = workflow.info()
+        return info.get_current_history_length() > MAX_HISTORY_EVENTS or info.is_continue_as_new_suggested()
+
+    def _retest_at(self, n: PoolNode) -> datetime | None:
+        if n.state != "quarantined" or n.since is None:
+            return None
+        return max(n.since, n.tested_at or n.since) + timedelta(seconds=self.config.retest_s)
+
+    def _due_for_test(self) -> list[str]:
+        now = workflow.now()
+        return sorted(
+            (
+                name
+                for name, n in self.nodes.items()
+                if n.state == "suspect" or ((at := self._retest_at(n)) is not None and at <= now)
+            ),
+            key=_order,
+        )
+
+    def _next_retest(self) -> timedelta | None:
+        times = [at for n in self.nodes.values() if (at := self._retest_at(n)) is not None]
+        if not times:
+            return None
+        return max(min(times) - workflow.now(), timedelta(seconds=1))
+
+    async def _self_test(self, names: list[str]) -> None:
+        """Run the self-test on each machine (at once); pass -> standby, fail -> quarantined."""
+        before = {name: self.nodes[name] for name in names}
+
+        async def one(name: str) -> tuple[bool, str]:
+            try:
+                r: CheckResult = await workflow.execute_activity(
+                    "self_test",
+                    DiagnosticRequest(job_id="trainguard-pool", attempt=0),
+                    task_queue=before[name].info.task_queue,
+                    schedule_to_start_timeout=timedelta(seconds=30),
+                    start_to_close_timeout=timedelta(seconds=120),
+                    retry_policy=RetryPolicy(maximum_attempts=1),
+                    result_type=CheckResult,
+                    summary=f"{name}: self-test ({before[name].state})",
+                )
+                return r.passed, r.evidence
+            except ActivityError as err:
+                return False, f"self-test did not run: {err.cause or err}"
+
+        results = await asyncio.gather(*(one(name) for name in names))
+        async with self.lock:
+            now = workflow.now()
+            for name, (passed, evidence) in zip(names, results, strict=True):
+                n = self.nodes[name]
+                if n != before[name]:
+                    continue  # changed meanwhile (released, re-registered, lost): its new state stands
+                if passed:
+                    update = {"state": "standby", "reason": None, "since": now}
+                elif n.state == "suspect":
+                    update = {
+                        "state": "quarantined",
+                        "reason": f"self-test failed: {evidence}"[:500],
+                        "since": now,
+                    }
+                else:
+                    update = {}
+                self.nodes[name] = n.model_copy(
+                    update={**update, "tested_at": now, "evidence": evidence[:500]}
+                )
+
+    def _standbys(self) -> list[PoolNode]:
+        return sorted(
+            (n for n in self.nodes.values() if n.state == "standby" and n.job is None),
+            key=lambda n: _order(n.info.name),
+        )
+
+    def _standby_target(self) -> int:
+        """Spares for every job running now (each sized on its own), at least ``min_standby``."""
+        per_job: dict[str, int] = {}
+        for n in self.nodes.values():
+            if n.state == "active" and n.job is not None:
+                per_job[n.job] = per_job.get(n.job, 0) + 1
+        wanted = sum(standby_target(m, self.config.daily_failure_rate) for m in per_job.values())
+        return max(self.config.min_standby, wanted)
+
+    @workflow.update
+    async def configure(self, config: PoolConfig) -> PoolConfig:
+        self.config = config
+        self.replan = True  # a shorter retest interval may make quarantined machines due sooner
+        return config
 
     @workflow.update
     async def register(self, info: NodeInfo) -> PoolNode:
@@ -65,8 +175,9 @@ class NodePoolWorkflow:
         async with self.lock:
             now = workflow.now()
             old = self.nodes.get(info.name)
-            if old is None or old.state == "lost":
-                node = PoolNode(info=info, state="free", since=now)
+            if old is None or old.state in ("lost", "standby", "suspect"):
+                # New, restarted or back from the dead: a standby only once its self-test passes.
+                node = PoolNode(info=info, state="suspect", since=now, reason="waiting for its self-test")
             else:
                 node = old.model_copy(update={"info": info})
             self.nodes[info.name] = node
@@ -79,23 +190,22 @@ class NodePoolWorkflow:
 
     @workflow.update
     async def reserve(self, req: ReserveRequest) -> ReserveResult:
-        """Give ``req.job_id`` ``req.count`` free machines, or nothing. Idempotent per job."""
+        """Give ``req.job_id`` ``req.count`` standby machines, or nothing. Idempotent per job."""
         async with self.lock:
             held = sorted(
                 (n for n in self.nodes.values() if n.job == req.job_id), key=lambda n: _order(n.info.name)
             )
             if len(held) >= req.count:
                 return ReserveResult(granted=True, nodes=[n.info for n in held[: req.count]])
-            free = sorted(
-                (n for n in self.nodes.values() if n.state == "free" and n.job is None),
-                key=lambda n: _order(n.info.name),
-            )
+            free = self._standbys()
             need = req.count - len(held)
             if len(free) < need:
+                testing = sum(n.state == "suspect" for n in self.nodes.values())
                 return ReserveResult(
                     granted=False,
                     free=len(free),
-                    message=f"{req.count} machines requested, {len(free) + len(held)} available",
+                    message=f"{req.count} machines requested, {len(free) + len(held)} available"
+                    + (f" ({testing} more in their self-test)" if testing else ""),
                 )
             now = workflow.now()
             for n in free[:need]:
@@ -112,36 +222,39 @@ class NodePoolWorkflow:
 
     @workflow.update
     async def release(self, req: ReleaseRequest) -> int:
-        """Return a job's machines to the free pool; returns how many were released."""
+        """Return a job's machines to standby (they were healthy with it); returns how many."""
         async with self.lock:
             now = workflow.now()
             released = 0
             for name, n in list(self.nodes.items()):
                 if n.job == req.job_id:
-                    state = "lost" if n.state == "lost" else "free"
+                    state = "lost" if n.state == "lost" else "standby"
                     self.nodes[name] = n.model_copy(update={"state": state, "job": None, "since": now})
                     released += 1
             return released
 
     @workflow.update
     async def evict(self, req: EvictRequest) -> EvictResult:
-        """Quarantine machines and hand the job free ones in the same step, in the same places."""
+        """Quarantine machines (or make them suspect) and hand the job standbys in the same
+        step, in the same places."""
         async with self.lock:
             now = workflow.now()
-            free = sorted(
-                (n for n in self.nodes.values() if n.state == "free" and n.job is None),
-                key=lambda n: _order(n.info.name),
-            )
+            free = self._standbys()
             if len(free) < len(req.nodes):
                 return EvictResult(
                     replaced=False,
-                    message=f"{len(req.nodes)} spare machines needed, {len(free)} free",
+                    message=f"{len(req.nodes)} spare machines needed, {len(free)} on standby",
                 )
             swap = dict(zip(req.nodes, free, strict=False))
             for name in req.nodes:
                 old = self.nodes[name]
                 self.nodes[name] = old.model_copy(
-                    update={"state": "quarantined", "job": None, "reason": req.reason[:500], "since": now}
+                    update={
+                        "state": "quarantined" if req.confirmed else "suspect",
+                        "job": None,
+                        "reason": req.reason[:500],
+                        "since": now,
+                    }
                 )
                 new = swap[name]
                 self.nodes[new.info.name] = new.model_copy(
@@ -161,12 +274,14 @@ class NodePoolWorkflow:
 
     @workflow.update
     async def release_node(self, name: str) -> PoolNode:
-        """An operator returns a quarantined machine to service (its drill faults cleared)."""
+        """An operator returns a quarantined (or suspect) machine to standby, drill faults cleared."""
         async with self.lock:
             n = self.nodes[name]
             await self._clear(n)
-            if n.state == "quarantined":
-                n = n.model_copy(update={"state": "free", "reason": None, "since": workflow.now()})
+            if n.state in ("quarantined", "suspect"):
+                n = n.model_copy(
+                    update={"state": "standby", "reason": "released by an operator", "since": workflow.now()}
+                )
                 self.nodes[name] = n
             return n
 
@@ -238,4 +353,9 @@ class NodePoolWorkflow:
 
     @workflow.query
     def state(self) -> PoolState:
-        return PoolState(nodes=self.nodes)
+        return PoolState(
+            nodes=self.nodes,
+            config=self.config,
+            standby_target=self._standby_target(),
+            standby=len(self._standbys()),
+        )

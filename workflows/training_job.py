@@ -846,7 +846,8 @@ class TrainingJobWorkflow:
         incident.evidence = f"{incident.evidence} | {' -> '.join(d.evidence for d in decisions)}"[:3000]
         self._set_phase("recovering")
         if final.action == "evict":
-            await self._evict(final.machines, incident)
+            # A whole group evicted for its stuck or slow outlier holds healthy machines too.
+            await self._evict(final.machines, incident, confirmed=final.rung != "stacks-culprit")
         if final.action == "rollback" and final.rollback_to:
             self._apply_version(
                 CodeEvent(
@@ -1067,8 +1068,9 @@ class TrainingJobWorkflow:
         steps = f"steps {start + 1}-{group_spec.target_steps}"
         return (not bad, "; ".join(bad)[:300] if bad else f"{steps} clean")
 
-    async def _evict(self, nodes: list[str], incident: Incident) -> None:
-        """Quarantine ``nodes``; spares take their places (same logical ranks)."""
+    async def _evict(self, nodes: list[str], incident: Incident, confirmed: bool = True) -> None:
+        """Quarantine ``nodes`` (or, not ``confirmed``, make them suspect until they pass the
+        self-test); standbys take their places (same logical ranks)."""
         res: EvictResult = await workflow.execute_activity(
             "evict_nodes",
             EvictRequest(
@@ -1076,6 +1078,7 @@ class TrainingJobWorkflow:
                 nodes=nodes,
                 reason=f"{incident.id} {incident.kind}: {incident.evidence[:300]}",
                 current=[n.name for n in self.s.nodes],
+                confirmed=confirmed,
             ),
             task_queue=CONTROLLER_QUEUE,
             start_to_close_timeout=SHORT,
@@ -1141,9 +1144,11 @@ class TrainingJobWorkflow:
         if s.checkpoint:
             lines.append(f"checkpoint: step {s.checkpoint.step} ({s.checkpoint.tier})")
         for inc in s.incidents[-3:]:
-            lines.append(
-                f"- {inc.id} {inc.kind} on {', '.join(inc.suspects)}: {inc.action} — {inc.evidence[:200]}"
-            )
+            evicted = f" (evicted {', '.join(inc.evicted)})" if inc.evicted else ""
+            on = ", ".join(inc.suspects)
+            lines.append(f"- {inc.id} {inc.kind} on {on}: {inc.action}{evicted} — {inc.evidence[:300]}")
+        if s.pending_update:
+            lines.append(f"code update to `{s.pending_update.event.version}` waiting for the next recovery")
         if note:
             lines.append(note)
         workflow.set_current_details("\n\n".join(lines))

@@ -3,6 +3,7 @@ action and exactly the expected machines evicted."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -67,6 +68,12 @@ async def test_hang_in_a_pipeline_stage_evicts_that_pipeline(
     assert inc["action"] == "evict" and inc["evicted"] == ["node-1"]
     assert "stacks:" in inc["evidence"] and "outliers" in inc["evidence"]
     assert final["nodes"] == {"0": "node-3", "1": "node-2"}
+    # Evicted with its group for one outlier: suspect, back on standby once its self-test passes.
+    deadline = asyncio.get_running_loop().time() + 60
+    while (n1 := (await tg.nodes()).nodes["node-1"]).state != "standby":
+        assert n1.state == "suspect" and asyncio.get_running_loop().time() < deadline, n1
+        await asyncio.sleep(0.2)
+    assert n1.tested_at is not None
 
 
 async def test_silent_corruption_is_named_by_the_alignment_test(

@@ -1,0 +1,74 @@
+"""The node pool's lifecycle on the real stack: machines become standbys only after their
+self-test, a failing one is quarantined, and a quarantined one returns when it passes again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from infra.local import start_agent
+from infra.stack import Stack
+from tests.integration.helpers import REPO
+from trainguard.client import TrainguardClient
+from trainguard.models import PoolConfig, PoolNode, PoolState
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("healthy_pool")]
+
+
+async def pool_until(
+    tg: TrainguardClient, pred: Callable[[PoolState], bool], timeout_s: float = 90
+) -> PoolState:
+    deadline = time.monotonic() + timeout_s
+    pool = await tg.nodes()
+    while not pred(pool):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pool condition not reached in {timeout_s}s: {pool}")
+        await asyncio.sleep(0.2)
+        pool = await tg.nodes()
+    return pool
+
+
+def node(pool: PoolState, name: str) -> PoolNode:
+    return pool.nodes[name]
+
+
+async def test_every_machine_passed_its_self_test_before_standby(tg: TrainguardClient) -> None:
+    pool = await tg.nodes()
+    standbys = [n for n in pool.nodes.values() if n.state == "standby"]
+    assert standbys and pool.standby == len(standbys)
+    for n in standbys:
+        assert n.tested_at is not None and n.evidence == "health probes clean, matmul exact"
+    assert pool.standby_target >= pool.config.min_standby >= 1
+
+
+async def test_a_restarted_machine_that_fails_its_self_test_is_quarantined_until_it_passes(
+    tg: TrainguardClient, stack_dir: Path
+) -> None:
+    await tg.inject("node-3", "sdc")  # its unit now computes wrongly
+    await tg.inject("node-3", "agent-kill")
+    stack = Stack.load(stack_dir)
+    deadline = time.monotonic() + 30
+    while stack.is_running("agent-node-3"):
+        assert time.monotonic() < deadline, "agent-kill did not take the agent down"
+        await asyncio.sleep(0.1)
+    start_agent(stack, "node-3", REPO)
+    pool = await pool_until(tg, lambda p: node(p, "node-3").state == "quarantined")
+    n3 = node(pool, "node-3")
+    assert n3.reason and n3.reason.startswith("self-test failed") and "matmul" in n3.reason
+    first_test = n3.tested_at
+    # Quarantined machines re-test on a timer: it keeps failing while the fault stands...
+    await tg.configure_pool(PoolConfig(retest_s=1.0))
+    try:
+        pool = await pool_until(tg, lambda p: node(p, "node-3").tested_at != first_test)
+        assert node(pool, "node-3").state == "quarantined"
+        # ...and returns to standby by itself once it passes.
+        await tg.clear_faults("node-3")
+        pool = await pool_until(tg, lambda p: node(p, "node-3").state == "standby")
+        assert node(pool, "node-3").reason is None
+        assert node(pool, "node-3").evidence == "health probes clean, matmul exact"
+    finally:
+        await tg.configure_pool(PoolConfig())
