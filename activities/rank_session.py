@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -32,6 +33,7 @@ from typing import Any
 
 from activities.drills import DrillState
 from activities.health import HealthMonitor
+from activities.warm_pool import WarmPool
 from trainguard import checkpoints
 from trainguard.detection import (
     Anomaly,
@@ -50,7 +52,8 @@ from trainguard.models import (
     RunRanksResult,
     ShardInfo,
 )
-from trainguard.runtime.env import RankEnv, shard_name, step_dir_name
+from trainguard.runtime.env import RankEnv, backup_shard_name, parse_step_dir, shard_name, step_dir_name
+from trainguard.runtime.warm import activatable
 from trainguard.storage import S3Store, sha256_file
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,8 @@ log = logging.getLogger(__name__)
 STDERR_TAIL_BYTES = 4000
 KILL_GRACE_S = 5.0
 LOCAL_STEPS_KEPT = 3
+# Memory snapshots reported to the workflow (the newest two: machines may be a step apart).
+MEMORY_STEPS_REPORTED = 2
 WATCH_EVERY_S = 0.25
 # Hung ranks wait this long for the workflow to dump their stacks and stop them.
 ORPHAN_FROZEN_S = 60.0
@@ -67,7 +72,7 @@ _PRIVATE_ENV_PREFIXES = ("TRAINGUARD_", "AWS_", "TG_")
 SignalFn = Callable[[ProgressReport], Awaitable[None]]
 
 
-def _rank_preexec(nice: int) -> None:
+def rank_preexec(nice: int) -> None:
     """In the child: get SIGKILL if the agent dies, so ranks never run unsupervised; and
     optionally yield the CPU to the agent and controller (stacks that share a host)."""
     with contextlib.suppress(Exception):
@@ -105,8 +110,12 @@ class RankSession:
         health: HealthMonitor,
         drills: DrillState,
         rank_nice: int = 0,
+        memory_dir: Path | None = None,
+        warm: WarmPool | None = None,
     ) -> None:
         self.inp = inp
+        self.warm = warm
+        self.warm_started = 0  # ranks of this attempt that took a warm process
         self.rank_nice = rank_nice
         self.health = health
         self.drills = drills
@@ -115,7 +124,8 @@ class RankSession:
         self.code_dir = code_dir
         self.send_progress = send_progress
         self.job_dir = workdir / "jobs" / inp.job_id
-        self.ckpt_dir = self.job_dir / "ckpt"
+        # Snapshots live in the machine's memory (tmpfs) when it has room: a copy, not a disk write.
+        self.ckpt_dir = (memory_dir or self.job_dir.parent.parent / "memory") / "jobs" / inp.job_id / "ckpt"
         self.log_dir = self.job_dir / f"attempt-{inp.attempt:04d}"
         self.procs: dict[int, asyncio.subprocess.Process] = {}
         self.last_step: dict[int, int] = {}
@@ -125,6 +135,11 @@ class RankSession:
         self.saved: dict[int, set[int]] = {}  # step -> local ranks that saved it
         self.final_hashes: dict[int, str] = {}
         self.shards: dict[int, list[ShardInfo]] = {}  # uploaded, step -> shards
+        self.memory: dict[int, list[ShardInfo]] = {}  # complete memory snapshots, step -> shards
+        self.backups: dict[int, dict[int, ShardInfo]] = {}  # step -> of_rank -> other machines' shards
+        self.uploading: set[int] = set()
+        self.save_s: dict[int, float] = {}  # step -> slowest local rank's snapshot time so far
+        self.ckpt_block_s = 0.0
         self.unsent: list[ShardInfo] = []
         self.exits: dict[int, RankExit] = {}
         self.result: asyncio.Future[RunRanksResult] = asyncio.get_running_loop().create_future()
@@ -177,10 +192,16 @@ class RankSession:
         assert ref is not None
         by_rank = {s.rank: s for s in ref.shards}
         for rank in self.inp.ranks:
+            if rank in self.inp.restore_peers:
+                continue  # the rank receives it from the machine holding its backup
             shard = by_rank[self.inp.restore_from.get(rank, rank)]
             path = self.ckpt_dir / shard_name(ref.step, rank)
             if path.exists() and await asyncio.to_thread(sha256_file, path) == shard.sha256:
                 continue
+            if not shard.key:
+                raise RuntimeError(
+                    f"memory snapshot of step {ref.step} for rank {rank} is gone from this machine"
+                )
             await asyncio.to_thread(self.store.get_file, shard.key, path)
             if await asyncio.to_thread(sha256_file, path) != shard.sha256:
                 raise RuntimeError(f"checkpoint shard {shard.key} does not match its manifest hash")
@@ -204,23 +225,40 @@ class RankSession:
             topology=self.spec.topology,
             target_steps=self.spec.target_steps,
             ckpt_dir=str(self.ckpt_dir),
-            ckpt_every=self.spec.checkpoint.every_steps,
+            ckpt_every=self.spec.checkpoint.memory_every_steps,
             resume_step=self.inp.resume.step if self.inp.resume else None,
             code_version=self.spec.code_version,
             report_fd=report_fd,
             fault_file=str(self.drills.path),
             hash_every=self.spec.detection.replica_check_every,
+            backup=self.spec.checkpoint.peer_backup and self.spec.nodes > 1 and not self.inp.dry_run,
+            restore_peers=dict(self.inp.restore_peers),
         )
         env.update(renv.to_environ())
         return env
 
     async def _spawn(self, local_rank: int, rank: int) -> None:
+        argv = resolve_argv(self.spec.entrypoint)
+        out_path, err_path = self.log_dir / f"rank-{rank:05d}.out", self.log_dir / f"rank-{rank:05d}.err"
+        warm = self.warm.take() if self.warm and argv[0] == sys.executable and activatable(argv[1:]) else None
+        if warm is not None:
+            try:
+                env = self._rank_env(local_rank, rank, warm.report_w)
+                await warm.activate(argv[1:], env, str(self.code_dir), out_path, err_path)
+            finally:
+                os.close(warm.report_w)
+            self.warm_started += 1
+            self.procs[rank] = warm.proc
+            self._tasks.append(
+                asyncio.create_task(self._read_reports(rank, warm.report_r), name=f"reports-{rank}")
+            )
+            return
         r_fd, w_fd = os.pipe()
-        out = (self.log_dir / f"rank-{rank:05d}.out").open("ab")
-        err = (self.log_dir / f"rank-{rank:05d}.err").open("ab")
+        out = out_path.open("ab")
+        err = err_path.open("ab")
         try:
             proc = await asyncio.create_subprocess_exec(
-                *resolve_argv(self.spec.entrypoint),
+                *argv,
                 cwd=str(self.code_dir),
                 env=self._rank_env(local_rank, rank, w_fd),
                 stdin=asyncio.subprocess.DEVNULL,
@@ -228,7 +266,7 @@ class RankSession:
                 stderr=err,
                 pass_fds=(w_fd,),
                 start_new_session=True,  # its own process group: killpg reaches its children
-                preexec_fn=functools.partial(_rank_preexec, self.rank_nice),
+                preexec_fn=functools.partial(rank_preexec, self.rank_nice),
             )
         finally:
             os.close(w_fd)
@@ -284,8 +322,17 @@ class RankSession:
             step = int(rec["step"])
             ranks = self.saved.setdefault(step, set())
             ranks.add(rank)
+            self.save_s[step] = max(self.save_s.get(step, 0.0), float(rec.get("save_s") or 0.0))
             if ranks >= set(self.inp.ranks):
-                self._uploads.put_nowait(step)
+                del self.saved[step]
+                self.ckpt_block_s += self.save_s.pop(step)
+                if step % self.spec.checkpoint.every_steps == 0 or step == self.spec.target_steps:
+                    self.uploading.add(step)
+                    self._uploads.put_nowait(step)
+                self._tasks.append(asyncio.create_task(self._note_memory(step), name=f"memory-{step}"))
+        elif kind == "backup":
+            step, of_rank = int(rec["step"]), int(rec["of_rank"])
+            self._tasks.append(asyncio.create_task(self._note_backup(step, of_rank), name=f"backup-{step}"))
         elif kind == "error":
             # A rank is dying of an uncaught exception: act now, not when it has exited.
             tail = str(rec.get("traceback", ""))[-STDERR_TAIL_BYTES:]
@@ -316,6 +363,52 @@ class RankSession:
             finally:
                 self._uploads.task_done()
 
+    async def _note_memory(self, step: int) -> None:
+        """A step every local rank snapshotted: hash it, so a restore can trust it, and report it."""
+        if self.inp.dry_run or (
+            self.incident is not None and (self.incident.step is None or step >= self.incident.step)
+        ):
+            return
+        shards = []
+        for rank in self.inp.ranks:
+            path = self.ckpt_dir / shard_name(step, rank)
+            try:
+                digest = await asyncio.to_thread(sha256_file, path)
+                size = path.stat().st_size
+            except FileNotFoundError:
+                return  # pruned meanwhile: a newer snapshot exists
+            shards.append(ShardInfo(rank=rank, step=step, key="", size=size, sha256=digest))
+        self.memory[step] = shards
+        for old in sorted(self.memory)[:-MEMORY_STEPS_REPORTED]:
+            del self.memory[old]
+        self._progress_dirty.set()
+        self._prune_local()
+
+    async def _note_backup(self, step: int, of_rank: int) -> None:
+        """Another machine's rank's snapshot arrived here: hash it and report it."""
+        path = self.ckpt_dir / backup_shard_name(step, of_rank)
+        try:
+            digest = await asyncio.to_thread(sha256_file, path)
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return
+        self.backups.setdefault(step, {})[of_rank] = ShardInfo(
+            rank=of_rank, step=step, key="", size=size, sha256=digest
+        )
+        for old in sorted(self.backups)[:-MEMORY_STEPS_REPORTED]:
+            del self.backups[old]
+        # Older backups here (this attempt's or earlier ones') are superseded; the resume step's
+        # was read when the ranks started.
+        with contextlib.suppress(FileNotFoundError):
+            for d in (self.ckpt_dir / "backup").iterdir():
+                old_step = parse_step_dir(d.name)
+                if old_step is not None and old_step < min(self.backups):
+                    shutil.rmtree(d, ignore_errors=True)
+        self._progress_dirty.set()
+
+    def backup_shards(self) -> list[ShardInfo]:
+        return [s for step in sorted(self.backups) for s in self.backups[step].values()]
+
     async def _upload_step(self, step: int) -> None:
         """Upload every local shard of ``step``; retried until it succeeds or the session ends.
 
@@ -342,14 +435,22 @@ class RankSession:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
         self.shards[step] = shards
+        self.uploading.discard(step)
         self.unsent.extend(shards)
         self._progress_dirty.set()
         self._prune_local()
 
     def _prune_local(self) -> None:
-        keep = sorted(self.shards)[-LOCAL_STEPS_KEPT:]
-        for step in sorted(self.shards):
-            if step in keep:
+        """Keep the newest snapshots, the newest uploaded steps and anything still uploading."""
+        for step in sorted(self.shards)[:-LOCAL_STEPS_KEPT]:
+            del self.shards[step]
+        keep = set(self.memory) | set(self.shards) | self.uploading
+        if self.inp.resume is not None:
+            keep.add(self.inp.resume.step)
+        newest = max(keep, default=-1)
+        for step in sorted(self.saved_steps()):
+            # Newer than everything kept: being written or hashed right now.
+            if step in keep or step > newest:
                 continue
             d = self.ckpt_dir / step_dir_name(step)
             for rank in self.inp.ranks:
@@ -357,7 +458,12 @@ class RankSession:
                     (d / f"rank-{rank:05d}.pt").unlink()
             with contextlib.suppress(OSError):
                 d.rmdir()
-            del self.shards[step]
+
+    def saved_steps(self) -> list[int]:
+        """Steps with a snapshot directory here (any attempt's)."""
+        with contextlib.suppress(FileNotFoundError):
+            return [s for d in self.ckpt_dir.iterdir() if (s := parse_step_dir(d.name)) is not None]
+        return []
 
     # -- progress ---------------------------------------------------------------
     def _compute_median(self) -> float | None:
@@ -382,7 +488,17 @@ class RankSession:
             compute_s=self._compute_median(),
             hash_step=hash_step,
             hashes=self.hashes.get(hash_step, {}) if hash_step is not None else {},
+            memory=self.memory_shards(),
+            ckpt_block_s=round(self.ckpt_block_s, 6),
+            backups=self.backup_shards(),
         )
+
+    def memory_shards(self) -> list[ShardInfo]:
+        return [s for step in sorted(self.memory) for s in self.memory[step]]
+
+    async def flush(self) -> None:
+        """Send the latest progress now (the workflow is about to start another attempt)."""
+        await self._flush_progress()
 
     async def _progress_loop(self) -> None:
         interval = self.spec.detection.progress_interval_s
@@ -585,6 +701,8 @@ class RankSession:
                 shards=self.shards.get(last, []) if last is not None else [],
                 message=message,
                 incident=None if ok else self.incident,
+                memory=self.memory_shards(),
+                backups=self.backup_shards(),
             )
         )
 

@@ -19,6 +19,7 @@ from temporalio.client import Client
 from activities.drills import DrillState
 from activities.health import HealthMonitor
 from activities.rank_session import RankSession
+from activities.warm_pool import WarmPool
 from trainguard.models import Endpoint, PortRequest, ProgressReport, RunRanksInput, RunRanksResult
 from trainguard.storage import S3Store
 
@@ -39,7 +40,11 @@ class RankActivities:
         drills: DrillState,
         rank_nice: int = 0,
         node_name: str = "",
+        memory_dir: Path | None = None,
+        warm: WarmPool | None = None,
     ) -> None:
+        self.memory_dir = memory_dir
+        self.warm = warm
         self.rank_nice = rank_nice
         self.node_name = node_name
         self.client = client
@@ -64,10 +69,10 @@ class RankActivities:
     async def _signal(self, workflow_id: str, report: ProgressReport) -> None:
         await self.client.get_workflow_handle(workflow_id).signal("progress", report)
 
-    async def _stop_older_attempts(self, job_id: str, attempt: int) -> None:
-        """One attempt per job per machine: ranks of an older attempt must not linger."""
+    async def _stop_older_attempts(self, job_id: str, attempt: int, chain: str) -> None:
+        """One attempt per job per machine: ranks of an older attempt (or run) must not linger."""
         for key, sess in list(self.sessions.items()):
-            if key[0] == job_id and key[1] < attempt:
+            if key[0] == job_id and (key[1] < attempt or sess.inp.chain != chain):
                 if not sess.done:
                     await sess.kill()
                 del self.sessions[key]
@@ -83,6 +88,8 @@ class RankActivities:
     async def run_ranks(self, inp: RunRanksInput) -> RunRanksResult:
         key = (inp.job_id, inp.attempt)
         sess = self.sessions.get(key)
+        if sess is not None and sess.inp.chain != inp.chain:
+            sess = None  # the same attempt number of an earlier run of this job: replaced below
         if sess is None:
             if inp.attach_only:
                 return RunRanksResult(
@@ -91,14 +98,23 @@ class RankActivities:
                     ok=False,
                     message=f"ranks of attempt {inp.attempt} are no longer running on {inp.node.name}",
                 )
-            await self._stop_older_attempts(inp.job_id, inp.attempt)
+            await self._stop_older_attempts(inp.job_id, inp.attempt, inp.chain)
 
             async def send(report: ProgressReport) -> None:
                 if not inp.dry_run:
                     await self._signal(inp.workflow_id, report)
 
             sess = RankSession(
-                inp, self.workdir, self.code_dir, self.store, send, self.health, self.drills, self.rank_nice
+                inp,
+                self.workdir,
+                self.code_dir,
+                self.store,
+                send,
+                self.health,
+                self.drills,
+                self.rank_nice,
+                self.memory_dir,
+                self.warm,
             )
             self.sessions[key] = sess
             try:
@@ -124,4 +140,6 @@ class RankActivities:
                     sess.orphan(ORPHAN_TIMEOUT_S)
                 else:
                     await sess.kill()
+                    # The workflow restarts from the newest snapshot every machine holds: say which.
+                    await sess.flush()
             raise

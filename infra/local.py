@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import socket
 import sys
 import time
@@ -36,6 +37,7 @@ from trainguard.temporal import connect
 
 AGENT_READY_TIMEOUT_S = 120.0
 RELAY = "relay"
+WARM_RANKS = 2
 
 
 def node_names(nodes: int, standby: int) -> list[str]:
@@ -68,6 +70,9 @@ def start_agent(stack: Stack, name: str, code_dir: Path, plan: NetnsPlan | None 
         # Every simulated machine shares this host's cores: ranks yield to the control plane.
         "--rank-nice",
         "19",
+        # Two ranks per machine in the example: restarts on this machine skip the torch import.
+        "--warm-ranks",
+        str(WARM_RANKS),
     ]
     env = process_env(stack.config)
     if plan is not None:
@@ -185,6 +190,10 @@ def _network(stack: Stack, names: list[str], use_netns: bool) -> NetnsPlan | Non
 def bring_down(state_dir: Path) -> list[str]:
     """Stop every recorded process, then remove a netns stack's namespaces and bridge."""
     stopped = Stack.load(state_dir).down() if Stack.record_path(state_dir).exists() else []
+    # The agents' memory snapshots may live outside the state dir (tmpfs).
+    for record in (state_dir / "nodes").glob("*/memory_dir"):
+        with contextlib.suppress(OSError):
+            shutil.rmtree(Path(record.read_text().strip()), ignore_errors=True)
     plan = netns_mod.load(state_dir)
     if plan is not None:
         netns_mod.teardown(plan)

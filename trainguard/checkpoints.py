@@ -157,3 +157,63 @@ def prune(store: S3Store, jprefix: str, world_size: int, keep: int) -> list[int]
             store.delete([mkey])
         store.delete([k for k in keys if k != mkey])
     return doomed
+
+
+MEMORY_URI = "memory://"
+
+
+def is_memory(ref: CheckpointRef | None) -> bool:
+    return ref is not None and ref.uri.startswith(MEMORY_URI)
+
+
+def memory_restore_point(
+    memory: dict[str, list[ShardInfo]],
+    nodes: list[str],
+    ranks_per_node: int,
+    job: str,
+    max_step: int | None = None,
+    backups: dict[str, list[ShardInfo]] | None = None,
+) -> tuple[CheckpointRef, dict[int, tuple[int, str]]] | None:
+    """The newest step whose every shard is still in some current machine's memory.
+
+    Machine ``i`` of ``nodes`` holds ranks ``i * ranks_per_node ...``. A rank's
+    shard is its own machine's snapshot (``memory``) or, when that machine was
+    replaced, the backup another current machine keeps (``backups``); the
+    second value maps such ranks to (the first rank on the machine holding the
+    backup, its sha256), for the ranks to pass it over. None when some shard of
+    every candidate step is gone (restore from S3 then).
+    """
+    backups = backups or {}
+    index = {n: i for i, n in enumerate(nodes)}
+    steps = {s.step for n in nodes for s in [*memory.get(n, []), *backups.get(n, [])]}
+    for step in sorted((st for st in steps if max_step is None or st <= max_step), reverse=True):
+        shards: list[ShardInfo] = []
+        peers: dict[int, tuple[int, str]] = {}
+        for i, node in enumerate(nodes):
+            own = {s.rank: s for s in memory.get(node, []) if s.step == step}
+            for rank in range(i * ranks_per_node, (i + 1) * ranks_per_node):
+                if rank in own:
+                    shards.append(own[rank])
+                    continue
+                kept = next(
+                    (
+                        (holder, s)
+                        for holder in nodes
+                        if holder != node
+                        for s in backups.get(holder, [])
+                        if s.step == step and s.rank == rank
+                    ),
+                    None,
+                )
+                if kept is None:
+                    break
+                holder, s = kept
+                shards.append(s)
+                peers[rank] = (index[holder] * ranks_per_node, s.sha256)
+            else:
+                continue
+            break
+        else:
+            ref = CheckpointRef(step=step, uri=f"{MEMORY_URI}{job}/{step_dir_name(step)}", shards=shards)
+            return ref, peers
+    return None

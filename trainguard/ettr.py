@@ -41,6 +41,13 @@ def add_badput(ledger: Ledger, bucket: str, seconds: float) -> Ledger:
     return ledger.model_copy(update={"badput_s": b})
 
 
+def reclassify(ledger: Ledger, bucket: str, seconds: float) -> Ledger:
+    """Seconds already counted as productive (inside step times) that were badput after all,
+    e.g. checkpoint snapshots blocking the step that took them."""
+    moved = min(max(0.0, seconds), ledger.productive_s)
+    return add_badput(ledger, bucket, moved).model_copy(update={"productive_s": ledger.productive_s - moved})
+
+
 def record_steps(ledger: Ledger, now: datetime, prev_step: int, step: int, step_time_s: float) -> Ledger:
     """Account for the steps in (prev_step, step], each taking ``step_time_s``."""
     if step <= prev_step:

@@ -39,6 +39,8 @@ class Incident(BaseModel):
     recovered_at: datetime | None = None
     recovery_s: float | None = None
     lost_steps: int = 0
+    # Where the recovery restored from: memory (every machine's own snapshot) or s3; none: from scratch.
+    restored_from: str | None = None
     attempt: int = 0
 
 
@@ -61,6 +63,8 @@ class RunningAttempt(BaseModel):
     resume: CheckpointRef | None = None
     started_at: datetime
     first_step_at: datetime | None = None
+    # Ranks restoring a peer's backup of their shard: dst rank -> (rank holding it, sha256).
+    peers: dict[int, tuple[int, str]] = {}
 
 
 class JobState(BaseModel):
@@ -102,6 +106,12 @@ class JobState(BaseModel):
     releases: dict[str, CodeRelease] = {}
     code_history: list[CodeEvent] = []
     pending_update: PendingUpdate | None = None
+    # Each machine's newest memory snapshots (ShardInfo with key ""): the fastest restore.
+    memory: dict[str, list[ShardInfo]] = {}
+    # Other machines' snapshots each machine keeps (peer backups), by the machine keeping them.
+    backups: dict[str, list[ShardInfo]] = {}
+    # Checkpoint blocking reported this attempt, per machine (cumulative).
+    ckpt_block_s: dict[str, float] = {}
 
 
 def status_json(state: JobState, now: datetime) -> dict[str, Any]:

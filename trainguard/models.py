@@ -157,6 +157,9 @@ class Endpoint(Msg):
 class RunRanksInput(Msg):
     job_id: str
     workflow_id: str
+    # The job run (its first run id, constant across continue-as-new): a resubmitted job counts
+    # attempts from 1 again, and must never be handed the previous run's session.
+    chain: str = ""
     attempt: int
     node: NodeInfo
     node_index: int
@@ -169,6 +172,8 @@ class RunRanksInput(Msg):
     attach_only: bool = False
     # Rank -> the rank whose checkpoint shard it restores (a replay on fewer replicas).
     restore_from: dict[int, int] = {}
+    # Ranks whose resume shard is a peer backup: dst rank -> (rank holding it, sha256).
+    restore_peers: dict[int, tuple[int, str]] = {}
     # A diagnostic run (dual-phase replay): nothing is uploaded and no progress is signalled.
     dry_run: bool = False
 
@@ -190,6 +195,8 @@ class RunRanksResult(Msg):
     shards: list[ShardInfo] = []
     message: str = ""
     incident: IncidentReport | None = None
+    memory: list[ShardInfo] = []  # the newest memory snapshots when the ranks ended
+    backups: list[ShardInfo] = []  # other machines' snapshots kept here
 
 
 class ProgressReport(Msg):
@@ -208,6 +215,13 @@ class ProgressReport(Msg):
     # Parameter hashes of this machine's ranks at ``hash_step`` (replicas must agree).
     hash_step: int | None = None
     hashes: dict[int, str] = {}
+    # This machine's newest complete memory snapshots (key ""): restore needs no S3 when every
+    # machine still holds the same step.
+    memory: list[ShardInfo] = []
+    # Seconds training was blocked by checkpoint snapshots this attempt (slowest local rank per step).
+    ckpt_block_s: float = 0.0
+    # Other machines' snapshots this machine keeps (``rank`` is the rank they belong to).
+    backups: list[ShardInfo] = []
 
 
 # -- drills and incidents ---------------------------------------------------------

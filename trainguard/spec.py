@@ -52,12 +52,26 @@ class Topology(_Frozen):
 
 
 class CheckpointSpec(_Frozen):
-    every_steps: int = Field(10, ge=1, le=1_000_000, description="save a checkpoint every N steps")
+    every_steps: int = Field(10, ge=1, le=1_000_000, description="persist a checkpoint to S3 every N steps")
+    memory_every_steps: int = Field(
+        1,
+        ge=1,
+        le=1_000_000,
+        description="snapshot into the machine's memory every N steps (divides every_steps)",
+    )
+    peer_backup: bool = Field(
+        True, description="copy each snapshot to a machine outside the rank's TP, PP and DP groups"
+    )
     s3_prefix: str = Field("checkpoints", description="key prefix in the bucket; the job name is appended")
     keep: int = Field(2, ge=1, le=1000, description="complete checkpoints kept in S3")
 
     @model_validator(mode="after")
     def _prefix_is_safe(self) -> CheckpointSpec:
+        if self.every_steps % self.memory_every_steps:
+            raise ValueError(
+                f"memory_every_steps: {self.memory_every_steps} must divide every_steps "
+                f"({self.every_steps}): every persisted step is first a memory snapshot"
+            )
         if len(self.s3_prefix) > 512:
             raise ValueError("s3_prefix: longer than 512 characters")
         for seg in self.s3_prefix.split("/"):

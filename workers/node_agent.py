@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import hashlib
 import os
+import shutil
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -26,8 +29,10 @@ from temporalio.worker import Worker
 from activities.diagnostics import DiagnosticActivities
 from activities.drills import DrillActivities, DrillProbe, DrillState, LinkControl
 from activities.health import HealthMonitor
+from activities.rank_session import rank_preexec
 from activities.ranks import RankActivities
 from activities.stacks import StackActivities
+from activities.warm_pool import WarmPool
 from trainguard import pool_client
 from trainguard.health.events import Probe
 from trainguard.health.host import HostProbe
@@ -39,11 +44,40 @@ from trainguard.storage import S3Store
 from trainguard.temporal import connect
 from workers.common import run_until_signalled, setup_logging
 
+# Checkpoint snapshots go to tmpfs only when it has this much room; else to the work disk.
+MEMORY_MIN_FREE_BYTES = 1 << 30
+MEMORY_DIR_RECORD = "memory_dir"
+
+
+def memory_dir_for(workdir: Path, shm: Path = Path("/dev/shm")) -> Path:
+    """Where this machine keeps its ranks' per-step snapshots: memory (tmpfs) when there is
+    room, else the work disk. The choice is recorded in the work dir so teardown can find it."""
+    try:
+        roomy = (
+            shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= MEMORY_MIN_FREE_BYTES
+        )
+    except OSError:
+        roomy = False
+    # One directory per work dir: several local stacks may run machines of the same name.
+    tag = hashlib.sha1(str(workdir).encode()).hexdigest()[:12]
+    path = shm / "trainguard" / tag if roomy else workdir / "memory"
+    path.mkdir(parents=True, exist_ok=True)
+    (workdir / MEMORY_DIR_RECORD).write_text(str(path))
+    return path
+
 
 async def main(
-    name: str, workdir: Path, code_dir: Path, host: str, gpus: int, rank_nice: int, nic: str | None = None
+    name: str,
+    workdir: Path,
+    code_dir: Path,
+    host: str,
+    gpus: int,
+    rank_nice: int,
+    nic: str | None = None,
+    warm_ranks: int = 0,
 ) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
+    memory_dir = memory_dir_for(workdir)
     drills = DrillState(workdir, name)
     drill = DrillActivities(drills, LinkControl(nic, workdir) if nic else None)
     await drill.restore_link()  # before connecting: a link left down would keep us offline
@@ -55,10 +89,14 @@ async def main(
     def rank_pids() -> dict[int, int]:
         return sessions[0].rank_pids() if sessions else {}
 
-    health = HealthMonitor(probes(name, workdir, drills, gpus, rank_pids, nic))
+    health = HealthMonitor(probes(name, [workdir, memory_dir], drills, gpus, rank_pids, nic))
     health.start()
     store = S3Store(settings)
-    ranks = RankActivities(client, store, workdir, code_dir, host, health, drills, rank_nice, name)
+    warm = WarmPool(warm_ranks, workdir / "warm", functools.partial(rank_preexec, rank_nice))
+    warm.start()
+    ranks = RankActivities(
+        client, store, workdir, code_dir, host, health, drills, rank_nice, name, memory_dir, warm
+    )
     stacks = StackActivities(store, ranks)
     diagnostics = DiagnosticActivities(name, health, drills)
     sessions.append(ranks)
@@ -88,6 +126,7 @@ async def main(
         await pool_client.register(client, info)
         await running
     finally:
+        await warm.stop()
         await health.stop()
 
 
@@ -95,7 +134,7 @@ RankPids = Callable[[], dict[int, int]]
 
 
 def probes(
-    name: str, workdir: Path, drills: DrillState, gpus: int, rank_pids: RankPids, nic: str | None = None
+    name: str, dirs: list[Path], drills: DrillState, gpus: int, rank_pids: RankPids, nic: str | None = None
 ) -> list[Probe]:
     """Every health provider this machine runs; NVML says once if it cannot run here.
 
@@ -104,7 +143,7 @@ def probes(
     out: list[Probe] = [
         DrillProbe(drills, real_link=nic is not None),
         NvmlProbe(name, expected_gpus=gpus or None),
-        HostProbe(name, [workdir], min_free_bytes=512 << 20, min_free_fraction=0.005, rank_pids=rank_pids),
+        HostProbe(name, dirs, min_free_bytes=512 << 20, min_free_fraction=0.005, rank_pids=rank_pids),
     ]
     if nic is not None:
         out.append(LinkProbe(name, nic))
@@ -124,6 +163,12 @@ def cli() -> None:
         default=None,
         help="this machine's NIC, a real interface link drills may take down (netns local stack)",
     )
+    parser.add_argument(
+        "--warm-ranks",
+        type=int,
+        default=0,
+        help="rank processes kept started (torch imported) for fast restarts; ranks per machine is right",
+    )
     args = parser.parse_args()
     setup_logging(f"agent-{args.name}")
     asyncio.run(
@@ -135,6 +180,7 @@ def cli() -> None:
             args.gpus,
             args.rank_nice,
             args.nic,
+            args.warm_ranks,
         )
     )
 

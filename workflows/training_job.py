@@ -233,6 +233,7 @@ class TrainingJobWorkflow:
     async def _reserve(self) -> bool:
         """Wait for enough free machines (phase pending); False if stopped meanwhile."""
         spec = self.s.spec
+        since = workflow.now()
         while self.stop_reason is None:
             res: ReserveResult = await workflow.execute_activity(
                 "reserve_nodes",
@@ -244,6 +245,10 @@ class TrainingJobWorkflow:
             )
             if res.granted:
                 self.s.nodes = list(res.nodes)
+                # Waiting for machines is idle time (zero when they were there at once).
+                self.s.ledger = ettr.add_badput(
+                    self.s.ledger, "idle", (workflow.now() - since).total_seconds()
+                )
                 return True
             self._details(f"waiting for machines: {res.message}")
             # wait_condition raises on timeout: here the timeout is the retry timer.
@@ -277,8 +282,22 @@ class TrainingJobWorkflow:
         self.s.attempt += 1
         self.s.progress_at_attempt_start = self.s.ledger.high_water_step
         resume = await self._latest_checkpoint()
+        in_memory = checkpoints.memory_restore_point(
+            self.s.memory,
+            [n.name for n in self.s.nodes],
+            spec.ranks_per_node,
+            spec.name,
+            self.s.max_resume_step,
+            self.s.backups,
+        )
+        peers: dict[int, tuple[int, str]] = {}
+        if in_memory is not None and (resume is None or in_memory[0].step > resume.step):
+            # The machines still hold a newer step in memory (their own or a peer's backup) than
+            # S3 has: no download, less recompute.
+            resume, peers = in_memory
         if resume is not None:
-            self.s.checkpoint = CheckpointStatus(step=resume.step, tier="s3", uri=resume.uri)
+            tier = ("peer" if peers else "memory") if checkpoints.is_memory(resume) else "s3"
+            self.s.checkpoint = CheckpointStatus(step=resume.step, tier=tier, uri=resume.uri)
         master: Endpoint = await workflow.execute_activity(
             "pick_master_port",
             PortRequest(job_id=spec.name, attempt=self.s.attempt),
@@ -289,15 +308,19 @@ class TrainingJobWorkflow:
             result_type=Endpoint,
         )
         self.s.running = RunningAttempt(
-            attempt=self.s.attempt, master=master, resume=resume, started_at=workflow.now()
+            attempt=self.s.attempt, master=master, resume=resume, started_at=workflow.now(), peers=peers
         )
         self.s.step = resume.step if resume else 0
         self.s.resumed_from_step = resume.step if resume else None
         self.s.compute_s, self.s.slow_suspect, self.s.slow_rounds = {}, None, 0
+        self.s.ckpt_block_s = {}
         self.s.replica_hashes = {}
         if self.s.incidents and self.s.incidents[-1].attempt == self.s.attempt - 1:
             # Steps reached before the failure that must be computed again.
             self.s.incidents[-1].lost_steps = max(0, self.s.ledger.high_water_step - self.s.step)
+            self.s.incidents[-1].restored_from = (
+                self.s.checkpoint.tier if resume and self.s.checkpoint else None
+            )
         self._set_phase("running")
 
     def _ranks_input(self, index: int, attach: bool) -> RunRanksInput:
@@ -308,6 +331,7 @@ class TrainingJobWorkflow:
         return RunRanksInput(
             job_id=spec.name,
             workflow_id=workflow.info().workflow_id,
+            chain=workflow.info().first_execution_run_id,
             attempt=run.attempt,
             node=node,
             node_index=index,
@@ -316,6 +340,7 @@ class TrainingJobWorkflow:
             master=run.master,
             ckpt_prefix=checkpoints.job_prefix(spec.checkpoint.s3_prefix, spec.name),
             resume=run.resume,
+            restore_peers=dict(run.peers),
             attach_only=attach,
         )
 
@@ -354,7 +379,7 @@ class TrainingJobWorkflow:
             seen_done = sum(h.done() for h in handles.values())
             self._drain_progress()
             if self.stop_reason is not None:
-                await self._cancel_all(handles)
+                await self._stop_ranks_now(handles)
                 return _AttemptOutcome(kind="stopped")
             if self._update_due() and not any(self._failed(h) for h in handles.values()):
                 return await self._stop_for_update(handles)
@@ -385,17 +410,26 @@ class TrainingJobWorkflow:
             forced = p.event.model_copy(update={"how": "forced"})
             self.s.pending_update = p.model_copy(update={"event": forced})
         self._set_phase("recovering")
-        # Stop the ranks directly: a cancellation reaches the agents only with their next heartbeat.
+        await self._stop_ranks_now(handles)
+        self.s.running = None
+        return _AttemptOutcome(kind="update")
+
+    async def _stop_ranks_now(self, handles: dict[str, Any]) -> None:
+        """Stop the attempt's ranks on purpose (user stop, code update), keeping what they saved."""
         run = self.s.running
         assert run is not None
+        # Directly: a cancellation reaches the agents only with their next heartbeat, seconds later.
         await self._on_every_machine(
             "stop_ranks", StopRanksRequest(job_id=self.s.spec.name, attempt=run.attempt), bool
         )
         await self._cancel_all(handles)
+        for h in handles.values():
+            # Machines whose ranks stop_ranks ended returned a result: it names their snapshots.
+            with contextlib.suppress(ActivityError, CancelledError):
+                self._note_memory(h.result())
         self._drain_progress()
+        # Checkpoints already uploaded are committed, so the status names the one a resubmit uses.
         await self._wait_commits()
-        self.s.running = None
-        return _AttemptOutcome(kind="update")
 
     def _apply_version(self, event: CodeEvent) -> None:
         """Make ``event.version`` current: hot updates (urgent, lazy, forced) and rollbacks alike."""
@@ -497,6 +531,8 @@ class TrainingJobWorkflow:
         timeout) lets the cause outrank its consequences.
         """
         await self._cancel_all(handles)
+        # Cancelled machines sent their last progress (memory snapshots) before they ended.
+        self._drain_progress()
         if finding is not None:
             # Ranks kept for their stacks are stopped now.
             run = self.s.running
@@ -514,6 +550,7 @@ class TrainingJobWorkflow:
                     continue
                 reports.append(self._machine_lost(name, err))
                 continue
+            self._note_memory(r)
             if r.incident is not None:
                 reports.append(r.incident)
             elif not r.ok and r.message != "ranks stopped":
@@ -564,7 +601,9 @@ class TrainingJobWorkflow:
             if run is None or r.attempt != run.attempt:
                 continue  # a late report from an attempt already over
             self._note_shards(r)
+            self._note_memory(r)
             self._note_step(r)
+            self._note_ckpt_block(r)
             self._note_replicas(r)
             if r.compute_s is not None:
                 self.s.compute_s[r.node] = r.compute_s
@@ -603,6 +642,20 @@ class TrainingJobWorkflow:
             self.s.step_time_s = r.step_time_s
         self.s.updated_at = workflow.now()
         self._upsert_progress()
+
+    def _note_ckpt_block(self, r: ProgressReport) -> None:
+        """The job waits for its slowest machine: badput grows with the largest machine's total."""
+        before = max(self.s.ckpt_block_s.values(), default=0.0)
+        self.s.ckpt_block_s[r.node] = max(self.s.ckpt_block_s.get(r.node, 0.0), r.ckpt_block_s)
+        grown = max(self.s.ckpt_block_s.values()) - before
+        if grown > 0:
+            self.s.ledger = ettr.reclassify(self.s.ledger, "checkpoint", grown)
+
+    def _note_memory(self, r: ProgressReport | RunRanksResult) -> None:
+        if r.memory:
+            self.s.memory[r.node] = list(r.memory)
+        if r.backups:
+            self.s.backups[r.node] = list(r.backups)
 
     def _note_shards(self, r: ProgressReport | RunRanksResult) -> None:
         for shard in r.shards:
@@ -794,6 +847,9 @@ class TrainingJobWorkflow:
         assert primary is not None
         run = self.s.running
         self.s.running = None
+        if run is not None and checkpoints.is_memory(run.resume) and run.first_step_at is None:
+            # Restoring from memory failed before a step: the next attempt uses S3.
+            self.s.memory, self.s.backups = {}, {}
         self._set_phase("diagnosing")
         progressed = self.s.ledger.high_water_step > self.s.progress_at_attempt_start
         self.s.attempts_without_progress = 0 if progressed else self.s.attempts_without_progress + 1
@@ -1032,6 +1088,7 @@ class TrainingJobWorkflow:
                 RunRanksInput(
                     job_id=job_id,
                     workflow_id=workflow.info().workflow_id,
+                    chain=workflow.info().first_execution_run_id,
                     attempt=tag,
                     node=node,
                     node_index=i,
@@ -1087,6 +1144,9 @@ class TrainingJobWorkflow:
         )
         if res.replaced:
             self.s.nodes = list(res.nodes)
+            for name in res.evicted:
+                self.s.memory.pop(name, None)  # its snapshots left with it
+                self.s.backups.pop(name, None)
             incident.action = "evict"
             incident.evicted = list(res.evicted)
         else:

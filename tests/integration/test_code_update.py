@@ -58,6 +58,19 @@ async def test_lazy_update_waits_for_the_next_recovery(
     assert [(e["version"], e["how"]) for e in final["code_history"]] == [("v1", "submitted"), ("v2", "lazy")]
 
 
+async def test_lazy_update_is_forced_when_its_window_passes(
+    tg: TrainguardClient, reference: dict[str, Any]
+) -> None:
+    job = await tg.submit(example_spec("upd-forced"))
+    before = await wait_until(job, lambda s: s["step"] >= 15)
+    await job.update_code("v2", env=HARMLESS, window_s=2.0, why="must land today")
+    final = await run_to_end(job)
+    assert final["phase"] == "completed" and final["incidents"] == []
+    assert final["result"]["param_hash"] == reference["result"]["param_hash"]
+    assert final["code_version"] == "v2" and final["attempt"] == before["attempt"] + 1
+    assert [(e["version"], e["how"]) for e in final["code_history"]][-1] == ("v2", "forced")
+
+
 async def test_bad_updates_are_refused_and_change_nothing(tg: TrainguardClient, settings: Settings) -> None:
     job = await tg.submit(example_spec("upd-bad", target_steps=400))
     await wait_until(job, lambda s: s["step"] >= 3)

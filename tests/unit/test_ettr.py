@@ -53,3 +53,13 @@ def test_window_with_frequent_reports() -> None:
     now = T0 + timedelta(seconds=600)
     assert ettr.ettr_window(led, now) == pytest.approx(1.0)
     assert len(led.samples) <= 25  # bounded: about one per 30 s
+
+
+def test_checkpoint_blocking_moves_from_productive_to_badput() -> None:
+    led = ettr.record_steps(ettr.start(ettr.Ledger(), T0), T0 + timedelta(seconds=10), 0, 10, 1.0)
+    led = ettr.reclassify(led, "checkpoint", 0.5)
+    assert led.productive_s == pytest.approx(9.5)
+    assert led.badput_s["checkpoint"] == pytest.approx(0.5)
+    # Never more than was counted productive.
+    led = ettr.reclassify(led, "checkpoint", 100.0)
+    assert led.productive_s == 0.0 and led.badput_s["checkpoint"] == pytest.approx(10.0)

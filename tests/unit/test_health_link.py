@@ -133,8 +133,8 @@ def test_agent_probes_with_a_nic(tmp_path: Path) -> None:
     from workers.node_agent import probes
 
     state = DrillState(tmp_path, "node-1")
-    plain = probes("node-1", tmp_path, state, 0, dict)
-    real = probes("node-1", tmp_path, state, 0, dict, nic="eth0")
+    plain = probes("node-1", [tmp_path], state, 0, dict)
+    real = probes("node-1", [tmp_path], state, 0, dict, nic="eth0")
     assert not any(isinstance(p, LinkProbe) for p in plain)
     assert [p.nic for p in real if isinstance(p, LinkProbe)] == ["eth0"]
     assert [p.real_link for p in real if isinstance(p, DrillProbe)] == [True]

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainguard.runtime import faults
-from trainguard.runtime.env import RankEnv, shard_name
+from trainguard.runtime import backup, faults
+from trainguard.runtime.env import RankEnv, backup_shard_name, shard_name
 from trainguard.runtime.state import param_hash
 from trainguard.topology import GroupKind, all_groups, coords
 
@@ -52,6 +52,8 @@ class Context:
         self._drilled_step: int | None = None
         self._local: dict[str, Any] = {}
         self._step_times: list[float] = []
+        # Rank -> its backup rank, when snapshots are copied to another machine.
+        self._backups = backup.backup_ranks(env.topology, env.local_world_size) if env.backup else None
 
     # -- process groups -------------------------------------------------------
     def _make_groups(self) -> None:
@@ -141,6 +143,21 @@ class Context:
     def _shard_path(self, step: int) -> Path:
         return Path(self.env.ckpt_dir) / shard_name(step, self.rank)
 
+    def _backup_paths(self, step: int) -> dict[int, Path]:
+        assert self._backups is not None
+        return {
+            q: Path(self.env.ckpt_dir) / backup_shard_name(step, q)
+            for q, t in self._backups.items()
+            if t == self.rank
+        }
+
+    def _restore_from_peers(self) -> None:
+        """Shards of ranks whose machine was replaced come back from the machines holding them."""
+        step = self.env.resume_step
+        assert step is not None
+        held = {dst: Path(self.env.ckpt_dir) / backup_shard_name(step, dst) for dst in self.env.restore_peers}
+        backup.restore(self.rank, self.env.restore_peers, held, self._shard_path(step))
+
     def load_checkpoint(self) -> dict[str, Any] | None:
         """The state this rank saved at the resume step, or None on a fresh start."""
         if self.env.resume_step is None:
@@ -150,8 +167,10 @@ class Context:
     def should_save(self, step: int) -> bool:
         return step % self.env.ckpt_every == 0 or step == self.target_steps
 
-    def save_checkpoint(self, step: int, state: dict[str, Any]) -> Path:
-        """Write this rank's shard for ``step`` atomically, then tell the agent."""
+    def save_checkpoint(self, step: int, state: dict[str, Any], started: float | None = None) -> Path:
+        """Write this rank's shard for ``step`` atomically, then tell the agent (with how long
+        training was blocked: from ``started``, when the state was taken, if given)."""
+        t0 = time.monotonic() if started is None else started
         path = self._shard_path(step)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -160,12 +179,22 @@ class Context:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        self._send({"t": "ckpt", "step": step, "path": str(path), "bytes": path.stat().st_size})
+        if self._backups is not None:
+            got = backup.exchange(self.rank, self._backups, path, self._backup_paths(step))
+            for of_rank, size in got.items():
+                self._send({"t": "backup", "step": step, "of_rank": of_rank, "bytes": size})
+        blocked = time.monotonic() - t0
+        self._send(
+            {"t": "ckpt", "step": step, "path": str(path), "bytes": path.stat().st_size, "save_s": blocked}
+        )
         return path
 
     def maybe_save(self, step: int, state_fn: Callable[[], dict[str, Any]]) -> Path | None:
         """Save when the job's checkpoint interval (or the last step) says so."""
-        return self.save_checkpoint(step, state_fn()) if self.should_save(step) else None
+        if not self.should_save(step):
+            return None
+        t0 = time.monotonic()
+        return self.save_checkpoint(step, state_fn(), started=t0)
 
     def finish(self, param_hash: str) -> None:
         """Declare this rank done with the hash of its final parameters."""
@@ -215,6 +244,8 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> Context:
         timeout=timedelta(seconds=timeout_s),
     )
     ctx._make_groups()
+    if env.restore_peers and env.resume_step is not None:
+        ctx._restore_from_peers()
     ctx._send({"t": "start", "pid": os.getpid(), "start_step": ctx.start_step})
     _report_fatal_errors(ctx)
     return ctx

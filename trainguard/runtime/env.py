@@ -6,6 +6,7 @@ The agent writes these variables (``rank_env``); the in-rank runtime reads them
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 
@@ -38,6 +39,10 @@ class RankEnv(BaseModel):
     fault_file: str | None = None
     # Report a parameter hash every N steps (0: never) so replicas can be compared.
     hash_every: int = 0
+    # Send each snapshot to this rank's backup rank on another machine (0: never; every N snapshots).
+    backup: bool = False
+    # Ranks whose resume shard is a backup held on another machine: dst rank -> (src rank, sha256).
+    restore_peers: dict[int, tuple[int, str]] = {}
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> RankEnv:
@@ -69,6 +74,11 @@ class RankEnv(BaseModel):
             report_fd=int(fd) if fd else None,
             fault_file=e.get("TG_FAULT_FILE") or None,
             hash_every=int(e.get("TG_HASH_EVERY", "0")),
+            backup=e.get("TG_BACKUP", "") == "1",
+            restore_peers={
+                int(k): (int(v[0]), str(v[1]))
+                for k, v in json.loads(e.get("TG_RESTORE_PEERS") or "{}").items()
+            },
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -98,7 +108,16 @@ class RankEnv(BaseModel):
             out["TG_FAULT_FILE"] = self.fault_file
         if self.hash_every:
             out["TG_HASH_EVERY"] = str(self.hash_every)
+        if self.backup:
+            out["TG_BACKUP"] = "1"
+        if self.restore_peers:
+            out["TG_RESTORE_PEERS"] = json.dumps({str(k): list(v) for k, v in self.restore_peers.items()})
         return out
+
+
+def backup_shard_name(step: int, of_rank: int) -> str:
+    """Relative path (in the receiving machine's snapshot dir) of another machine's rank's backup."""
+    return f"backup/{step_dir_name(step)}/rank-{of_rank:05d}.pt"
 
 
 def shard_name(step: int, rank: int) -> str:

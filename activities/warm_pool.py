@@ -1,0 +1,115 @@
+"""Warm rank processes kept ready on a machine (``trainguard.runtime.warm``).
+
+Each one is started with its own report pipe (the rank writes progress to it
+once activated), in its own process group, niced like ranks and killed with
+the agent. ``take()`` hands one over and starts a replacement in the
+background, so a restart on this machine skips the interpreter and torch start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WarmProc:
+    proc: asyncio.subprocess.Process
+    report_r: int  # the agent's end of the report pipe
+    report_w: int  # the number the rank writes to (inherited at start)
+
+    async def activate(
+        self, argv: list[str], env: dict[str, str], cwd: str, stdout: Path, stderr: Path
+    ) -> None:
+        act = {"argv": argv, "env": env, "cwd": cwd, "stdout": str(stdout), "stderr": str(stderr)}
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(act) + "\n").encode())
+        await self.proc.stdin.drain()
+        self.proc.stdin.close()
+
+
+class WarmPool:
+    def __init__(self, size: int, log_dir: Path, preexec: Callable[[], None]) -> None:
+        self.size = size
+        self.log_dir = log_dir
+        self.preexec = preexec
+        self.ready: list[WarmProc] = []
+        self._filling: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self.size > 0:
+            self._filling = asyncio.create_task(self._fill(), name="warm-fill")
+
+    async def _spawn(self) -> WarmProc:
+        r_fd, w_fd = os.pipe()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        out = (self.log_dir / "warm.log").open("ab")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "trainguard.runtime.warm",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=out,
+                stderr=out,
+                pass_fds=(w_fd,),
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,
+                preexec_fn=self.preexec,
+            )
+        except BaseException:
+            os.close(r_fd)
+            os.close(w_fd)
+            raise
+        finally:
+            out.close()
+        return WarmProc(proc=proc, report_r=r_fd, report_w=w_fd)
+
+    async def _fill(self) -> None:
+        while len(self.ready) < self.size:
+            try:
+                self.ready.append(await self._spawn())
+            except OSError as exc:
+                log.warning("could not start a warm rank process: %s", exc)
+                return
+
+    def take(self) -> WarmProc | None:
+        """A ready process (its replacement starts now), or None: start the rank cold."""
+        while self.ready:
+            w = self.ready.pop(0)
+            if w.proc.returncode is None:
+                if self._filling is None or self._filling.done():
+                    self._filling = asyncio.create_task(self._fill(), name="warm-fill")
+                return w
+            self._close(w)
+        if self.size and (self._filling is None or self._filling.done()):
+            self._filling = asyncio.create_task(self._fill(), name="warm-fill")
+        return None
+
+    @staticmethod
+    def _close(w: WarmProc) -> None:
+        for fd in (w.report_r, w.report_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    async def stop(self) -> None:
+        if self._filling is not None:
+            self._filling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._filling
+        for w in self.ready:
+            if w.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.kill()
+                await w.proc.wait()
+            self._close(w)
+        self.ready = []

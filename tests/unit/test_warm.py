@@ -1,0 +1,63 @@
+"""Warm rank processes: activation turns one into exactly the rank a cold start would be."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from activities.warm_pool import WarmPool
+from trainguard.runtime.warm import activatable
+
+SCRIPT = """
+import os, sys
+os.write(int(os.environ["TG_REPORT_FD"]), b'{"t": "hello"}\\n')
+print("argv", sys.argv[1:], "cwd", os.path.basename(os.getcwd()), "job", os.environ["JOB_VAR"])
+print("warm-only", os.environ.get("WARM_ONLY"), file=sys.stderr)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "ok"),
+    [
+        (["-u", "train.py", "--x"], True),
+        (["-m", "pkg.train"], True),
+        (["train.py"], True),
+        (["-X", "dev", "train.py"], False),
+        (["-c", "print(1)"], False),
+        (["-u"], False),
+        (["-m"], False),
+    ],
+)
+def test_only_what_runs_exactly_as_cold_is_activatable(argv: list[str], ok: bool) -> None:
+    assert activatable(argv) is ok
+
+
+async def test_an_activated_process_is_the_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "job.py").write_text(SCRIPT)
+    monkeypatch.setenv("WARM_ONLY", "leaks")  # the launcher's env must not reach the rank
+    pool = WarmPool(1, tmp_path / "warm", lambda: None)
+    pool.start()
+    try:
+        while not pool.ready:
+            await asyncio.sleep(0.05)
+        w = pool.take()
+        assert w is not None
+        env = {"PATH": os.environ["PATH"], "JOB_VAR": "j1", "TG_REPORT_FD": str(w.report_w)}
+        out, err = tmp_path / "rank.out", tmp_path / "rank.err"
+        await w.activate(["-u", "job.py", "--lr", "0.1"], env, str(tmp_path / "code"), out, err)
+        os.close(w.report_w)
+        assert await asyncio.wait_for(w.proc.wait(), 60) == 3
+        assert out.read_text().strip() == "argv ['--lr', '0.1'] cwd code job j1"
+        assert err.read_text().strip() == "warm-only None"
+        assert os.read(w.report_r, 100) == b'{"t": "hello"}\n'
+        os.close(w.report_r)
+        # A replacement is on its way.
+        while not pool.ready:
+            await asyncio.sleep(0.05)
+    finally:
+        await pool.stop()

@@ -1,0 +1,92 @@
+"""A warm rank process: Python and torch already imported, waiting to become a rank.
+
+The node agent keeps a few of these per machine. Starting a rank from cold
+costs seconds (most of it importing torch); activating a warm one costs a few
+milliseconds: the agent writes one JSON line to its stdin and the process turns
+into exactly what ``python [flags] script.py args`` (or ``python -m module``)
+would have been, with the rank's environment, working directory and log files.
+
+    python -m trainguard.runtime.warm [--preload mod1,mod2]
+
+Activation line: ``{"argv": [...], "env": {...}, "cwd": "...", "stdout": path,
+"stderr": path}``; ``argv`` is the entrypoint after the interpreter. Anything
+that cannot be reproduced exactly (interpreter flags other than -u, -B, -s, -E)
+is refused by :func:`activatable` and the agent starts the rank cold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import runpy
+import sys
+
+# Flags a warm process honours: unbuffered output (already set), no bytecode, no user site.
+HARMLESS_FLAGS = ("-u", "-B", "-s", "-E")
+
+
+def activatable(argv: list[str]) -> bool:
+    """Whether ``argv`` (after the interpreter) can run in a warm process exactly as cold."""
+    i = 0
+    while i < len(argv) and argv[i] in HARMLESS_FLAGS:
+        i += 1
+    if i >= len(argv):
+        return False
+    if argv[i] == "-m":
+        return i + 1 < len(argv)
+    return not argv[i].startswith("-")
+
+
+def _redirect(fd: int, path: str) -> None:
+    f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(f, fd)
+    os.close(f)
+
+
+def become(act: dict) -> None:
+    """Turn this process into the rank described by ``act`` and run it as ``__main__``."""
+    _redirect(1, act["stdout"])
+    _redirect(2, act["stderr"])
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.environ.clear()
+    os.environ.update(act["env"])
+    os.chdir(act["cwd"])
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and "torch" in sys.modules:
+        # torch read the variable at import time, before the job's environment existed.
+        sys.modules["torch"].set_num_threads(int(threads))
+    argv = list(act["argv"])
+    while argv and argv[0] in HARMLESS_FLAGS:
+        argv.pop(0)
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        script = os.path.abspath(argv[0])
+        sys.argv = [argv[0], *argv[1:]]
+        sys.path.insert(0, os.path.dirname(script))
+        runpy.run_path(script, run_name="__main__")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preload", default="torch,torch.distributed", help="modules to import while waiting")
+    args = p.parse_args()
+    # Nothing of the launcher's own path may leak into the rank's imports.
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        sys.path.pop(0)
+    for mod in filter(None, args.preload.split(",")):
+        importlib.import_module(mod)
+    line = sys.stdin.readline()
+    if not line:
+        sys.exit(0)  # the agent retired this process without using it
+    become(json.loads(line))
+
+
+if __name__ == "__main__":
+    main()
