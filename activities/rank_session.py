@@ -139,6 +139,7 @@ class RankSession:
         self.backups: dict[int, dict[int, ShardInfo]] = {}  # step -> of_rank -> other machines' shards
         self.uploading: set[int] = set()
         self.save_s: dict[int, float] = {}  # step -> slowest local rank's snapshot time so far
+        self.saved_meta: dict[int, dict[int, tuple[int, str]]] = {}  # step -> rank -> (bytes, sha256)
         self.ckpt_block_s = 0.0
         self.unsent: list[ShardInfo] = []
         self.exits: dict[int, RankExit] = {}
@@ -323,6 +324,8 @@ class RankSession:
             ranks = self.saved.setdefault(step, set())
             ranks.add(rank)
             self.save_s[step] = max(self.save_s.get(step, 0.0), float(rec.get("save_s") or 0.0))
+            if rec.get("sha256"):
+                self.saved_meta.setdefault(step, {})[rank] = (int(rec.get("bytes") or 0), str(rec["sha256"]))
             if ranks >= set(self.inp.ranks):
                 del self.saved[step]
                 self.ckpt_block_s += self.save_s.pop(step)
@@ -332,7 +335,10 @@ class RankSession:
                 self._tasks.append(asyncio.create_task(self._note_memory(step), name=f"memory-{step}"))
         elif kind == "backup":
             step, of_rank = int(rec["step"]), int(rec["of_rank"])
-            self._tasks.append(asyncio.create_task(self._note_backup(step, of_rank), name=f"backup-{step}"))
+            meta = (int(rec.get("bytes") or 0), str(rec["sha256"])) if rec.get("sha256") else None
+            self._tasks.append(
+                asyncio.create_task(self._note_backup(step, of_rank, meta), name=f"backup-{step}")
+            )
         elif kind == "error":
             # A rank is dying of an uncaught exception: act now, not when it has exited.
             tail = str(rec.get("traceback", ""))[-STDERR_TAIL_BYTES:]
@@ -370,13 +376,19 @@ class RankSession:
         ):
             return
         shards = []
+        meta = self.saved_meta.pop(step, {})
+        for old in [s for s in self.saved_meta if s < step]:
+            del self.saved_meta[old]
         for rank in self.inp.ranks:
             path = self.ckpt_dir / shard_name(step, rank)
-            try:
-                digest = await asyncio.to_thread(sha256_file, path)
-                size = path.stat().st_size
-            except FileNotFoundError:
-                return  # pruned meanwhile: a newer snapshot exists
+            if rank in meta:  # the rank hashed what it wrote
+                size, digest = meta[rank]
+            else:
+                try:
+                    digest = await asyncio.to_thread(sha256_file, path)
+                    size = path.stat().st_size
+                except FileNotFoundError:
+                    return  # pruned meanwhile: a newer snapshot exists
             shards.append(ShardInfo(rank=rank, step=step, key="", size=size, sha256=digest))
         self.memory[step] = shards
         for old in sorted(self.memory)[:-MEMORY_STEPS_REPORTED]:
@@ -384,14 +396,17 @@ class RankSession:
         self._progress_dirty.set()
         self._prune_local()
 
-    async def _note_backup(self, step: int, of_rank: int) -> None:
-        """Another machine's rank's snapshot arrived here: hash it and report it."""
+    async def _note_backup(self, step: int, of_rank: int, meta: tuple[int, str] | None) -> None:
+        """Another machine's rank's snapshot arrived here: record (hash if the rank did not) and report it."""
         path = self.ckpt_dir / backup_shard_name(step, of_rank)
-        try:
-            digest = await asyncio.to_thread(sha256_file, path)
-            size = path.stat().st_size
-        except FileNotFoundError:
-            return
+        if meta is not None:
+            size, digest = meta
+        else:
+            try:
+                digest = await asyncio.to_thread(sha256_file, path)
+                size = path.stat().st_size
+            except FileNotFoundError:
+                return
         self.backups.setdefault(step, {})[of_rank] = ShardInfo(
             rank=of_rank, step=step, key="", size=size, sha256=digest
         )

@@ -38,12 +38,17 @@ class WarmProc:
 
 
 class WarmPool:
-    def __init__(self, size: int, log_dir: Path, preexec: Callable[[], None]) -> None:
+    def __init__(
+        self, size: int, log_dir: Path, preexec: Callable[[], None], refill_delay_s: float = 15.0
+    ) -> None:
         self.size = size
         self.log_dir = log_dir
         self.preexec = preexec
         self.ready: list[WarmProc] = []
         self._filling: asyncio.Task[None] | None = None
+        # After a take, refill only once the new ranks are past their own start: replacements
+        # importing torch would compete with them for the CPU.
+        self.refill_delay_s = refill_delay_s
 
     def start(self) -> None:
         if self.size > 0:
@@ -74,7 +79,9 @@ class WarmPool:
             out.close()
         return WarmProc(proc=proc, report_r=r_fd, report_w=w_fd)
 
-    async def _fill(self) -> None:
+    async def _fill(self, delay_s: float = 0.0) -> None:
+        if delay_s:
+            await asyncio.sleep(delay_s)
         while len(self.ready) < self.size:
             try:
                 self.ready.append(await self._spawn())
@@ -88,11 +95,11 @@ class WarmPool:
             w = self.ready.pop(0)
             if w.proc.returncode is None:
                 if self._filling is None or self._filling.done():
-                    self._filling = asyncio.create_task(self._fill(), name="warm-fill")
+                    self._filling = asyncio.create_task(self._fill(self.refill_delay_s), name="warm-fill")
                 return w
             self._close(w)
         if self.size and (self._filling is None or self._filling.done()):
-            self._filling = asyncio.create_task(self._fill(), name="warm-fill")
+            self._filling = asyncio.create_task(self._fill(self.refill_delay_s), name="warm-fill")
         return None
 
     @staticmethod

@@ -3,12 +3,16 @@ peer backups the other machine kept, losing at most a step, and ends bit-exact."
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from infra.stack import SEAWEEDFS, Stack
 from tests.integration.helpers import example_spec, run_to_end, wait_until
+from trainguard import checkpoints
 from trainguard.client import TrainguardClient
+from trainguard.storage import S3Store
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("healthy_pool")]
 
@@ -43,3 +47,35 @@ async def test_peer_backup_off_falls_back_to_s3(tg: TrainguardClient, reference:
     (inc,) = final["incidents"]
     assert inc["evicted"] == ["node-1"] and inc["restored_from"] == "s3"
     assert final["resumed_from_step"] % 10 == 0
+
+
+async def test_storage_outage_restores_only_complete_checkpoints(
+    tg: TrainguardClient, reference: dict[str, Any], stack_dir: Path
+) -> None:
+    # S3 down while a machine is lost. Without peer backups the restore must come from S3: it
+    # waits for storage, then takes the newest *complete* checkpoint, never a half-written one.
+    spec = example_spec("rec-outage")
+    spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"peer_backup": False})})
+    job = await tg.submit(spec)
+    before = await wait_until(job, lambda s: (s["checkpoint"] or {}).get("step", 0) >= 20)
+    stack = Stack.load(stack_dir)
+    assert stack.stop(SEAWEEDFS)
+    try:
+        # Training goes on in memory; uploads retry; nothing new is committed.
+        during = await wait_until(job, lambda s: s["step"] >= before["checkpoint"]["step"] + 15)
+        assert during["checkpoint"]["step"] < during["step"] - 10
+        await tg.inject("node-1", "crash", rank=1, count=5)
+        await wait_until(
+            job, lambda s: s["phase"] in ("diagnosing", "recovering", "running") and s["incidents"]
+        )
+    finally:
+        Stack.load(stack_dir).start_servers()
+    final = await run_to_end(job)
+    assert final["phase"] == "completed"
+    assert final["result"]["param_hash"] == reference["result"]["param_hash"]
+    (inc,) = final["incidents"]
+    assert inc["restored_from"] == "s3" and final["resumed_from_step"] % 10 == 0
+    store = S3Store(tg.settings)
+    prefix = checkpoints.job_prefix(spec.checkpoint.s3_prefix, spec.name)
+    latest = checkpoints.latest(store, prefix, spec.world_size)
+    assert latest is not None and latest.step == 80

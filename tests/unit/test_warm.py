@@ -40,7 +40,7 @@ async def test_an_activated_process_is_the_rank(tmp_path: Path, monkeypatch: pyt
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "job.py").write_text(SCRIPT)
     monkeypatch.setenv("WARM_ONLY", "leaks")  # the launcher's env must not reach the rank
-    pool = WarmPool(1, tmp_path / "warm", lambda: None)
+    pool = WarmPool(1, tmp_path / "warm", lambda: None, refill_delay_s=0.0)
     pool.start()
     try:
         while not pool.ready:

@@ -40,12 +40,13 @@ def _write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def exchange(rank: int, plan: dict[int, int], shard: Path, backup_path: dict[int, Path]) -> dict[int, int]:
-    """Send ``shard`` to this rank's backup rank and store the shards this rank backs up at
-    ``backup_path[of_rank]``; returns of_rank -> bytes received. Every rank must call it."""
+def exchange(
+    rank: int, plan: dict[int, int], data: bytes, backup_path: dict[int, Path]
+) -> dict[int, tuple[int, str]]:
+    """Send this rank's shard (``data``) to its backup rank and store the shards this rank backs
+    up at ``backup_path[of_rank]``; returns of_rank -> (bytes, sha256). Every rank must call it."""
     target = plan[rank]
     sources = sorted(q for q, t in plan.items() if t == rank)
-    data = shard.read_bytes()
     size = torch.tensor([len(data)], dtype=torch.int64)
     sizes = {q: torch.zeros(1, dtype=torch.int64) for q in sources}
     reqs = [dist.isend(size, target), *(dist.irecv(sizes[q], q) for q in sources)]
@@ -56,9 +57,12 @@ def exchange(rank: int, plan: dict[int, int], shard: Path, backup_path: dict[int
     reqs += [dist.irecv(bufs[q], q) for q in sources]
     for r in reqs:
         r.wait()
+    out = {}
     for q in sources:
-        _write(backup_path[q], bufs[q].numpy().tobytes())
-    return {q: int(sizes[q].item()) for q in sources}
+        got = bufs[q].numpy().tobytes()
+        _write(backup_path[q], got)
+        out[q] = (len(got), hashlib.sha256(got).hexdigest())
+    return out
 
 
 def restore(rank: int, peers: dict[int, tuple[int, str]], held: dict[int, Path], shard: Path) -> None:

@@ -7,6 +7,8 @@ later, real-time checks. A report never blocks on the network.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import math
 import os
@@ -173,19 +175,29 @@ class Context:
         t0 = time.monotonic() if started is None else started
         path = self._shard_path(step)
         path.parent.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        torch.save({"step": step, **state}, buf)
+        data = buf.getvalue()
+        # Hashed here, where the bytes already are: the agent need not read the file again.
+        digest = hashlib.sha256(data).hexdigest()
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        with tmp.open("wb") as f:
-            torch.save({"step": step, **state}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        # No fsync: this is the memory tier (tmpfs); os.replace makes it whole or absent.
+        tmp.write_bytes(data)
         os.replace(tmp, path)
         if self._backups is not None:
-            got = backup.exchange(self.rank, self._backups, path, self._backup_paths(step))
-            for of_rank, size in got.items():
-                self._send({"t": "backup", "step": step, "of_rank": of_rank, "bytes": size})
+            got = backup.exchange(self.rank, self._backups, data, self._backup_paths(step))
+            for of_rank, (size, sha) in got.items():
+                self._send({"t": "backup", "step": step, "of_rank": of_rank, "bytes": size, "sha256": sha})
         blocked = time.monotonic() - t0
         self._send(
-            {"t": "ckpt", "step": step, "path": str(path), "bytes": path.stat().st_size, "save_s": blocked}
+            {
+                "t": "ckpt",
+                "step": step,
+                "path": str(path),
+                "bytes": len(data),
+                "sha256": digest,
+                "save_s": blocked,
+            }
         )
         return path
 
