@@ -84,8 +84,10 @@ async def test_silent_corruption(tg: TrainguardClient, reference: dict[str, Any]
     inc = only_incident(final, reference)
     assert inc["kind"] == "sdc"
     assert "node-1" in inc["suspects"]
-    # It resumed from a checkpoint the replicas agreed on, so the end is exact (asserted above).
-    assert final["resumed_from_step"] is not None
+    # It resumed from a checkpoint the replicas agreed on (from scratch when the first comparison
+    # already differed), so the end is exact (asserted above).
+    resumed = final["resumed_from_step"]
+    assert resumed is None or resumed % 5 == 0
 
 
 @pytest.mark.parametrize(
