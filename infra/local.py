@@ -37,7 +37,6 @@ from trainguard.temporal import connect
 
 AGENT_READY_TIMEOUT_S = 120.0
 RELAY = "relay"
-WARM_RANKS = 2
 
 
 def node_names(nodes: int, standby: int) -> list[str]:
@@ -70,9 +69,9 @@ def start_agent(stack: Stack, name: str, code_dir: Path, plan: NetnsPlan | None 
         # Every simulated machine shares this host's cores: ranks yield to the control plane.
         "--rank-nice",
         "19",
-        # Two ranks per machine in the example: restarts on this machine skip the torch import.
+        # Restarts on this machine skip the torch import (2: the example's ranks per machine).
         "--warm-ranks",
-        str(WARM_RANKS),
+        str(stack.config.warm_ranks),
     ]
     env = process_env(stack.config)
     if plan is not None:

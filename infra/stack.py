@@ -76,6 +76,8 @@ class StackConfig(BaseModel):
     namespace: str = "default"
     bucket: str = Field(default="trainguard", pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
     headless: bool = False
+    # Rank processes each agent keeps started (torch imported) for fast restarts.
+    warm_ranks: int = Field(default=2, ge=0, le=64)
     temporal_port: int
     temporal_http_port: int
     temporal_ui_port: int = 8233
@@ -154,9 +156,13 @@ class StackConfig(BaseModel):
 
     @classmethod
     def for_tests(cls, state_dir: Path | str) -> StackConfig:
-        """Headless, every port picked free by the kernel: stacks of parallel tests coexist."""
+        """Headless, every port picked free by the kernel: stacks of parallel tests coexist.
+
+        No warm rank processes: on a 2-core test machine, refilling them after every attempt
+        costs more CPU than they save (``tests/unit/test_warm.py`` covers them on a real process).
+        """
         ports = dict(zip(cls._PORT_FIELDS, free_ports(len(cls._PORT_FIELDS)), strict=True))
-        return cls(state_dir=Path(state_dir), headless=True, **ports)
+        return cls(state_dir=Path(state_dir), headless=True, warm_ranks=0, **ports)
 
     @property
     def temporal_address(self) -> str:
