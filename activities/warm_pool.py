@@ -51,8 +51,12 @@ class WarmPool:
         self.refill_delay_s = refill_delay_s
 
     def start(self) -> None:
-        if self.size > 0:
-            self._filling = asyncio.create_task(self._fill(), name="warm-fill")
+        self._refill(0.0)
+
+    def _refill(self, delay_s: float) -> None:
+        """Top the pool up in the background (after ``delay_s``) unless that is under way."""
+        if self.size and (self._filling is None or self._filling.done()):
+            self._filling = asyncio.create_task(self._fill(delay_s), name="warm-fill")
 
     async def _spawn(self) -> WarmProc:
         r_fd, w_fd = os.pipe()
@@ -79,7 +83,7 @@ class WarmPool:
             out.close()
         return WarmProc(proc=proc, report_r=r_fd, report_w=w_fd)
 
-    async def _fill(self, delay_s: float = 0.0) -> None:
+    async def _fill(self, delay_s: float) -> None:
         if delay_s:
             await asyncio.sleep(delay_s)
         while len(self.ready) < self.size:
@@ -90,17 +94,17 @@ class WarmPool:
                 return
 
     def take(self) -> WarmProc | None:
-        """A ready process (its replacement starts now), or None: start the rank cold."""
-        while self.ready:
+        """A ready process (its replacement follows after ``refill_delay_s``), or None: start
+        the rank cold."""
+        taken = None
+        while self.ready and taken is None:
             w = self.ready.pop(0)
             if w.proc.returncode is None:
-                if self._filling is None or self._filling.done():
-                    self._filling = asyncio.create_task(self._fill(self.refill_delay_s), name="warm-fill")
-                return w
-            self._close(w)
-        if self.size and (self._filling is None or self._filling.done()):
-            self._filling = asyncio.create_task(self._fill(self.refill_delay_s), name="warm-fill")
-        return None
+                taken = w
+            else:
+                self._close(w)  # died while waiting
+        self._refill(self.refill_delay_s)
+        return taken
 
     @staticmethod
     def _close(w: WarmProc) -> None:

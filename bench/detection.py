@@ -24,13 +24,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.private_stack import run_bench  # noqa: E402
+from bench.private_stack import choose, connect, run_bench  # noqa: E402
 from infra.local import node_names, restore_pool  # noqa: E402
-from infra.stack import Stack, client_env  # noqa: E402
 from tests.integration.helpers import example_spec, wait_until  # noqa: E402
 from trainguard.cli import exit_now  # noqa: E402
 from trainguard.client import JobHandle, TrainguardClient  # noqa: E402
-from trainguard.settings import Settings  # noqa: E402
 
 FAULTS = [
     "crash", "hang", "nan", "loss-spike", "slow", "sdc", "gpu-lost", "gpu-xid", "ecc",
@@ -78,8 +76,7 @@ async def trial(tg: TrainguardClient, job: JobHandle, state_dir: Path, fault: st
 
 
 async def run(state_dir: Path, trials: int, faults: list[str], log: Any) -> dict[str, Any]:
-    cfg = Stack.load(state_dir).config
-    tg = await TrainguardClient.connect(Settings.from_mapping(client_env(cfg), state_dir))
+    tg = await connect(state_dir)
     spec = example_spec("bench-detect", target_steps=1_000_000)
     spec = spec.model_copy(update={"detection": spec.detection.model_copy(update={"max_attempts": 1000})})
     job = await tg.submit(spec)
@@ -112,11 +109,7 @@ def main() -> None:
     ap.add_argument("--faults", default=",".join(FAULTS))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    faults = [f for f in args.faults.split(",") if f]
-    unknown = [f for f in faults if f not in FAULTS]
-    if unknown:
-        print(f"error: faults: unknown {unknown} (one of {', '.join(FAULTS)})", file=sys.stderr)
-        exit_now(2)
+    faults = choose("faults", args.faults, FAULTS)
     result = run_bench(
         "tg-bench-detect-", NODES, lambda state_dir, log: run(state_dir, args.trials, faults, log)
     )

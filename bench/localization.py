@@ -25,13 +25,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.private_stack import run_bench  # noqa: E402
+from bench.private_stack import choose, connect, run_bench  # noqa: E402
 from infra.local import node_names, restore_pool  # noqa: E402
-from infra.stack import Stack, client_env  # noqa: E402
 from tests.integration.helpers import example_spec, wait_until  # noqa: E402
 from trainguard.cli import exit_now  # noqa: E402
 from trainguard.client import TrainguardClient  # noqa: E402
-from trainguard.settings import Settings  # noqa: E402
 
 NODES = 3
 FAULTY = "node-1"
@@ -93,8 +91,7 @@ async def one(tg: TrainguardClient, name: str, case: Case) -> dict[str, Any]:
 
 
 async def run(state_dir: Path, trials: int, cases: list[str], log: Any) -> dict[str, Any]:
-    cfg = Stack.load(state_dir).config
-    tg = await TrainguardClient.connect(Settings.from_mapping(client_env(cfg), state_dir))
+    tg = await connect(state_dir)
     rows = []
     for case in cases:
         got = []
@@ -123,11 +120,9 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    cases = [c for c in args.cases.split(",") if c]
-    unknown = [c for c in cases if c not in CASES]
-    if unknown or args.trials < 1:
-        what = f"cases: unknown {unknown} (one of {', '.join(CASES)})" if unknown else "trials: must be >= 1"
-        print(f"error: {what}", file=sys.stderr)
+    cases = choose("cases", args.cases, list(CASES))
+    if args.trials < 1:
+        print("error: trials: must be >= 1", file=sys.stderr)
         exit_now(2)
     result = run_bench("tg-bench-loc-", NODES, lambda d, log: run(d, args.trials, cases, log))
     if args.json:

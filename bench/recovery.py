@@ -35,9 +35,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.private_stack import run_bench  # noqa: E402
+from bench.private_stack import connect, run_bench  # noqa: E402
 from infra.local import node_names, restore_pool  # noqa: E402
-from infra.stack import Stack, client_env  # noqa: E402
 from tests.integration.helpers import example_spec, wait_until  # noqa: E402
 from trainguard.cli import exit_now  # noqa: E402
 from trainguard.client import JobHandle, TrainguardClient  # noqa: E402
@@ -102,9 +101,8 @@ def _throughput(settings: Settings, snapshot_dir: Path) -> tuple[float, float]:
 
 
 async def run(state_dir: Path, trials: int, log: Any) -> dict[str, Any]:
-    cfg = Stack.load(state_dir).config
-    settings = Settings.from_mapping(client_env(cfg), state_dir)
-    tg = await TrainguardClient.connect(settings)
+    tg = await connect(state_dir)
+    settings = tg.settings
     spec = example_spec("bench-recovery", target_steps=1_000_000)
     spec = spec.model_copy(update={"detection": spec.detection.model_copy(update={"max_attempts": 1000})})
     job = await tg.submit(spec)

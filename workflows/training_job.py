@@ -977,39 +977,31 @@ class TrainingJobWorkflow:
     ) -> list[pairing.PairResult]:
         """Every pair at once: the first machine hosts the rendezvous, both run ``pair_test``."""
         queues = {n.name: n.task_queue for n in self.s.nodes}
+        limit = timedelta(seconds=req.timeout_s + 45)
 
-        def call(activity: str, arg: Any, node: str, result_type: type) -> Any:
+        def pair_test(rank: int, node: str, master: Endpoint) -> Any:
             return workflow.execute_activity(
-                activity,
-                arg,
+                "pair_test",
+                PairTestRequest(job_id=req.job_id, attempt=req.attempt, rank=rank, master=master),
                 task_queue=queues[node],
                 schedule_to_start_timeout=timedelta(seconds=10),
-                start_to_close_timeout=timedelta(seconds=req.timeout_s + 45),
+                start_to_close_timeout=limit,
                 retry_policy=NO_RETRY,
-                result_type=result_type,
+                result_type=CheckResult,
                 summary=f"{node}: pairwise check",
             )
 
         async def one(a: str, b: str) -> pairing.PairResult:
             try:
-                master: Endpoint = await call(
-                    "pick_master_port", PortRequest(job_id=req.job_id, attempt=req.attempt), a, Endpoint
+                master = await self._rendezvous_port(
+                    queues[a], req.job_id, req.attempt, limit, f"{a}: pairwise check"
                 )
             except ActivityError as err:
                 return pairing.PairResult(
                     machines=(a, b), ok=False, elapsed_s=0.0, evidence=f"{a}: {err.cause or err}"
                 )
             sides = await asyncio.gather(
-                *(
-                    call(
-                        "pair_test",
-                        PairTestRequest(job_id=req.job_id, attempt=req.attempt, rank=i, master=master),
-                        n,
-                        CheckResult,
-                    )
-                    for i, n in enumerate((a, b))
-                ),
-                return_exceptions=True,
+                *(pair_test(i, n, master) for i, n in enumerate((a, b))), return_exceptions=True
             )
             ok = all(isinstance(x, CheckResult) and x.passed for x in sides)
             elapsed = max((x.elapsed_s or 0.0 for x in sides if isinstance(x, CheckResult)), default=0.0)
@@ -1020,6 +1012,23 @@ class TrainingJobWorkflow:
             return pairing.PairResult(machines=(a, b), ok=ok, elapsed_s=elapsed, evidence=why[:500])
 
         return list(await asyncio.gather(*(one(a, b) for a, b in pairs)))
+
+    @staticmethod
+    async def _rendezvous_port(
+        task_queue: str, job_id: str, attempt: int, limit: timedelta = SHORT, summary: str | None = None
+    ) -> Endpoint:
+        """A free port on a machine for a diagnostic process group's rendezvous (no retry: a
+        machine that cannot answer within seconds fails the check)."""
+        return await workflow.execute_activity(
+            "pick_master_port",
+            PortRequest(job_id=job_id, attempt=attempt),
+            task_queue=task_queue,
+            schedule_to_start_timeout=timedelta(seconds=10),
+            start_to_close_timeout=limit,
+            retry_policy=NO_RETRY,
+            result_type=Endpoint,
+            summary=summary,
+        )
 
     async def _replay(self, attempt: int) -> Decision:
         """Dual-phase replay: a few steps of the job from its last checkpoint on every row of
@@ -1071,15 +1080,7 @@ class TrainingJobWorkflow:
         )
         job_id = f"{spec.name}.replay"
         try:
-            master: Endpoint = await workflow.execute_activity(
-                "pick_master_port",
-                PortRequest(job_id=job_id, attempt=tag),
-                task_queue=nodes[0].task_queue,
-                schedule_to_start_timeout=timedelta(seconds=10),
-                start_to_close_timeout=SHORT,
-                retry_policy=NO_RETRY,
-                result_type=Endpoint,
-            )
+            master = await self._rendezvous_port(nodes[0].task_queue, job_id, tag)
         except ActivityError as err:
             return False, f"{nodes[0].name} unreachable: {err.cause or err}"
         runs = [
