@@ -16,6 +16,7 @@ from trainguard import ettr
 from trainguard.code_versions import CodeEvent, CodeRelease, PendingUpdate
 from trainguard.models import CheckpointRef, Endpoint, InjectResult, NodeInfo, ShardInfo
 from trainguard.policy import JobHistory
+from trainguard.progress_series import ProgressSeries
 from trainguard.spec import JobSpec
 
 Phase = Literal[
@@ -112,6 +113,8 @@ class JobState(BaseModel):
     backups: dict[str, list[ShardInfo]] = {}
     # Checkpoint blocking reported this attempt, per machine (cumulative).
     ckpt_block_s: dict[str, float] = {}
+    # Step and productive time over wall time, bounded (trainguard report draws it).
+    progress_series: ProgressSeries = ProgressSeries()
 
 
 def status_json(state: JobState, now: datetime) -> dict[str, Any]:
@@ -138,7 +141,24 @@ def status_json(state: JobState, now: datetime) -> dict[str, Any]:
         "step_time_s": state.step_time_s,
         "submitted_at": state.submitted_at.isoformat() if state.submitted_at else None,
         "updated_at": state.updated_at.isoformat() if state.updated_at else None,
+        # When this document was made: a saved one still says how far its ETTR and open incident reach.
+        "as_of": now.isoformat(),
+        "progress": _progress(state.progress_series),
     }
+
+
+def _progress(series: ProgressSeries) -> list[list[Any]]:
+    """[time, step, cumulative ETTR, cumulative productive seconds] per point; the last
+    makes the 1-hour window ETTR computable at any time (progress_series.ettr_over)."""
+    if not series.points:
+        return []
+    start = series.points[0][0]  # the ETTR ledger's start
+    out: list[list[Any]] = []
+    for t, step, productive in series.points:
+        wall = (t - start).total_seconds()
+        e = min(1.0, productive / wall) if wall > 0 else 0.0
+        out.append([t.isoformat(), step, round(e, 4), round(productive, 2)])
+    return out
 
 
 def _pending(state: JobState) -> dict[str, Any] | None:

@@ -25,7 +25,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, CancelledErro
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
 
-    from trainguard import checkpoints, ettr
+    from trainguard import checkpoints, ettr, progress_series
     from trainguard.analysis import pairing
     from trainguard.analysis.replay import replay_grid
     from trainguard.code_versions import (
@@ -631,6 +631,13 @@ class TrainingJobWorkflow:
                 self.s.ledger, workflow.now(), self.s.step, r.step, r.step_time_s
             )
         if r.step > self.s.step:
+            self.s.progress_series = progress_series.record(
+                self.s.progress_series,
+                workflow.now(),
+                r.step,
+                self.s.ledger.productive_s,
+                origin=(self.s.ledger.started_at, self.s.step) if self.s.ledger.started_at else None,
+            )
             self.s.step = r.step
         if self.s.history.recoveries_without_progress and self.s.ledger.high_water_step > (
             self.s.progress_at_attempt_start
