@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Coroutine
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
 
@@ -21,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from trainguard.client import (
+    TERMINAL_PHASES,
     BadFault,
     BadUpdate,
     ControllerUnavailable,
@@ -403,6 +405,89 @@ def inject(
         out.print(f"cleared {res['cleared']} faults on {node}")
     else:
         out.print(f"injected {fault} on {node} at {res['injected_at']} ({res['fault_id']})")
+
+
+@app.command()
+@handles_errors
+def report(
+    job: Annotated[str | None, typer.Argument(metavar="JOB", help="the job (or give --from-json)")] = None,
+    out_png: Annotated[
+        Path | None,
+        typer.Option("--out", metavar="FILE.png", help="the plot (default JOB-timeline.png unless --html)"),
+    ] = None,
+    html_out: Annotated[
+        Path | None,
+        typer.Option("--html", metavar="FILE.html", help="one self-contained page: plot, incidents, badput"),
+    ] = None,
+    from_json: Annotated[
+        Path | None,
+        typer.Option(
+            "--from-json", metavar="STATUS.json", help="draw a saved `trainguard status JOB --json` instead"
+        ),
+    ] = None,
+    state_dir: StateDir = None,
+) -> None:
+    """Timeline of a job: step over wall time with each incident's detection, diagnosis and
+    recovery shaded and evictions marked, and cumulative and 1-hour ETTR below."""
+    from trainguard import report as timeline_report
+
+    if (job is None) == (from_json is None):
+        raise BadInput("JOB: give a job name or --from-json STATUS.json (one of them)")
+    for flag, path in (("out", out_png), ("html", html_out)):
+        if path is not None:
+            _check_output(flag, path)
+    now: datetime | None = None
+    if from_json is not None:
+        st = _read_status(from_json)
+    else:
+        assert job is not None
+
+        async def go() -> dict[str, Any]:
+            return await (await _client(state_dir)).job(job).status()
+
+        st = _run(go())
+        if st.get("phase") not in TERMINAL_PHASES:
+            now = datetime.now(UTC)  # a running job's plot reaches the present
+    if out_png is None and html_out is None:
+        out_png = Path(f"{st.get('job_id') or job}-timeline.png")
+    try:
+        png = timeline_report.png_bytes(st, now)  # a bad document stops here, before any file is written
+        page = timeline_report.html_page(st, now, png) if html_out is not None else None
+    except timeline_report.ReportError as exc:
+        raise BadInput(str(exc)) from None
+    for flag, path, data in (("out", out_png, png), ("html", html_out, page)):
+        if path is None or data is None:
+            continue
+        try:
+            if isinstance(data, bytes):
+                path.write_bytes(data)
+            else:
+                path.write_text(data, encoding="utf-8")
+        except OSError as exc:
+            raise BadInput(f"{flag}: cannot write {path}: {exc.strerror or exc}") from None
+        out.print(f"wrote {path}")
+
+
+def _check_output(flag: str, path: Path) -> None:
+    """Fail before asking the stack, not after drawing."""
+    if path.is_dir():
+        raise BadInput(f"{flag}: {path} is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise BadInput(f"{flag}: directory {path.parent} does not exist")
+
+
+def _read_status(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BadInput(f"from-json: {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInput(f"from-json: cannot read {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise BadInput(f"from-json: {path} is not JSON ({exc.msg}, line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise BadInput(f"from-json: {path} is not a status document (trainguard status JOB --json)")
+    return data
 
 
 def main() -> None:
