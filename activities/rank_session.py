@@ -249,6 +249,7 @@ class RankSession:
             finally:
                 os.close(warm.report_w)
             self.warm_started += 1
+            log.info("rank %d of %s started in a warm process", rank, self.inp.job_id)
             self.procs[rank] = warm.proc
             self._tasks.append(
                 asyncio.create_task(self._read_reports(rank, warm.report_r), name=f"reports-{rank}")

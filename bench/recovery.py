@@ -1,27 +1,30 @@
 """Recovery cost on the real local stack: how long a job is down and how much it recomputes.
 
-Brings up a private stack (3 machines: 2 for the job, 1 spare) and runs the
-example job for a long time, then, one after another:
+Two private stacks of 3 machines (2 for the job, 1 spare), one whose agents keep
+warm rank processes (torch imported) and one without, run the example job with
+its product defaults (a memory snapshot every step, peer backups, S3 every 20):
 
-- ``crash_warm_s``: a one-off rank crash on healthy machines. The checks pass,
-  the ranks restart on the same machines and restore the step every machine
-  still holds in memory. Detection to the first step back.
-- ``crash_cold_s``: a crash on a machine whose self-test fails. It is evicted,
-  a standby takes its place and the job restores from S3.
-- ``hot_update_s``: an urgent code update, from the request to the first step
-  on the new version (same machines, memory restore).
+- ``crash_warm_s`` / ``crash_cold_s``: a one-off rank crash on healthy machines,
+  from the fault to the first new step. The checks pass, the ranks restart on the
+  same machines (from warm processes, or cold) and restore the newest step every
+  machine holds in memory. Median of ``--trials``.
+- ``crash_evict_s``: a crash that recurs, so the machine is evicted and a standby
+  takes its place, restoring that machine's shards from their peer backups.
+- ``hot_update_s``: an urgent code update, from the request to the first step on
+  the new version (same machines, memory restore).
 - ``lost_steps_max``: the most steps any of those recoveries computed again.
-- ``ckpt_blocking_pct``: checkpoint badput (snapshot time the ranks were
-  blocked) over wall time, with a memory snapshot every step.
+- ``ckpt_blocking_pct``: in a fault-free run, the time training was blocked by
+  snapshots per step, as a share of the step time.
 - ``s3_mb_s`` / ``disk_mb_s``: write throughput of one 64 MiB shard to the
-  stack's S3 and to the machine's snapshot directory.
+  stack's S3 and to the machine's snapshot directory, in the same run.
 
-    python bench/recovery.py [--trials 3] [--json]
+    python bench/recovery.py [--trials 5] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -40,10 +43,14 @@ from infra.local import node_names, restore_pool  # noqa: E402
 from tests.integration.helpers import example_spec, wait_until  # noqa: E402
 from trainguard.cli import exit_now  # noqa: E402
 from trainguard.client import JobHandle, TrainguardClient  # noqa: E402
+from trainguard.job_state import TERMINAL  # noqa: E402
 from trainguard.settings import Settings  # noqa: E402
+from trainguard.spec import CheckpointSpec, JobSpec  # noqa: E402
 from trainguard.storage import S3Store  # noqa: E402
 
 NODES = 3
+# Between trials: the agent refills its warm processes 15 s after a restart used them.
+SETTLE_S = 25.0
 MIB = 1 << 20
 
 
@@ -51,35 +58,53 @@ def _t(iso: str) -> datetime:
     return datetime.fromisoformat(iso)
 
 
-async def _ready(job: JobHandle) -> dict[str, Any]:
-    return await wait_until(
+async def _ready(job: JobHandle, settle_s: float) -> dict[str, Any]:
+    """Running for a while since the last recovery: the warm processes a restart used are
+    replaced after the agent's refill delay, so a trial never starts on an emptied pool."""
+    await wait_until(
         job,
         lambda s: s["phase"] == "running" and s["step"] >= (s["resumed_from_step"] or 0) + 15,
         timeout_s=300,
     )
+    await asyncio.sleep(settle_s)  # pacing between trials, not synchronisation
+    return await job.status()
+
+
+def _down_s(inc: dict[str, Any]) -> float:
+    """Fault (or detection, when the fault time is unknown) to the first new step."""
+    start = _t(inc["fault_at"] or inc["detected_at"])
+    return round((_t(inc["recovered_at"]) - start).total_seconds(), 3)
 
 
 async def _incident(
-    tg: TrainguardClient, job: JobHandle, state_dir: Path, count: int | None
+    tg: TrainguardClient, job: JobHandle, state_dir: Path, count: int | None, settle_s: float
 ) -> dict[str, Any]:
-    st = await _ready(job)
+    st = await _ready(job, settle_s)
     before = len(st["incidents"])
     await tg.inject(st["nodes"]["0"], "crash", rank=1, count=count)
-    st = await wait_until(
-        job, lambda s: len(s["incidents"]) > before and s["incidents"][before]["recovery_s"] is not None, 300
-    )
+
+    def recovered(s: dict[str, Any]) -> bool:
+        return len(s["incidents"]) > before and s["incidents"][before]["recovered_at"] is not None
+
+    st = await wait_until(job, recovered, 300)
     await restore_pool(tg, state_dir, node_names(NODES, 0), REPO)
     return st["incidents"][before]
 
 
-async def _hot_update(job: JobHandle, version: str) -> tuple[float, int]:
-    st = await _ready(job)
+async def _hot_update(job: JobHandle, version: str, settle_s: float) -> tuple[float, int]:
+    st = await _ready(job, settle_s)
     t0 = time.monotonic()
     await job.update_code(version, urgent=True, env={"GPT_RELEASE": version}, why="bench")
     after = await wait_until(
         job, lambda s: s["attempt"] > st["attempt"] and s["step"] > (s["resumed_from_step"] or 0)
     )
     return time.monotonic() - t0, max(0, st["step"] - (after["resumed_from_step"] or 0))
+
+
+def _warm_starts(state_dir: Path) -> int:
+    """Ranks the agents started in a warm process (their logs say so)."""
+    logs = (state_dir / "logs").glob("agent-*.log")
+    return sum(f.read_text(errors="replace").count("started in a warm process") for f in logs)
 
 
 def _throughput(settings: Settings, snapshot_dir: Path) -> tuple[float, float]:
@@ -100,53 +125,97 @@ def _throughput(settings: Settings, snapshot_dir: Path) -> tuple[float, float]:
     return s3, disk
 
 
-async def run(state_dir: Path, trials: int, log: Any) -> dict[str, Any]:
+def _spec(name: str, target_steps: int) -> JobSpec:
+    """The example job with the product's checkpoint defaults (``example_spec`` thins them for CI)."""
+    spec = example_spec(name, target_steps=target_steps)
+    return spec.model_copy(
+        update={
+            "checkpoint": CheckpointSpec(every_steps=20),
+            "detection": spec.detection.model_copy(update={"max_attempts": 1000}),
+        }
+    )
+
+
+async def run_warm(state_dir: Path, trials: int, log: Any) -> dict[str, Any]:
     tg = await connect(state_dir)
-    settings = tg.settings
-    spec = example_spec("bench-recovery", target_steps=1_000_000)
-    spec = spec.model_copy(update={"detection": spec.detection.model_copy(update={"max_attempts": 1000})})
-    job = await tg.submit(spec)
-    warm, cold, update, lost = [], [], [], []
+    steady = await tg.submit(_spec("bench-steady", target_steps=150))
+    st = await wait_until(steady, lambda s: s["phase"] in TERMINAL, timeout_s=600)
+    steps = st["step"] - 1  # the first step's time is startup
+    blocked_per_step = st["badput_s"]["checkpoint"] / max(1, st["step"])
+    blocking_pct = 100 * blocked_per_step / st["step_time_s"]
+    ms = blocked_per_step * 1e3
+    log(f"fault-free: {steps} steps, {st['step_time_s']:.3f} s/step, blocked {ms:.1f} ms/step")
+    job = await tg.submit(_spec("bench-recovery", target_steps=1_000_000))
+    crash, evict, update, lost = [], [], [], []
     for i in range(trials):
-        inc = await _incident(tg, job, state_dir, count=None)
-        warm.append(inc["recovery_s"])
+        inc = await _incident(tg, job, state_dir, count=None, settle_s=SETTLE_S)
+        crash.append(_down_s(inc))
         lost.append(inc["lost_steps"])
-        log(f"crash, same machines ({inc['restored_from']}): {inc['recovery_s']} s, lost {inc['lost_steps']}")
-        inc = await _incident(tg, job, state_dir, count=5)
-        cold.append(inc["recovery_s"])
-        lost.append(inc["lost_steps"])
-        log(f"crash, evicted ({inc['restored_from']}): {inc['recovery_s']} s, lost {inc['lost_steps']}")
-        secs, lost_u = await _hot_update(job, f"v{i + 2}")
+        log(f"crash, same machines, warm ({inc['restored_from']}): {crash[-1]} s, lost {inc['lost_steps']}")
+        secs, lost_u = await _hot_update(job, f"v{i + 2}", settle_s=SETTLE_S)
         update.append(secs)
         lost.append(lost_u)
         log(f"urgent hot update: {secs:.2f} s, lost {lost_u}")
-    st = await job.status()
-    wall = (_t(st["updated_at"]) - _t(st["submitted_at"])).total_seconds()
+    for _ in range(max(1, trials // 2)):
+        inc = await _incident(tg, job, state_dir, count=5, settle_s=SETTLE_S)
+        evict.append(_down_s(inc))
+        lost.append(inc["lost_steps"])
+        log(f"crash, evicted ({inc['restored_from']}): {evict[-1]} s, lost {inc['lost_steps']}")
     await job.stop("benchmark done")
     memory_record = state_dir / "nodes" / "node-2" / "memory_dir"
-    s3, disk = _throughput(settings, Path(memory_record.read_text().strip()))
+    s3, disk = _throughput(tg.settings, Path(memory_record.read_text().strip()))
     return {
-        "crash_warm_s": round(statistics.median(warm), 2),
-        "crash_cold_s": round(statistics.median(cold), 2),
+        "crash_warm_s": round(statistics.median(crash), 2),
+        "crash_evict_s": round(statistics.median(evict), 2),
         "hot_update_s": round(statistics.median(update), 2),
-        "lost_steps_max": max(lost),
-        "ckpt_blocking_pct": round(100 * st["badput_s"]["checkpoint"] / wall, 2) if wall > 0 else None,
+        "lost_steps": lost,
+        "ckpt_blocking_pct": round(blocking_pct, 2),
+        "ckpt_blocked_ms_per_step": round(1e3 * blocked_per_step, 2),
+        "step_time_s": st["step_time_s"],
         "s3_mb_s": round(s3, 1),
         "disk_mb_s": round(disk, 1),
+        "warm_rank_starts": _warm_starts(state_dir),
+    }
+
+
+async def run_cold(state_dir: Path, trials: int, log: Any) -> dict[str, Any]:
+    tg = await connect(state_dir)
+    job = await tg.submit(_spec("bench-recovery-cold", target_steps=1_000_000))
+    crash, lost = [], []
+    for _ in range(trials):
+        inc = await _incident(tg, job, state_dir, count=None, settle_s=0.0)
+        crash.append(_down_s(inc))
+        lost.append(inc["lost_steps"])
+        log(f"crash, same machines, cold ({inc['restored_from']}): {crash[-1]} s, lost {inc['lost_steps']}")
+    await job.stop("benchmark done")
+    return {"crash_cold_s": round(statistics.median(crash), 2), "lost_steps": lost}
+
+
+def measure(trials: int) -> dict[str, Any]:
+    warm = run_bench("tg-bench-recovery-", NODES, lambda d, log: run_warm(d, trials, log), warm_ranks=2)
+    cold = run_bench("tg-bench-recovery-cold-", NODES, lambda d, log: run_cold(d, trials, log))
+    lost = warm.pop("lost_steps") + cold.pop("lost_steps")
+    return {
+        "crash_warm_s": warm.pop("crash_warm_s"),
+        "crash_cold_s": cold["crash_cold_s"],
+        "hot_update_s": warm.pop("hot_update_s"),
+        "lost_steps_max": max(lost),
+        "lost_steps_median": statistics.median(lost),
+        **warm,
         "trials": trials,
-        "step_time_s": st["step_time_s"],
+        "wall_s": round(warm["wall_s"] + cold["wall_s"], 1),
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.trials < 1:
         print("error: trials: must be >= 1", file=sys.stderr)
         exit_now(2)
-    result = run_bench("tg-bench-recovery-", NODES, lambda d, log: run(d, args.trials, log))
+    result = measure(args.trials)
     if args.json:
         print(json.dumps(result))
     else:

@@ -73,6 +73,7 @@ async def test_storage_outage_restores_only_complete_checkpoints(
     final = await run_to_end(job)
     assert final["phase"] == "completed"
     assert final["result"]["param_hash"] == reference["result"]["param_hash"]
+    assert len(final["incidents"]) == 1, final["incidents"]
     (inc,) = final["incidents"]
     assert inc["restored_from"] == "s3" and final["resumed_from_step"] % 10 == 0
     store = S3Store(tg.settings)

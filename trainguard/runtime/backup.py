@@ -41,20 +41,25 @@ def _write(path: Path, data: bytes) -> None:
 
 
 def exchange(
-    rank: int, plan: dict[int, int], data: bytes, backup_path: dict[int, Path]
+    rank: int,
+    plan: dict[int, int],
+    data: bytes,
+    backup_path: dict[int, Path],
+    group: dist.ProcessGroup | None = None,
 ) -> dict[int, tuple[int, str]]:
     """Send this rank's shard (``data``) to its backup rank and store the shards this rank backs
-    up at ``backup_path[of_rank]``; returns of_rank -> (bytes, sha256). Every rank must call it."""
+    up at ``backup_path[of_rank]``; returns of_rank -> (bytes, sha256). Every rank must call it,
+    with the same ``group`` (global ranks; None: the default group)."""
     target = plan[rank]
     sources = sorted(q for q, t in plan.items() if t == rank)
     size = torch.tensor([len(data)], dtype=torch.int64)
     sizes = {q: torch.zeros(1, dtype=torch.int64) for q in sources}
-    reqs = [dist.isend(size, target), *(dist.irecv(sizes[q], q) for q in sources)]
+    reqs = [dist.isend(size, target, group), *(dist.irecv(sizes[q], q, group) for q in sources)]
     for r in reqs:
         r.wait()
     bufs = {q: torch.empty(int(sizes[q].item()), dtype=torch.uint8) for q in sources}
-    reqs = [dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), target)]
-    reqs += [dist.irecv(bufs[q], q) for q in sources]
+    reqs = [dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), target, group)]
+    reqs += [dist.irecv(bufs[q], q, group) for q in sources]
     for r in reqs:
         r.wait()
     out = {}

@@ -14,6 +14,7 @@ import math
 import os
 import statistics
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from trainguard.runtime import backup, faults
 from trainguard.runtime.env import RankEnv, backup_shard_name, shard_name
-from trainguard.runtime.state import param_hash
+from trainguard.runtime.state import detached_copy, param_hash
 from trainguard.topology import GroupKind, all_groups, coords
 
 
@@ -56,6 +57,12 @@ class Context:
         self._step_times: list[float] = []
         # Rank -> its backup rank, when snapshots are copied to another machine.
         self._backups = backup.backup_ranks(env.topology, env.local_world_size) if env.backup else None
+        # Backups travel on their own gloo group, from the snapshot thread, so they never
+        # interleave with the training thread's collectives on the job's groups.
+        self._backup_group: dist.ProcessGroup | None = None
+        self._snapshot: threading.Thread | None = None
+        self._snapshot_error: BaseException | None = None
+        self._send_lock = threading.Lock()
 
     # -- process groups -------------------------------------------------------
     def _make_groups(self) -> None:
@@ -65,6 +72,8 @@ class Context:
                 pg = dist.new_group(members) if len(members) > 1 else None
                 if self.rank in members:
                     self._groups[kind] = pg
+        if self._backups is not None:
+            self._backup_group = dist.new_group(list(range(self.world_size)), backend="gloo")
 
     def group(self, kind: GroupKind) -> dist.ProcessGroup | None:
         """This rank's TP, PP or DP process group (None when the group is just this rank)."""
@@ -77,7 +86,8 @@ class Context:
         record["rank"] = self.rank
         record["ts"] = time.time()
         try:
-            self._report.write(json.dumps(record) + "\n")
+            with self._send_lock:  # the snapshot thread reports too
+                self._report.write(json.dumps(record) + "\n")
         except BrokenPipeError:
             # The agent went away; the rank will be stopped by it or its replacement.
             self._report = None
@@ -170,36 +180,54 @@ class Context:
         return step % self.env.ckpt_every == 0 or step == self.target_steps
 
     def save_checkpoint(self, step: int, state: dict[str, Any], started: float | None = None) -> Path:
-        """Write this rank's shard for ``step`` atomically, then tell the agent (with how long
-        training was blocked: from ``started``, when the state was taken, if given)."""
+        """Snapshot ``step``: training is blocked only while ``state`` is copied (and while the
+        previous snapshot, if still in flight, finishes). Serializing, hashing, writing to the
+        memory tier and the peer backup run on a background thread, which tells the agent when
+        the shard is whole. Returns where the shard will be."""
         t0 = time.monotonic() if started is None else started
-        path = self._shard_path(step)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        buf = io.BytesIO()
-        torch.save({"step": step, **state}, buf)
-        data = buf.getvalue()
-        # Hashed here, where the bytes already are: the agent need not read the file again.
-        digest = hashlib.sha256(data).hexdigest()
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        # No fsync: this is the memory tier (tmpfs); os.replace makes it whole or absent.
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-        if self._backups is not None:
-            got = backup.exchange(self.rank, self._backups, data, self._backup_paths(step))
-            for of_rank, (size, sha) in got.items():
-                self._send({"t": "backup", "step": step, "of_rank": of_rank, "bytes": size, "sha256": sha})
+        self.wait_snapshot()
+        copied = {"step": step, **detached_copy(state)}
         blocked = time.monotonic() - t0
-        self._send(
-            {
-                "t": "ckpt",
-                "step": step,
-                "path": str(path),
-                "bytes": len(data),
-                "sha256": digest,
-                "save_s": blocked,
-            }
+        path = self._shard_path(step)
+        # Daemon: a rank that dies mid-snapshot (its peer gone) must still exit.
+        self._snapshot = threading.Thread(
+            target=self._write_snapshot, args=(step, copied, path, blocked), daemon=True
         )
+        self._snapshot.start()
         return path
+
+    def wait_snapshot(self) -> None:
+        """Block until the snapshot in flight is written and backed up; re-raise its failure."""
+        if self._snapshot is not None:
+            self._snapshot.join()
+            self._snapshot = None
+        if self._snapshot_error is not None:
+            err, self._snapshot_error = self._snapshot_error, None
+            raise RuntimeError("the previous checkpoint snapshot failed") from err
+
+    def _write_snapshot(self, step: int, state: dict[str, Any], path: Path, blocked: float) -> None:
+        try:
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            data = buf.getvalue()
+            # Hashed here, where the bytes already are: the agent need not read the file again.
+            digest = hashlib.sha256(data).hexdigest()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            # No fsync: this is the memory tier (tmpfs); os.replace makes it whole or absent.
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+            if self._backups is not None:
+                got = backup.exchange(
+                    self.rank, self._backups, data, self._backup_paths(step), self._backup_group
+                )
+                for of_rank, (size, sha) in got.items():
+                    rec = {"t": "backup", "step": step, "of_rank": of_rank, "bytes": size, "sha256": sha}
+                    self._send(rec)
+            record = {"t": "ckpt", "step": step, "path": str(path), "bytes": len(data), "sha256": digest}
+            self._send({**record, "save_s": blocked})
+        except BaseException as exc:  # surfaced on the training thread by wait_snapshot
+            self._snapshot_error = exc
 
     def maybe_save(self, step: int, state_fn: Callable[[], dict[str, Any]]) -> Path | None:
         """Save when the job's checkpoint interval (or the last step) says so."""
@@ -210,6 +238,7 @@ class Context:
 
     def finish(self, param_hash: str) -> None:
         """Declare this rank done with the hash of its final parameters."""
+        self.wait_snapshot()
         self._send({"t": "final", "step": self.target_steps, "param_hash": param_hash})
         if dist.is_initialized():
             dist.barrier()

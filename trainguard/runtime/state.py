@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import random
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -32,3 +34,22 @@ def param_hash(model: torch.nn.Module) -> str:
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return "sha256:" + h.hexdigest()
+
+
+def detached_copy(obj: Any) -> Any:
+    """A copy of a (nested) state dict whose tensors are fresh CPU copies: the snapshot the
+    background writer serializes while training goes on changing the originals."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        out = obj.__class__() if type(obj) in (dict, OrderedDict) else {}
+        for k, v in obj.items():
+            out[k] = detached_copy(v)
+        if hasattr(obj, "_metadata"):  # state_dict versions, read back by load_state_dict
+            out._metadata = copy.deepcopy(obj._metadata)  # type: ignore[attr-defined]
+        return out
+    if isinstance(obj, list):
+        return [detached_copy(v) for v in obj]
+    if isinstance(obj, tuple) and type(obj) is tuple:
+        return tuple(detached_copy(v) for v in obj)
+    return copy.deepcopy(obj)
