@@ -34,6 +34,7 @@ from trainguard.client import (
     code_update,
     inject_request,
 )
+from trainguard.codec import PayloadKeyError
 from trainguard.settings import Settings, SettingsError, state_dir_from_env
 from trainguard.spec import SpecError, load_spec, shown
 
@@ -106,6 +107,7 @@ def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except (
             SpecError,
             SettingsError,
+            PayloadKeyError,  # this process's payload key is not the cluster's
             UnknownJob,
             UnknownNode,
             BadFault,

@@ -25,6 +25,7 @@ from trainguard.client import (
     UnknownJob,
     UnknownNode,
 )
+from trainguard.codec import PayloadKeyError
 from trainguard.settings import Settings, SettingsError
 from trainguard.spec import SpecError
 
@@ -267,6 +268,7 @@ def test_trainguard_submit_bad_spec_exits_2_before_any_connection(tmp_path: Path
         (JobAlreadyRunning("gpt-tiny"), 2, "name: job 'gpt-tiny' is already running"),
         (SpecError("topology", "tp*pp*dp = 6 must equal 4"), 2, "topology:"),
         (SettingsError("TRAINGUARD_PAYLOAD_KEY: not base64"), 2, "TRAINGUARD_PAYLOAD_KEY:"),
+        (PayloadKeyError("TRAINGUARD_PAYLOAD_KEY: encrypted with key a1"), 2, "TRAINGUARD_PAYLOAD_KEY:"),
         (UnknownJob("evil\nname\x1b[2J"), 2, "job: unknown job"),
         (ControllerUnavailable("gpt-tiny", RuntimeError("no poller")), 1, "no controller answered"),
         (ConnectionError("refused"), 1, "is the stack up?"),
