@@ -52,7 +52,14 @@ from trainguard.models import (
     RunRanksResult,
     ShardInfo,
 )
-from trainguard.runtime.env import RankEnv, backup_shard_name, parse_step_dir, shard_name, step_dir_name
+from trainguard.runtime.env import (
+    RankEnv,
+    backup_shard_name,
+    inheritable_environ,
+    parse_step_dir,
+    shard_name,
+    step_dir_name,
+)
 from trainguard.runtime.warm import activatable
 from trainguard.storage import S3Store, sha256_file
 
@@ -66,8 +73,6 @@ MEMORY_STEPS_REPORTED = 2
 WATCH_EVERY_S = 0.25
 # Hung ranks wait this long for the workflow to dump their stacks and stop them.
 ORPHAN_FROZEN_S = 60.0
-# Variables the agent holds that ranks must not inherit (credentials, agent config).
-_PRIVATE_ENV_PREFIXES = ("TRAINGUARD_", "AWS_", "TG_")
 
 SignalFn = Callable[[ProgressReport], Awaitable[None]]
 
@@ -208,7 +213,7 @@ class RankSession:
                 raise RuntimeError(f"checkpoint shard {shard.key} does not match its manifest hash")
 
     def _rank_env(self, local_rank: int, rank: int, report_fd: int) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(_PRIVATE_ENV_PREFIXES)}
+        env = inheritable_environ()
         env.update(self.spec.env)
         bin_dir = str(Path(sys.executable).parent)
         env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
@@ -614,7 +619,8 @@ class RankSession:
             kind=kind,
             node=self.inp.node.name,
             ranks=ranks,
-            evidence=evidence[:2000],
+            # Evidence quotes rank output: the job's secret env values must not reach the status.
+            evidence=self.spec.redact(evidence)[:2000],
             confidence=confidence,
             origin=origin,
             detected_at=datetime.now(UTC),
@@ -768,7 +774,7 @@ class RankSession:
             rank=rank,
             exit_code=code,
             signal=sig,
-            stderr_tail=_tail(self.log_dir / f"rank-{rank:05d}.err") if code else "",
+            stderr_tail=self.spec.redact(_tail(self.log_dir / f"rank-{rank:05d}.err")) if code else "",
         )
 
     async def _terminate(self) -> None:

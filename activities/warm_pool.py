@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainguard.runtime.env import inheritable_environ
+
 log = logging.getLogger(__name__)
 
 
@@ -71,7 +73,8 @@ class WarmPool:
                 stdout=out,
                 stderr=out,
                 pass_fds=(w_fd,),
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                # Never the agent's credentials: the rank's code could read them in /proc/self/environ.
+                env={**inheritable_environ(), "PYTHONUNBUFFERED": "1"},
                 start_new_session=True,
                 preexec_fn=self.preexec,
             )

@@ -264,7 +264,9 @@ def seaweed_argv(config: StackConfig, binary: str | None = None) -> list[str]:
 
     `-master.electionTimeout=1s`: with the default 10 s a restarted single master
     takes ~15 s to elect itself. `-volume.max=0` sizes the volume count from free
-    disk; 64 MB volumes keep a fresh store small.
+    disk; 64 MB volumes keep a fresh store small. `-filer.disableHttp`: the filer's
+    HTTP API would serve every bucket's objects to anyone, credentials or not; the S3
+    gateway (which checks them) reaches the filer over gRPC only.
     """
     return [
         binary or find_binary("weed"),
@@ -282,6 +284,7 @@ def seaweed_argv(config: StackConfig, binary: str | None = None) -> list[str]:
         "-volume.port.grpc", str(config.volume_grpc_port),
         "-volume.max=0",
         "-filer",
+        "-filer.disableHttp",
         "-filer.port", str(config.filer_port),
         "-filer.port.grpc", str(config.filer_grpc_port),
         "-s3",

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -30,12 +31,48 @@ from trainguard.client import (
     TrainguardClient,
     UnknownJob,
     UnknownNode,
+    check_job_id,
+    check_node_name,
+    code_update,
+    inject_request,
 )
-from trainguard.settings import Settings, state_dir_from_env
-from trainguard.spec import SpecError, load_spec
+from trainguard.codec import PayloadKeyError
+from trainguard.settings import Settings, SettingsError, state_dir_from_env
+from trainguard.spec import SpecError, load_spec, shown
+
+try:  # typer vendors click from 0.2x on
+    from typer._click.exceptions import UsageError
+except ImportError:  # pragma: no cover - older typer
+    from click.exceptions import UsageError  # type: ignore[no-redef]
+
+
+class _OneLineUsageErrors(typer.core.TyperGroup):
+    """Usage errors (a missing argument, a value of the wrong type or out of range) end like
+    every other bad input: one line on stderr naming the argument, exit 2."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except UsageError as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":
+                sys.exit(exc.exit_code)  # the help is already printed
+            where = f" (see {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+            _print_error(exc.format_message().rstrip(".") + where)
+            sys.exit(2)
+        except typer.Abort:
+            _print_error("aborted")
+            sys.exit(1)
+        # Without standalone mode an exit code comes back as the return value.
+        sys.exit(rv if isinstance(rv, int) else 0)
+
 
 app = typer.Typer(
-    add_completion=False, no_args_is_help=True, help="Keep training jobs alive through failures."
+    cls=_OneLineUsageErrors,
+    add_completion=False,
+    no_args_is_help=True,
+    help="Keep training jobs alive through failures.",
 )
 out = Console()
 err = Console(stderr=True)
@@ -52,8 +89,13 @@ class BadInput(Exception):
     """Bad input from the user: exit 2 with one line."""
 
 
+def _print_error(message: str) -> None:
+    # shown(): one line whatever the input held (newlines, escape sequences, megabytes).
+    err.print(f"error: {shown(message, 1000)}", markup=False, highlight=False, soft_wrap=True)
+
+
 def _fail(code: int, message: str) -> NoReturn:
-    err.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+    _print_error(message)
     raise typer.Exit(code)
 
 
@@ -64,7 +106,17 @@ def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (SpecError, UnknownJob, UnknownNode, BadFault, BadUpdate, JobAlreadyRunning, BadInput) as exc:
+        except (
+            SpecError,
+            SettingsError,
+            PayloadKeyError,  # this process's payload key is not the cluster's
+            UnknownJob,
+            UnknownNode,
+            BadFault,
+            BadUpdate,
+            JobAlreadyRunning,
+            BadInput,
+        ) as exc:
             _fail(2, str(exc))
         except ControllerUnavailable as exc:
             _fail(1, str(exc))
@@ -194,6 +246,7 @@ def status(
     json_out: JsonFlag = False,
 ) -> None:
     """Phase, step, ETTR, machines, checkpoint and incidents of a job."""
+    check_job_id(job)
 
     async def go() -> dict[str, Any]:
         return await (await _client(state_dir)).job(job).status()
@@ -275,6 +328,8 @@ def nodes(
     quarantined (and why) or lost; and the standby target for the jobs running now."""
     if action is not None and (action != "release" or not node):
         raise BadInput("action: expected `trainguard nodes` or `trainguard nodes release NODE`")
+    if node is not None:
+        check_node_name(node)
 
     async def go() -> Any:
         c = await _client(state_dir)
@@ -302,6 +357,7 @@ def nodes(
 @handles_errors
 def stop(job: Annotated[str, typer.Argument(metavar="JOB")], state_dir: StateDir = None) -> None:
     """Stop a job; its last complete checkpoint stays, and submitting it again resumes there."""
+    check_job_id(job)
 
     async def go() -> None:
         handle = (await _client(state_dir)).job(job)
@@ -327,12 +383,16 @@ def update(
     json_out: JsonFlag = False,
 ) -> None:
     """Hot update JOB to another code version (lazy unless --urgent); recorded with who, when and why."""
+    check_job_id(job)
     overrides: dict[str, str] = {}
     for item in env or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise BadInput(f"env: {item!r} is not KEY=VALUE")
+            raise BadInput(f"env: '{shown(item)}' is not KEY=VALUE")
+        if key in overrides:
+            raise BadInput(f"env.{shown(key)}: given twice")
         overrides[key] = value
+    code_update(code_version, urgent, env=overrides, why=why)  # a bad request never connects
 
     async def go() -> dict[str, Any]:
         handle = (await _client(state_dir)).job(job)
@@ -360,10 +420,13 @@ def inject(
             "gpu-xid, ecc, nic-down, nic-flap, disk-full, sdc, agent-kill; or clear",
         ),
     ],
-    rank: Annotated[int | None, typer.Option(min=0, help="only this rank (rank faults)")] = None,
-    at_step: Annotated[int | None, typer.Option(min=1, help="act from this step on")] = None,
+    rank: Annotated[int | None, typer.Option(min=0, max=1 << 20, help="only this rank (rank faults)")] = None,
+    at_step: Annotated[
+        int | None, typer.Option(min=1, max=1_000_000_000, help="act from this step on")
+    ] = None,
     count: Annotated[
-        int | None, typer.Option(min=1, help="how many times a one-shot fault acts; nic-flap: flaps")
+        int | None,
+        typer.Option(min=1, max=100_000, help="how many times a one-shot fault acts; nic-flap: flaps"),
     ] = None,
     evades_checks: Annotated[
         bool, typer.Option("--evades-checks", help="stop-time checks do not see it (drills the replay rung)")
@@ -382,6 +445,17 @@ def inject(
     json_out: JsonFlag = False,
 ) -> None:
     """Fault drill: inject FAULT on NODE through its agent (it stands until cleared or evicted)."""
+    check_node_name(node)
+    if fault != "clear":  # a bad drill never connects
+        inject_request(
+            node,
+            fault,
+            rank=rank,
+            at_step=at_step,
+            count=count,
+            duration_s=duration_s,
+            evades_checks=evades_checks,
+        )
 
     async def go() -> dict[str, Any]:
         c = await _client(state_dir)
@@ -441,6 +515,7 @@ def report(
         st = _read_status(from_json)
     else:
         assert job is not None
+        check_job_id(job)
 
         async def go() -> dict[str, Any]:
             return await (await _client(state_dir)).job(job).status()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import getpass
+import re
 import socket
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -32,9 +33,17 @@ from temporalio.service import RPCError, RPCStatusCode
 from trainguard import pool_client
 from trainguard.code_versions import CodeUpdate
 from trainguard.job_state import JobInput
-from trainguard.models import ALL_FAULTS, CONTROLLER_QUEUE, InjectRequest, InjectResult, PoolConfig, PoolState
+from trainguard.models import (
+    ALL_FAULTS,
+    CONTROLLER_QUEUE,
+    NODE_NAME_RE,
+    InjectRequest,
+    InjectResult,
+    PoolConfig,
+    PoolState,
+)
 from trainguard.settings import Settings
-from trainguard.spec import JobSpec, first_validation_error
+from trainguard.spec import NAME_RE, JobSpec, SpecError, first_validation_error, shown
 from trainguard.temporal import connect
 
 T = TypeVar("T")
@@ -49,24 +58,28 @@ __all__ = [
     "TrainguardClient",
     "UnknownJob",
     "UnknownNode",
+    "check_job_id",
+    "check_node_name",
+    "code_update",
+    "inject_request",
 ]
 
 
 class UnknownJob(LookupError):
     def __init__(self, job_id: str) -> None:
-        super().__init__(f"unknown job {job_id!r}")
+        super().__init__(f"job: unknown job '{shown(job_id)}' (see trainguard list)")
         self.job_id = job_id
 
 
 class UnknownNode(LookupError):
     def __init__(self, node: str) -> None:
-        super().__init__(f"node: unknown node {node!r} (see trainguard nodes)")
+        super().__init__(f"node: unknown node '{shown(node)}' (see trainguard nodes)")
         self.node = node
 
 
 class BadFault(ValueError):
     def __init__(self, fault: str) -> None:
-        super().__init__(f"fault: unknown fault {fault!r} (one of {', '.join(ALL_FAULTS)})")
+        super().__init__(f"fault: unknown fault '{shown(fault)}' (one of {', '.join(ALL_FAULTS)})")
         self.fault = fault
 
 
@@ -76,7 +89,7 @@ class BadUpdate(ValueError):
 
 class JobAlreadyRunning(RuntimeError):
     def __init__(self, job_id: str) -> None:
-        super().__init__(f"job {job_id!r} is already running; stop it first or choose another name")
+        super().__init__(f"name: job {job_id!r} is already running; stop it first or choose another name")
         self.job_id = job_id
 
 
@@ -88,10 +101,50 @@ class ControllerUnavailable(RuntimeError):
         self.job_id = job_id
 
 
+def check_job_id(job_id: str, field: str = "job") -> str:
+    """``job_id`` if it can name a job (a spec's ``name``); SpecError otherwise. Checked
+    before anything is asked of Temporal."""
+    if not re.fullmatch(NAME_RE, job_id):
+        raise SpecError(field, f"'{shown(job_id)}' is not a job name (lowercase letters, digits, '-'; 1-63)")
+    return job_id
+
+
+def check_node_name(node: str, field: str = "node") -> str:
+    """``node`` if it can name a machine; SpecError otherwise."""
+    if not re.fullmatch(NODE_NAME_RE, node):
+        raise SpecError(
+            field, f"'{shown(node)}' is not a machine name (letters, digits, '.', '_', '-'; 1-63)"
+        )
+    return node
+
+
+def inject_request(node: str, fault: str, **options: Any) -> InjectRequest:
+    """A fault drill request, validated: BadFault for an unknown fault, SpecError naming the
+    option (``rank``, ``at_step``, ...) for anything else."""
+    check_node_name(node)
+    if fault not in ALL_FAULTS:
+        raise BadFault(fault)
+    try:
+        return InjectRequest(node=node, fault=fault, **options)
+    except ValidationError as exc:
+        raise first_validation_error(exc) from None
+
+
+def code_update(version: str, urgent: bool = False, **fields: Any) -> CodeUpdate:
+    """A hot-update request, validated (SpecError naming the field): ``env``, ``entrypoint``,
+    ``why``, ``who`` and ``window_s`` as in :meth:`JobHandle.update_code`."""
+    given = {k: v for k, v in fields.items() if v is not None}
+    try:
+        return CodeUpdate.model_validate({"version": version, "urgent": urgent, **given})
+    except ValidationError as exc:
+        raise first_validation_error(exc) from None
+
+
 class JobHandle:
     """One job, by name. Cheap to create; every call asks Temporal afresh."""
 
     def __init__(self, client: Client, job_id: str) -> None:
+        check_job_id(job_id)
         self.client = client
         self.job_id = job_id
         self._wf: WorkflowHandle[Any, Any] = client.get_workflow_handle(job_id)
@@ -162,17 +215,15 @@ class JobHandle:
         returns once they run it; lazy (the default) applies it at the next recovery or, at the
         latest, after ``window_s`` (24 h). ``env`` and ``entrypoint`` say what the version runs
         (default: the submitted entrypoint, where ``{code_version}`` names the version)."""
-        fields: dict[str, Any] = {"version": version, "urgent": urgent, "why": why, "who": who or _whoami()}
-        if env:
-            fields["env"] = env
-        if entrypoint is not None:
-            fields["entrypoint"] = entrypoint
-        if window_s is not None:
-            fields["window_s"] = window_s
-        try:
-            req = CodeUpdate.model_validate(fields)
-        except ValidationError as exc:
-            raise first_validation_error(exc) from None
+        req = code_update(
+            version,
+            urgent,
+            env=env or None,
+            entrypoint=entrypoint,
+            why=why,
+            who=who or _whoami(),
+            window_s=window_s,
+        )
         if await self._describe_status() != ExecStatus.RUNNING:
             raise BadUpdate(f"job: {self.job_id} is not running; submit it with code_version: {version}")
         try:
@@ -265,6 +316,7 @@ class TrainguardClient:
         return await pool_client.configure(self.temporal, config)
 
     async def _known_node(self, node: str) -> None:
+        check_node_name(node)
         if node not in (await self.nodes()).nodes:
             raise UnknownNode(node)
 
@@ -286,18 +338,16 @@ class TrainguardClient:
         ``evades_checks``: the stop-time checks do not see the fault (it shows only under
         training load), which drills the reattempt, rollback and dual-phase replay rungs.
         """
-        if fault not in ALL_FAULTS:
-            raise BadFault(fault)
-        await self._known_node(node)
-        req = InjectRequest(
-            node=node,
-            fault=fault,
+        req = inject_request(
+            node,
+            fault,
             rank=rank,
             at_step=at_step,
             count=count,
             duration_s=duration_s,
             evades_checks=evades_checks,
         )
+        await self._known_node(node)
         return await pool_client.inject(self.temporal, req)
 
     async def clear_faults(self, node: str) -> int:

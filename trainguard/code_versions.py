@@ -17,9 +17,17 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trainguard.spec import JobSpec, SpecError, parse_spec
+from trainguard.spec import (
+    MAX_ARGS,
+    MAX_ENV_ENTRIES,
+    JobSpec,
+    SpecError,
+    check_argv,
+    check_env,
+    parse_spec,
+)
 
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 PLACEHOLDER = "{code_version}"
@@ -30,20 +38,31 @@ How = Literal["submitted", "urgent", "lazy", "forced", "rollback"]
 
 
 class CodeUpdate(BaseModel):
-    """A request to change the job's code version (the ``update_code`` workflow update)."""
+    """A request to change the job's code version (the ``update_code`` workflow update).
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    Its entrypoint and env obey the spec's rules, so a bad request is refused where it is
+    made, before anything is sent.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     version: str = Field(pattern=VERSION_PATTERN)
     urgent: bool = False
     # Entrypoint for this version; None keeps the submitted one (with its placeholder).
-    entrypoint: list[str] | None = Field(None, min_length=1, max_length=256)
+    entrypoint: list[str] | None = Field(None, min_length=1, max_length=MAX_ARGS)
     # Overrides on top of the spec's env for this version.
-    env: dict[str, str] = Field(default_factory=dict, max_length=1024)
+    env: dict[str, str] = Field(default_factory=dict, max_length=MAX_ENV_ENTRIES)
     who: str = Field("", max_length=200)
     why: str = Field("", max_length=2000)
     # Lazy: apply at the next recovery, or at the latest after this many seconds.
     window_s: float = Field(DEFAULT_LAZY_WINDOW_S, gt=0, le=365 * 86400)
+
+    @model_validator(mode="after")
+    def _check(self) -> CodeUpdate:
+        if self.entrypoint is not None:
+            check_argv(self.entrypoint)
+        check_env(self.env)
+        return self
 
 
 class CodeRelease(BaseModel):

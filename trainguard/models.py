@@ -15,6 +15,8 @@ from trainguard.spec import JobSpec, Topology
 
 CONTROLLER_QUEUE = "trainguard-controller"
 POOL_WORKFLOW_ID = "trainguard-pool"
+# Machine names become task queue names and directory names (host names fit).
+NODE_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 
 
 def node_queue(node: str) -> str:
@@ -232,12 +234,13 @@ ALL_FAULTS = (*RANK_FAULTS, *MACHINE_FAULTS, "agent-kill")
 
 
 class InjectRequest(Msg):
-    node: str
-    fault: str
-    rank: int | None = None
-    at_step: int | None = None
-    # nic-flap: how many flaps (default 1, which the tolerance absorbs).
-    count: int | None = None
+    node: str = Field(pattern=NODE_NAME_RE)
+    fault: Literal[ALL_FAULTS]  # type: ignore[valid-type]
+    rank: int | None = Field(default=None, ge=0, le=1 << 20)
+    at_step: int | None = Field(default=None, ge=1, le=1_000_000_000)
+    # How many times a one-shot fault acts; nic-flap: how many flaps (default 1, which the
+    # tolerance absorbs).
+    count: int | None = Field(default=None, ge=1, le=100_000)
     # Real-NIC drills (agent run with --nic): how long nic-down keeps the link down before the
     # agent restores it itself (default 20 s), or each nic-flap's down time (default 1 s).
     duration_s: float | None = Field(default=None, gt=0, le=3600)

@@ -19,6 +19,7 @@ import asyncio
 import functools
 import hashlib
 import os
+import re
 import shutil
 from collections.abc import Callable
 from datetime import timedelta
@@ -38,7 +39,7 @@ from trainguard.health.events import Probe
 from trainguard.health.host import HostProbe
 from trainguard.health.link import LinkProbe
 from trainguard.health.nvml import NvmlProbe
-from trainguard.models import NodeInfo, node_queue
+from trainguard.models import NODE_NAME_RE, NodeInfo, node_queue
 from trainguard.settings import Settings
 from trainguard.storage import S3Store
 from trainguard.temporal import connect
@@ -150,9 +151,16 @@ def probes(
     return out
 
 
+def node_name(text: str) -> str:
+    """argparse type: a machine name (it becomes a task queue and directory name)."""
+    if not re.fullmatch(NODE_NAME_RE, text):
+        raise argparse.ArgumentTypeError("letters, digits, '.', '_', '-'; 1-63 characters")
+    return text
+
+
 def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--name", required=True, help="machine name, unique in the cluster")
+    parser.add_argument("--name", type=node_name, required=True, help="machine name, unique in the cluster")
     parser.add_argument("--workdir", type=Path, required=True, help="local dir: rank logs, checkpoints")
     parser.add_argument("--code-dir", type=Path, default=Path.cwd(), help="directory ranks run in")
     parser.add_argument("--host", default="127.0.0.1", help="address peers use to reach this machine")

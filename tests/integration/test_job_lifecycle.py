@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from infra.local import start_controller
 from infra.stack import Stack
@@ -42,13 +43,20 @@ async def test_job_completes_with_checkpoints_in_s3(reference: dict[str, Any], s
 
 
 async def test_stop_then_resubmit_resumes_to_same_hash(
-    tg: TrainguardClient, reference: dict[str, Any]
+    tg: TrainguardClient, reference: dict[str, Any], settings: Settings, tmp_path: Path
 ) -> None:
     spec = example_spec("stop-resume")
     job = await tg.submit(spec)
     st = await wait_until(job, lambda s: (s["checkpoint"] or {}).get("step", 0) >= 20)
     with pytest.raises(JobAlreadyRunning):
         await tg.submit(spec)  # refused while it runs, never attached
+    again = tmp_path / "again.yaml"
+    again.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    r = cli(settings, "submit", str(again))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: name: job 'stop-resume' is already running"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert (await job.status())["attempt"] == st["attempt"]  # the running job is untouched
     await job.stop()
     stopped = await run_to_end(job)
     assert stopped["phase"] == "stopped"

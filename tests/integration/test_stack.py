@@ -10,6 +10,8 @@ from __future__ import annotations
 import stat
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,6 +87,14 @@ def test_s3_refuses_anonymous(stack: Stack) -> None:
     with pytest.raises(ClientError) as put:
         anon.put_object(Bucket=stack.config.bucket, Key="t/anon", Body=b"x")
     assert put.value.response["Error"]["Code"] == "AccessDenied"
+
+
+def test_filer_http_serves_no_object_without_credentials(stack: Stack) -> None:
+    s3_client(stack.config).put_object(Bucket=stack.config.bucket, Key="t/filer-private", Body=b"private")
+    url = f"http://127.0.0.1:{stack.config.filer_port}/buckets/{stack.config.bucket}/t/filer-private"
+    no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with pytest.raises(urllib.error.HTTPError):
+        no_proxy.open(url, timeout=5)
 
 
 def test_secrets_stay_private(stack: Stack) -> None:

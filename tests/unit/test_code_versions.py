@@ -16,7 +16,7 @@ from trainguard.code_versions import (
     first_release,
     spec_for,
 )
-from trainguard.spec import JobSpec, SpecError, parse_spec
+from trainguard.spec import JobSpec, SpecError, first_validation_error, parse_spec
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -80,19 +80,30 @@ def test_a_lazy_update_already_waiting_is_refused_but_may_be_made_urgent() -> No
     assert check_update(s, rel, "v1", pending, CodeUpdate(version="v2", urgent=True)).version == "v2"
 
 
-@pytest.mark.parametrize(
-    ("update", "field"),
-    [
-        ({"env": {"RANK": "3"}}, "env.RANK"),
-        ({"env": {"TG_JOB": "x"}}, "env.TG_JOB"),
-        ({"env": {"1BAD": "x"}}, "env.1BAD"),
-        ({"entrypoint": ["python", "a\nb"]}, "entrypoint[1]"),
-    ],
-)
-def test_an_update_obeys_the_spec_rules(update: dict[str, object], field: str) -> None:
+UPDATE_RULE_BREAKS = [
+    ({"env": {"RANK": "3"}}, "env.RANK"),
+    ({"env": {"TG_JOB": "x"}}, "env.TG_JOB"),
+    ({"env": {"1BAD": "x"}}, "env.1BAD"),
+    ({"env": {"A": "x\x00"}}, "env.A"),
+    ({"entrypoint": ["python", "a\nb"]}, "entrypoint.1"),
+    ({"entrypoint": ["python", ""]}, "entrypoint.1"),
+]
+
+
+@pytest.mark.parametrize(("update", "field"), UPDATE_RULE_BREAKS)
+def test_an_update_obeys_the_spec_rules_where_it_is_made(update: dict[str, object], field: str) -> None:
+    with pytest.raises(ValidationError) as exc:
+        CodeUpdate.model_validate({"version": "v2", **update})
+    assert first_validation_error(exc.value).field == field
+
+
+@pytest.mark.parametrize(("update", "field"), UPDATE_RULE_BREAKS)
+def test_the_workflow_checks_the_spec_rules_again(update: dict[str, object], field: str) -> None:
+    # A request built around validation (an older client) still cannot make the ranks run it.
     s = spec()
+    req = CodeUpdate.model_construct(**{**CodeUpdate(version="v2").model_dump(), **update})
     with pytest.raises(SpecError) as exc:
-        check_update(s, releases(s), "v1", None, CodeUpdate(version="v2", **update))  # type: ignore[arg-type]
+        check_update(s, releases(s), "v1", None, req)
     assert exc.value.field == field
 
 

@@ -15,6 +15,16 @@ from pydantic import BaseModel, ConfigDict
 from trainguard.spec import Topology
 
 REPORT_FD = "TG_REPORT_FD"
+# What a node agent holds that no rank may see: its S3 and Temporal credentials, the payload
+# key and its own configuration. Rank processes never inherit these (their initial
+# environment, /proc/<pid>/environ, included).
+AGENT_PRIVATE_PREFIXES = ("TRAINGUARD_", "AWS_", "TG_")
+
+
+def inheritable_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The agent's environment less its private variables: the base of every rank's environment."""
+    e = os.environ if environ is None else environ
+    return {k: v for k, v in e.items() if not k.startswith(AGENT_PRIVATE_PREFIXES)}
 
 
 class RankEnv(BaseModel):

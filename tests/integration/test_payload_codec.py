@@ -1,0 +1,45 @@
+"""The payload codec on the real Temporal server: its history holds only ciphertext."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from pydantic import SecretStr
+from temporalio import workflow
+from temporalio.client import Client
+from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+
+from trainguard.codec import new_key
+from trainguard.settings import Settings
+from trainguard.temporal import connect
+
+pytestmark = pytest.mark.integration
+
+SECRET = "hf_integration_SECRET_4242"
+
+
+@workflow.defn(name="TrainguardCodecEcho")
+class EchoWorkflow:
+    @workflow.run
+    async def run(self, value: str) -> str:
+        return value
+
+
+async def test_history_holds_no_secret_and_the_key_holder_reads_it_back(settings: Settings) -> None:
+    coded = await connect(settings.model_copy(update={"payload_key": SecretStr(new_key())}))
+    queue = f"codec-{uuid.uuid4().hex[:8]}"
+    wf_id = f"codec-echo-{uuid.uuid4().hex[:8]}"
+    # Unsandboxed: this module imports the test tooling, and the echo has nothing to guard.
+    runner = UnsandboxedWorkflowRunner()
+    async with Worker(coded, task_queue=queue, workflows=[EchoWorkflow], workflow_runner=runner):
+        result = await coded.execute_workflow(EchoWorkflow.run, f"token={SECRET}", id=wf_id, task_queue=queue)
+    assert result == f"token={SECRET}"
+
+    # What the server stores (and its UI shows): read without the key.
+    plain = await Client.connect(settings.temporal_address, namespace=settings.namespace)
+    history = await plain.get_workflow_handle(wf_id).fetch_history()
+    stored = b"".join(event.SerializeToString() for event in history.events)
+    assert stored  # the history is there ...
+    assert SECRET.encode() not in stored  # ... but not the secret
+    assert b"binary/encrypted" in stored

@@ -1,0 +1,142 @@
+"""What a rank can and cannot get from its machine: its argv runs without a shell, it never
+inherits the agent's credentials, and its output reaches the status with secrets redacted."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from activities.rank_session import RankSession, resolve_argv
+from activities.warm_pool import WarmPool
+from trainguard.models import Endpoint, NodeInfo, RunRanksInput
+from trainguard.runtime.env import inheritable_environ
+from trainguard.spec import parse_spec
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("trainguard", "activities", "workers", "workflows", "infra", "bench", "examples")
+CREDENTIALS = {
+    "AWS_SECRET_ACCESS_KEY": "s3-secret-value",
+    "TRAINGUARD_TEMPORAL_API_KEY": "temporal-api-key",
+    "TRAINGUARD_PAYLOAD_KEY": "payload-key-value",
+}
+
+
+def _shell_uses(tree: ast.AST) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        if name in ("system", "popen", "create_subprocess_shell", "getoutput", "getstatusoutput"):
+            found.append(f"{name}() at line {node.lineno}")
+        for kw in node.keywords:
+            if kw.arg == "shell" and not (isinstance(kw.value, ast.Constant) and kw.value.value is False):
+                found.append(f"shell= at line {node.lineno}")
+    return found
+
+
+def test_no_code_runs_anything_through_a_shell() -> None:
+    offenders = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            uses = _shell_uses(ast.parse(path.read_text(), str(path)))
+            if uses:
+                offenders[str(path.relative_to(REPO))] = uses
+    assert offenders == {}
+
+
+def test_the_shell_check_would_see_one() -> None:
+    code = "import subprocess, os\nsubprocess.run('ls', shell=True)\nos.system('ls')\n"
+    assert len(_shell_uses(ast.parse(code))) == 2
+
+
+def test_an_entrypoint_is_exec_argv_as_written() -> None:
+    argv = ["/opt/train", "--name=$(rm -rf ~)", "a b; c", "*"]
+    assert resolve_argv(argv) == argv  # no splitting, no expansion, no quoting games
+
+
+def test_ranks_never_inherit_the_agents_credentials() -> None:
+    env = {**CREDENTIALS, "TG_NODE": "node-1", "PATH": "/usr/bin", "HOME": "/root", "CUDA_HOME": "/cuda"}
+    assert inheritable_environ(env) == {"PATH": "/usr/bin", "HOME": "/root", "CUDA_HOME": "/cuda"}
+
+
+async def test_a_warm_rank_process_starts_without_the_agents_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its environment is replaced on activation, but /proc/<pid>/environ keeps the one it
+    # was started with, readable by the job's code: that one must hold no credential.
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    pool = WarmPool(1, tmp_path, lambda: None)
+    warm = await pool._spawn()
+    try:
+        initial = Path(f"/proc/{warm.proc.pid}/environ").read_bytes()
+        for value in CREDENTIALS.values():
+            assert value.encode() not in initial
+        assert b"PYTHONUNBUFFERED=1" in initial
+    finally:
+        warm.proc.kill()
+        await warm.proc.wait()
+        pool._close(warm)
+
+
+def test_a_rank_error_tail_reaches_the_workflow_with_secrets_redacted(tmp_path: Path) -> None:
+    token = "hf_live_TOKEN_0123456789"
+    spec = parse_spec(
+        {
+            "name": "job",
+            "entrypoint": ["python", "train.py"],
+            "nodes": 1,
+            "target_steps": 5,
+            "env": {"HF_TOKEN": token, "SEQ": "32"},
+            "secret_env": ["HF_TOKEN"],
+        }
+    )
+    (tmp_path / "rank-00000.err").write_text(f"Traceback ...\nHTTPError: 401 for token {token} (SEQ=32)\n")
+    session: Any = RankSession.__new__(RankSession)
+    session.spec, session.log_dir, session.exits = spec, tmp_path, {}
+    session.procs = {0: SimpleNamespace(returncode=1)}
+    session._record_exit(0)
+    tail = session.exits[0].stderr_tail
+    assert token not in tail
+    assert "401 for token *** (SEQ=32)" in tail
+
+
+def test_a_rank_gets_the_spec_env_and_none_of_the_agents_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    spec = parse_spec(
+        {
+            "name": "job",
+            "entrypoint": ["python", "train.py"],
+            "nodes": 1,
+            "target_steps": 5,
+            "env": {"HF_TOKEN": "tok", "AWS_PROFILE": "data-reader"},
+            "secret_env": ["HF_TOKEN"],
+        }
+    )
+    inp = RunRanksInput(
+        job_id="job",
+        workflow_id="job",
+        attempt=1,
+        node=NodeInfo(name="node-1", task_queue="node-node-1"),
+        node_index=0,
+        ranks=[0],
+        spec=spec,
+        master=Endpoint(host="127.0.0.1", port=29500),
+        ckpt_prefix="checkpoints/job",
+    )
+    session: Any = RankSession.__new__(RankSession)
+    session.inp, session.spec, session.ckpt_dir = inp, spec, tmp_path
+    session.drills = SimpleNamespace(path=tmp_path / "faults.json")
+    env = session._rank_env(0, 0, 5)
+    assert not set(CREDENTIALS) & set(env)
+    assert env["HF_TOKEN"] == "tok" and env["AWS_PROFILE"] == "data-reader"  # the job's own, as given
+    assert env["RANK"] == "0" and env["TG_REPORT_FD"] == "5"

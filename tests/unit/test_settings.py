@@ -1,0 +1,135 @@
+"""Production settings: what they make of the Temporal connection, and that no credential
+shows in their repr, str or JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import TLSConfig
+
+from trainguard.codec import EncryptionCodec, new_key
+from trainguard.settings import Settings, SettingsError
+from trainguard.temporal import connect_kwargs
+
+API_KEY = "tmprl_APIKEY_abcdef0123456789"
+S3_SECRET = "s3-SECRET-abcdef0123456789"
+
+
+def settings(**env: str) -> Settings:
+    return Settings.from_mapping(env, Path("/tmp/tg-state"))
+
+
+def test_defaults_connect_to_the_local_stack_in_clear() -> None:
+    kw = connect_kwargs(settings())
+    assert kw == {
+        "target_host": "127.0.0.1:7233",
+        "namespace": "default",
+        "data_converter": pydantic_data_converter,
+        "tls": False,
+        "api_key": None,
+    }
+
+
+def test_an_api_key_turns_tls_on() -> None:
+    kw = connect_kwargs(
+        settings(
+            TRAINGUARD_TEMPORAL_ADDRESS="ns.acct.tmprl.cloud:7233",
+            TRAINGUARD_NAMESPACE="ns.acct",
+            TRAINGUARD_TEMPORAL_API_KEY=API_KEY,
+        )
+    )
+    assert kw["target_host"] == "ns.acct.tmprl.cloud:7233" and kw["namespace"] == "ns.acct"
+    assert kw["api_key"] == API_KEY
+    assert kw["tls"] is True
+
+
+def test_tls_can_be_switched_off_explicitly_for_a_local_proxy() -> None:
+    kw = connect_kwargs(settings(TRAINGUARD_TEMPORAL_API_KEY=API_KEY, TRAINGUARD_TEMPORAL_TLS="false"))
+    assert kw["tls"] is False and kw["api_key"] == API_KEY
+
+
+def test_mtls_files_and_server_name_make_a_tls_config(tmp_path: Path) -> None:
+    for name in ("ca.pem", "client.pem", "client.key"):
+        (tmp_path / name).write_bytes(f"-----{name}-----".encode())
+    kw = connect_kwargs(
+        settings(
+            TRAINGUARD_TEMPORAL_TLS_CA=str(tmp_path / "ca.pem"),
+            TRAINGUARD_TEMPORAL_TLS_CERT=str(tmp_path / "client.pem"),
+            TRAINGUARD_TEMPORAL_TLS_KEY=str(tmp_path / "client.key"),
+            TRAINGUARD_TEMPORAL_TLS_SERVER_NAME="temporal.internal",
+        )
+    )
+    assert kw["tls"] == TLSConfig(
+        server_root_ca_cert=b"-----ca.pem-----",
+        domain="temporal.internal",
+        client_cert=b"-----client.pem-----",
+        client_private_key=b"-----client.key-----",
+    )
+
+
+def test_a_payload_key_puts_the_codec_on_the_converter(tmp_path: Path) -> None:
+    key = new_key()
+    kw = connect_kwargs(settings(TRAINGUARD_PAYLOAD_KEY=key))
+    codec = kw["data_converter"].payload_codec
+    assert isinstance(codec, EncryptionCodec)
+    assert kw["data_converter"].payload_converter_class is pydantic_data_converter.payload_converter_class
+    key_file = tmp_path / "payload.key"
+    key_file.write_text(key + "\n")
+    from_file = connect_kwargs(settings(TRAINGUARD_PAYLOAD_KEY_FILE=str(key_file)))["data_converter"]
+    assert from_file.payload_codec.key_id == codec.key_id
+
+
+@pytest.mark.parametrize(
+    ("env", "variable"),
+    [
+        ({"TRAINGUARD_TEMPORAL_TLS": "maybe"}, "TRAINGUARD_TEMPORAL_TLS"),
+        ({"TRAINGUARD_TEMPORAL_TLS_CERT": "/c.pem"}, "TRAINGUARD_TEMPORAL_TLS_CERT"),
+        ({"TRAINGUARD_TEMPORAL_TLS_KEY": "/c.key"}, "TRAINGUARD_TEMPORAL_TLS_CERT"),
+        ({"TRAINGUARD_TEMPORAL_TLS_CA": "/nonexistent/ca.pem"}, "TRAINGUARD_TEMPORAL_TLS_CA"),
+        (
+            {"TRAINGUARD_TEMPORAL_TLS": "false", "TRAINGUARD_TEMPORAL_TLS_SERVER_NAME": "x"},
+            "TRAINGUARD_TEMPORAL_TLS",
+        ),
+        ({"TRAINGUARD_PAYLOAD_KEY": "short"}, "TRAINGUARD_PAYLOAD_KEY"),
+        ({"TRAINGUARD_PAYLOAD_KEY_FILE": "/nonexistent/key"}, "TRAINGUARD_PAYLOAD_KEY_FILE"),
+        (
+            {"TRAINGUARD_PAYLOAD_KEY": "k", "TRAINGUARD_PAYLOAD_KEY_FILE": "/k"},
+            "TRAINGUARD_PAYLOAD_KEY",
+        ),
+    ],
+)
+def test_unusable_settings_name_their_variable_before_connecting(env: dict[str, str], variable: str) -> None:
+    with pytest.raises(SettingsError) as exc:
+        connect_kwargs(settings(**env))
+    assert str(exc.value).startswith(f"{variable}:")
+
+
+def test_credentials_never_show_in_repr_str_or_json() -> None:
+    payload_key = new_key()
+    s = settings(
+        TRAINGUARD_TEMPORAL_API_KEY=API_KEY,
+        TRAINGUARD_PAYLOAD_KEY=payload_key,
+        AWS_ACCESS_KEY_ID="AKIAEXAMPLE",
+        AWS_SECRET_ACCESS_KEY=S3_SECRET,
+    )
+    for shown in (repr(s), str(s), f"{s!r}", s.model_dump_json(), repr(s.model_dump())):
+        for secret in (API_KEY, payload_key, S3_SECRET):
+            assert secret not in shown
+    # Child processes (workers, agents) still get the real values, and load the same settings.
+    env = s.to_env()
+    assert env["TRAINGUARD_TEMPORAL_API_KEY"] == API_KEY
+    assert env["TRAINGUARD_PAYLOAD_KEY"] == payload_key
+    assert env["AWS_SECRET_ACCESS_KEY"] == S3_SECRET
+    assert Settings.from_mapping(env) == s
+
+
+def test_settings_round_trip_through_the_environment_of_child_processes(tmp_path: Path) -> None:
+    s = settings(
+        TRAINGUARD_TEMPORAL_TLS="false",
+        TRAINGUARD_PAYLOAD_KEY_FILE=str(tmp_path / "k"),
+        TRAINGUARD_TEMPORAL_TLS_SERVER_NAME="temporal.internal",
+    )
+    assert Settings.from_mapping(s.to_env()) == s
+    assert "TRAINGUARD_PAYLOAD_KEY" not in s.to_env()  # a key file stays a file
