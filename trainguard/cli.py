@@ -565,6 +565,73 @@ def _read_status(path: Path) -> dict[str, Any]:
     return data
 
 
+# -- scale simulation ---------------------------------------------------------------------------
+
+_BADPUT_COLUMNS = ("startup", "detection", "diagnosis", "recovery", "recompute", "checkpoint", "idle")
+
+
+@app.command()
+@handles_errors
+def simulate(
+    machines: Annotated[int, typer.Option(help="machines in the job")],
+    gpus_per_machine: Annotated[int, typer.Option(help="GPUs (ranks) per machine")],
+    days: Annotated[float, typer.Option(help="simulated days")],
+    seed: Annotated[int, typer.Option(help="seed of the failure trace")] = 0,
+    config: Annotated[
+        Path | None, typer.Option("--config", help="YAML/JSON file overriding simulator assumptions")
+    ] = None,
+    trace_out: Annotated[
+        Path | None, typer.Option("--trace-out", help="also write the failure trace here (JSON)")
+    ] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """ETTR at scale: one failure trace, handled by trainguard's own policy code and by two baselines
+    (requeue the whole job; restart in place). Needs no running stack."""
+    from trainguard.simulate import BASELINES, check_args, generate_trace, load_config, simulate_trace
+    from trainguard.simulate import SimConfig as _SimConfig
+
+    check_args(machines, gpus_per_machine, days)
+    cfg = load_config(config) if config is not None else _SimConfig()
+    trace = generate_trace(cfg, machines, gpus_per_machine, days, seed)
+    if trace_out is not None:
+        try:
+            trace_out.write_text(trace.model_dump_json(indent=1) + "\n")
+        except OSError as exc:
+            raise BadInput(f"trace-out: cannot write {trace_out}: {exc.strerror}") from None
+    report = simulate_trace(trace, cfg)
+    if json_out:
+        _print_json(report.contract_json())
+        return
+    topo = report.topology
+    names = ("trainguard", *BASELINES)
+    results = [report.results[n] for n in names]
+    t = Table(
+        title=f"{machines} machines x {gpus_per_machine} GPUs (tp={topo['tp']} pp={topo['pp']} "
+        f"dp={topo['dp']}), {days:g} days, seed {seed}: {report.faults} faults"
+    )
+    t.add_column("")
+    for name in names:
+        t.add_column(name, justify="right")
+    t.add_row("ETTR", *(f"{r.ettr:.4f}" for r in results))
+    t.add_row("worst hour ETTR", *(f"{r.worst_hour_ettr:.3f}" for r in results))
+    t.add_row("incidents handled", *(str(r.incidents) for r in results))
+    for bucket in _BADPUT_COLUMNS:
+        t.add_row(f"badput {bucket} (h)", *(f"{r.badput_s[bucket] / 3600:.1f}" for r in results))
+    out.print(t)
+    tg = report.trainguard
+    out.print(
+        f"standby pool: target {report.standby_target}, {tg.standby_used} machines used; evicted "
+        f"{tg.evicted} ({tg.healthy_evicted} healthy), {tg.refused_evictions} evictions refused (pool "
+        f"short); {tg.replaced_by_people} machines replaced by people; {tg.rollbacks} rollbacks; "
+        f"{tg.stops} stops resubmitted by people",
+        highlight=False,
+    )
+    out.print(
+        "trainguard resolutions: " + ", ".join(f"{k} {v}" for k, v in tg.resolutions.items()),
+        highlight=False,
+    )
+
+
 def main() -> None:
     code = 0
     try:
