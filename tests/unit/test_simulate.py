@@ -148,6 +148,19 @@ def test_every_second_is_productive_or_in_one_bucket(policy: str) -> None:
     assert 0.0 <= r.worst_hour_ettr <= r.ettr
 
 
+def test_worst_hour_is_the_start_without_faults_and_zero_across_an_idle_hour() -> None:
+    cfg = parse_config(EXACT)
+    quiet = run_policy(hand_trace(), cfg, "trainguard")
+    assert quiet.worst_hour_ettr == pytest.approx((3600 - cfg.cold_start_s) / 3600)
+    assert quiet.ettr == pytest.approx((DAY_S - cfg.cold_start_s) / DAY_S)
+    stopped = run_policy(
+        hand_trace(Fault(t_s=5000.0, category="cuda-error", variant="bad-code", slot=2, seed=2), machines=32),
+        cfg,
+        "trainguard",
+    )
+    assert stopped.worst_hour_ettr == 0.0  # a person took an hour to resubmit
+
+
 def test_checkpoint_cost_is_the_configured_fraction_of_training() -> None:
     cfg = parse_config({"snapshot_cost_fraction": 0.01})
     r = run_policy(hand_trace(days=2), cfg, "trainguard")

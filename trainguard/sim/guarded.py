@@ -102,7 +102,8 @@ class TrainguardJob(JobSim):
     def name(machine: int) -> str:
         return f"n{machine}"
 
-    def _machine(self, name: str) -> int:
+    @staticmethod
+    def _machine(name: str) -> int:
         return int(name[1:])
 
     # -- code updates ----------------------------------------------------------------------------
