@@ -247,6 +247,7 @@ class SimConfig(_Frozen):
     detection: DetectionSpec = DetectionSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     # ByteRobust: per-step in-memory checkpoints cost 0.71% of throughput (0.01-0.04 s blocking per step).
+    # Ours block the same way, only for the copy (trainguard.runtime.context: the rest runs on a thread).
     snapshot_cost_fraction: float = Field(0.0071, ge=0, lt=1)
     # A lazy code update waits for the next recovery, at most this long (trainguard.code_versions).
     lazy_window_s: float = Field(DEFAULT_LAZY_WINDOW_S, gt=0)
