@@ -15,7 +15,9 @@ The ladder (ByteRobust; the reference notes, "Localization" and "Recovery"):
    failed the same way) -> stop: no machine is to blame.
 3. Everything else climbs per *fault signature*, counting only the incidents
    since the job last made progress (the "streak"):
-   - first time: diagnose. Hang / fail-slow -> ``stack-aggregation`` on all
+   - first time: a plain crash with no probe evidence -> ``first-reattempt`` in
+     place at once (checks only if it comes back before progress); otherwise
+     diagnose. Hang / fail-slow -> ``stack-aggregation`` on all
      machines; NaN / loss spike / SDC -> bit-wise ``alignment-test`` on all
      machines; anything else -> ``stop-time-checks`` on the suspects.
      Diagnoses end in an ``outcome_after_*`` decision: evict what failed, or
@@ -63,6 +65,7 @@ Rung = Literal[
     "alignment-test",
     "stop-time-checks",
     "checks-passed",
+    "first-reattempt",
     "rollback",
     "replay",
     "exhausted",
@@ -112,6 +115,11 @@ class PolicyConfig(_Frozen):
     numeric_kinds: tuple[str, ...] = ("nan", "loss-spike", "sdc")
     # Stop-time checks also report stragglers (slow in both pairing rounds); evict them too.
     evict_stragglers: bool = True
+    # A first crash of its kind with nothing pointing at a machine restarts in place at once;
+    # the stop-time checks (tens of seconds) run only if it comes back before progress. Most
+    # such crashes are transient, and a bad machine costs one quick restart more.
+    reattempt_first: bool = True
+    reattempt_first_kinds: tuple[str, ...] = ("crash",)
 
 
 DEFAULT_POLICY = PolicyConfig()
@@ -253,6 +261,11 @@ def _tried(streak: list[IncidentRecord], action: Action) -> bool:
     return any(r.action == action or action in r.steps for r in streak)
 
 
+def _unchecked_reattempt(rec: IncidentRecord) -> bool:
+    """A reattempt decided without any diagnosis or replay (the ``first-reattempt`` rung)."""
+    return rec.action == "reattempt" and not any(a in rec.steps for a in (*DIAGNOSES, "replay"))
+
+
 def _summary(facts: IncidentFacts) -> str:
     where = f" on {', '.join(facts.machines)}" if facts.machines else ""
     ev = f": {facts.evidence}" if facts.evidence else ""
@@ -338,7 +351,8 @@ def decide(incident: IncidentFacts, history: JobHistory, cfg: PolicyConfig = DEF
 
     # 3. Escalation for a fault that keeps coming back while diagnoses pass.
     replayed = history.replay_tried or _tried(streak, "replay")
-    reattempted = _tried(streak, "reattempt")
+    # Only a reattempt after a diagnosis climbs to rollback; after a first-reattempt the checks come next.
+    reattempted = _tried([r for r in streak if not _unchecked_reattempt(r)], "reattempt")
     # A passed diagnosis normally ends in "reattempt" (outcome_after_*) and is seen as reattempted above;
     # the flag serves a caller that asks decide() again for the same incident once checks passed.
     passed = history.checks_passed
@@ -384,7 +398,20 @@ def decide(incident: IncidentFacts, history: JobHistory, cfg: PolicyConfig = DEF
             evidence=f"stop-time checks passed for {sig}: treating it as transient and reattempting: {what}",
         )
 
-    # First time (since progress): diagnose.
+    # First time (since progress): a plain crash restarts in place; anything else is diagnosed.
+    if (
+        cfg.reattempt_first
+        and not streak
+        and incident.kind in cfg.reattempt_first_kinds
+        and incident.confidence == 0
+    ):
+        return Decision(
+            action="reattempt",
+            rung="first-reattempt",
+            signature=sig,
+            evidence=f"first {sig} since progress, no probe points at a machine: restarting in place "
+            f"at once; stop-time checks if it comes back: {what}",
+        )
     suspects = sorted(set(incident.machines))
     if incident.kind in cfg.hang_kinds:
         return Decision(

@@ -171,6 +171,9 @@ class DetectionSpec(_Frozen):
     flap_tolerance: int = Field(2, ge=0, le=1000, description="network flaps tolerated within flap_window_s")
     flap_window_s: float = Field(300.0, gt=0, le=86400)
     evict_confidence: float = Field(0.9, ge=0, le=1, description="health events this sure evict at once")
+    reattempt_first: bool = Field(
+        True, description="a first crash with no probe evidence restarts in place before any check"
+    )
     replay_steps: int = Field(3, ge=1, le=1000, description="steps each dual-phase replay group runs")
 
 

@@ -892,7 +892,10 @@ class TrainingJobWorkflow:
         )
         det = self.s.spec.detection
         cfg = PolicyConfig(
-            evict_confidence=det.evict_confidence, max_recoveries_without_progress=det.max_attempts
+            evict_confidence=det.evict_confidence,
+            max_recoveries_without_progress=det.max_attempts,
+            # Histories recorded before the first-reattempt rung existed replay without it.
+            reattempt_first=det.reattempt_first and workflow.patched("first-reattempt"),
         )
         diagnosing_since = workflow.now()
         decisions = [decide(facts, self.s.history, cfg)]

@@ -72,3 +72,18 @@ def cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
         cwd=REPO,
         timeout=60,
     )
+
+
+def restarted_in_place(inc: dict[str, Any]) -> None:
+    """The first crash of its kind: restarted at once on the same machines, no checks."""
+    assert inc["kind"] == "crash" and inc["action"] == "reattempt" and inc["evicted"] == [], inc
+    assert "restarting in place" in inc["evidence"] and "stop-time checks" not in inc["evidence"], inc
+
+
+def evicted_after_restart_in_place(final: dict[str, Any]) -> dict[str, Any]:
+    """A crash that recurs: restarted in place once, then checked and evicted; the second incident."""
+    assert len(final["incidents"]) == 2, final["incidents"]
+    first, second = final["incidents"]
+    restarted_in_place(first)
+    assert second["action"] == "evict", second
+    return second

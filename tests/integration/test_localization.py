@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.helpers import example_spec, run_to_end, wait_until
+from tests.integration.helpers import example_spec, restarted_in_place, run_to_end, wait_until
 from trainguard.client import TrainguardClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("healthy_pool")]
@@ -23,31 +23,35 @@ async def drill(
     return await run_to_end(job)
 
 
-def single(final: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+def completed(final: dict[str, Any], reference: dict[str, Any], incidents: int) -> list[dict[str, Any]]:
     assert final["phase"] == "completed", final
     assert final["result"]["param_hash"] == reference["result"]["param_hash"]
-    assert len(final["incidents"]) == 1, final["incidents"]
-    return final["incidents"][0]
+    assert len(final["incidents"]) == incidents, final["incidents"]
+    return final["incidents"]
+
+
+def single(final: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    return completed(final, reference, 1)[0]
 
 
 async def test_crash_on_bad_machine_fails_its_self_test(
     tg: TrainguardClient, reference: dict[str, Any]
 ) -> None:
-    # A crash that will recur: the machine's unit is bad, so its compute self-test fails.
-    inc = single(await drill(tg, "loc-crash", "crash", count=5), reference)
+    # A crash that recurs: restarted in place once; back before progress, the stop-time checks run,
+    # and the machine's unit is bad, so its compute self-test fails.
+    first, inc = completed(await drill(tg, "loc-crash", "crash", count=5), reference, 2)
+    restarted_in_place(first)
     assert inc["kind"] == "crash"
     assert inc["action"] == "evict" and inc["evicted"] == ["node-1"]
     assert "stop-time checks" in inc["evidence"] and "matmul" in inc["evidence"]
 
 
-async def test_transient_crash_passes_checks_and_reattempts(
+async def test_transient_crash_restarts_in_place_at_once(
     tg: TrainguardClient, reference: dict[str, Any]
 ) -> None:
     final = await drill(tg, "loc-transient", "crash")
     inc = single(final, reference)
-    assert inc["action"] == "reattempt" and inc["evicted"] == []
-    assert "all stop-time checks passed" in inc["evidence"]
-    assert "intra-machine collective" in inc["evidence"] and "pairwise all-gather" in inc["evidence"]
+    restarted_in_place(inc)
     # Same machines: every one still holds the step before the crash in memory; nothing recomputed twice.
     assert inc["restored_from"] == "memory" and inc["lost_steps"] <= 5  # snapshots every 5 steps here
     assert final["resumed_from_step"] >= 25
@@ -127,17 +131,20 @@ async def test_bad_code_version_is_rolled_back_without_evicting(
 async def test_fault_hidden_from_the_checks_is_named_by_dual_phase_replay(
     tg: TrainguardClient, reference: dict[str, Any]
 ) -> None:
-    # A crash the stop-time checks cannot see: checks pass -> reattempt; it recurs, there is no
-    # earlier code version -> replay on the row [node-1, node-2], then the columns, names node-1.
+    # A crash the stop-time checks cannot see: restarted in place; it recurs -> checks pass ->
+    # reattempt; it recurs, there is no earlier code version -> replay on the row [node-1, node-2],
+    # then the columns, names node-1.
     job = await tg.submit(example_spec("loc-replay"))
     await wait_until(job, lambda s: s["step"] >= 25)
     await tg.inject("node-1", "crash", rank=1, count=50, evades_checks=True)
     final = await run_to_end(job)
     assert final["phase"] == "completed", final
     assert final["result"]["param_hash"] == reference["result"]["param_hash"]
-    first, second = final["incidents"]
+    fast, first, second = final["incidents"]
+    restarted_in_place(fast)
     assert first["action"] == "reattempt" and first["evicted"] == []
     assert "all stop-time checks passed" in first["evidence"]
+    assert "intra-machine collective" in first["evidence"] and "pairwise all-gather" in first["evidence"]
     assert second["action"] == "evict" and second["evicted"] == ["node-1"]
     assert "dual-phase replay" in second["evidence"] and "cross at" in second["evidence"]
     assert "column 1 [node-2]: steps" in second["evidence"]

@@ -136,8 +136,39 @@ def test_crash_with_cuda_error_runs_stop_time_checks_on_suspects() -> None:
 
 
 def test_crash_without_suspects_checks_all_machines() -> None:
-    d = decide(IncidentFacts(kind="crash", error_class="nccl"), TWO)
+    crash = IncidentFacts(kind="crash", error_class="nccl")
+    h = TWO.model_copy(update={"incidents": [_rec(crash.signature, "reattempt")]})
+    d = decide(crash, h)
     assert (d.action, d.scope, d.suspects) == ("stop-time-checks", "all", [])
+
+
+def test_first_plain_crash_restarts_in_place_without_checks() -> None:
+    crash = IncidentFacts(kind="crash", machines=["node-1"], ranks=[1], error_class="exit")
+    d = decide(crash, TWO)
+    assert (d.action, d.rung, d.machines) == ("reattempt", "first-reattempt", [])
+    # It comes back before progress: now the checks, on the machine it came from.
+    again = decide(crash, TWO.model_copy(update={"incidents": [_rec(crash.signature, "reattempt")]}))
+    assert (again.action, again.suspects) == ("stop-time-checks", ["node-1"])
+    # After progress the streak is over: a first crash again.
+    later = TWO.model_copy(update={"incidents": [_rec(crash.signature, "reattempt", progress=True)]})
+    assert decide(crash, later).rung == "first-reattempt"
+
+
+def test_first_reattempt_does_not_count_as_the_checked_reattempt() -> None:
+    crash = IncidentFacts(kind="crash", machines=["node-1"])
+    fast = _rec(crash.signature, "reattempt")
+    checked = _rec(crash.signature, "stop-time-checks", "reattempt")
+    d = decide(crash, TWO.model_copy(update={"incidents": [fast, checked]}))
+    assert (d.action, d.rollback_to) == ("rollback", "v1")
+
+
+def test_first_reattempt_skipped_with_probe_evidence_or_when_off() -> None:
+    assert decide(CUDA_CRASH, TWO).action == "stop-time-checks"  # a probe said 0.3
+    crash = IncidentFacts(kind="crash", machines=["node-1"])
+    off = PolicyConfig(reattempt_first=False)
+    assert decide(crash, TWO, off).action == "stop-time-checks"
+    hang = IncidentFacts(kind="hang", machines=["node-1"])
+    assert decide(hang, TWO).action == "stack-aggregation"
 
 
 def test_checks_passed_flag_gives_reattempt() -> None:

@@ -6,7 +6,7 @@ import io
 
 import torch
 
-from trainguard.runtime.state import detached_copy, param_hash
+from trainguard.runtime.state import SnapshotBuffers, detached_copy, param_hash
 
 
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -46,3 +46,24 @@ def test_state_dict_metadata_and_types_survive() -> None:
     buf.seek(0)
     back = torch.load(buf, weights_only=False)
     assert all(torch.equal(back["model"][k], sd[k]) for k in sd)
+
+
+def test_buffers_are_reused_and_follow_the_state() -> None:
+    model, opt = _trained()
+    bufs = SnapshotBuffers()
+    first = bufs.copy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    h1 = param_hash(model)
+    ptr = first["model"]["0.weight"].data_ptr()
+    assert ptr != model.state_dict()["0.weight"].data_ptr()
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    assert first["model"]["0.weight"].data_ptr() == ptr  # untouched by training
+    restored, _ = _trained()
+    restored.load_state_dict(first["model"])
+    assert param_hash(restored) == h1
+    second = bufs.copy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    assert second["model"]["0.weight"].data_ptr() == ptr  # the same buffers, refilled
+    restored.load_state_dict(second["model"])
+    assert param_hash(restored) == param_hash(model)
+    grown = bufs.copy({"model": model.state_dict(), "extra": torch.ones(7)})
+    assert torch.equal(grown["extra"], torch.ones(7))  # a new layout gets new buffers

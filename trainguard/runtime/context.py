@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from trainguard.runtime import backup, faults
 from trainguard.runtime.env import RankEnv, backup_shard_name, shard_name
-from trainguard.runtime.state import detached_copy, param_hash
+from trainguard.runtime.state import SnapshotBuffers, param_hash
 from trainguard.topology import GroupKind, all_groups, coords
 
 
@@ -61,6 +61,7 @@ class Context:
         # interleave with the training thread's collectives on the job's groups.
         self._backup_group: dist.ProcessGroup | None = None
         self._snapshot: threading.Thread | None = None
+        self._buffers = SnapshotBuffers()
         self._snapshot_error: BaseException | None = None
         self._send_lock = threading.Lock()
 
@@ -186,7 +187,7 @@ class Context:
         the shard is whole. Returns where the shard will be."""
         t0 = time.monotonic() if started is None else started
         self.wait_snapshot()
-        copied = {"step": step, **detached_copy(state)}
+        copied = {"step": step, **self._buffers.copy(state)}
         blocked = time.monotonic() - t0
         path = self._shard_path(step)
         # Daemon: a rank that dies mid-snapshot (its peer gone) must still exit.

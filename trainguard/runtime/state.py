@@ -6,6 +6,7 @@ import copy
 import hashlib
 import random
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,20 +37,61 @@ def param_hash(model: torch.nn.Module) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def detached_copy(obj: Any) -> Any:
-    """A copy of a (nested) state dict whose tensors are fresh CPU copies: the snapshot the
-    background writer serializes while training goes on changing the originals."""
+_IMMUTABLE = frozenset({int, float, bool, str, bytes, type(None)})
+
+
+def _map(obj: Any, tensor_fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` rebuilt with ``tensor_fn`` applied to each tensor, in a fixed order, and every
+    other leaf deep-copied (containers keep their type and a state dict its ``_metadata``)."""
+    if type(obj) in _IMMUTABLE:  # first: the RNG states are hundreds of ints, and a Tensor check is slow
+        return obj
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return tensor_fn(obj)
     if isinstance(obj, dict):
         out = obj.__class__() if type(obj) in (dict, OrderedDict) else {}
         for k, v in obj.items():
-            out[k] = detached_copy(v)
+            out[k] = _map(v, tensor_fn)
         if hasattr(obj, "_metadata"):  # state_dict versions, read back by load_state_dict
             out._metadata = copy.deepcopy(obj._metadata)  # type: ignore[attr-defined]
         return out
     if isinstance(obj, list):
-        return [detached_copy(v) for v in obj]
+        return [_map(v, tensor_fn) for v in obj]
     if isinstance(obj, tuple) and type(obj) is tuple:
-        return tuple(detached_copy(v) for v in obj)
+        return tuple(_map(v, tensor_fn) for v in obj)
     return copy.deepcopy(obj)
+
+
+def detached_copy(obj: Any) -> Any:
+    """A copy of a (nested) state dict whose tensors are fresh CPU copies."""
+    return _map(obj, lambda t: t.detach().to("cpu", copy=True))
+
+
+class SnapshotBuffers:
+    """CPU buffers a rank's snapshots are copied into, reused from one snapshot to the next.
+
+    The copy is the only part of a snapshot training waits for, so it is one batched
+    ``_foreach_copy_`` into buffers allocated once (pinned when there is a GPU), not a
+    Python-level clone per tensor: each of those would give up and re-take the GIL that
+    the background writer of the previous snapshot may be holding. Callers must not copy
+    again before whoever reads the previous copy is done with it.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: list[torch.Tensor] = []
+        self._layout: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def copy(self, state: Any) -> Any:
+        tensors: list[torch.Tensor] = []
+        _map(state, tensors.append)
+        srcs = [t.detach() for t in tensors]
+        layout = [(tuple(t.shape), t.dtype) for t in srcs]
+        if layout != self._layout:
+            pin = torch.cuda.is_available()
+            self._bufs = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for t in srcs]
+            self._layout = layout
+        if srcs:
+            torch._foreach_copy_(self._bufs, srcs, non_blocking=True)
+            if any(t.is_cuda for t in srcs):
+                torch.cuda.synchronize()
+        it = iter(self._bufs)
+        return _map(state, lambda _t: next(it))

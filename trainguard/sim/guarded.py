@@ -79,7 +79,9 @@ class TrainguardJob(JobSim):
         det = cfg.detection
         # As the workflow builds it from the job's detection spec.
         self.policy_cfg = PolicyConfig(
-            evict_confidence=det.evict_confidence, max_recoveries_without_progress=det.max_attempts
+            evict_confidence=det.evict_confidence,
+            max_recoveries_without_progress=det.max_attempts,
+            reattempt_first=det.reattempt_first,
         )
         self.history = JobHistory(
             code_versions=[CodeVersion(version="v1", note="submitted")], current_version="v1"
