@@ -35,8 +35,12 @@ class Incident(BaseModel):
     decision_s: float | None = None
     suspects: list[str] = []
     evicted: list[str] = []
+    # When the pool had swapped standbys in for the evicted machines.
+    evicted_at: datetime | None = None
     action: str = "reattempt"
     evidence: str = ""
+    # When the next attempt's ranks were launched, its restore point chosen.
+    relaunched_at: datetime | None = None
     recovered_at: datetime | None = None
     recovery_s: float | None = None
     lost_steps: int = 0
