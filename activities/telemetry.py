@@ -16,7 +16,7 @@ from opentelemetry import trace
 from temporalio import activity
 
 from trainguard import incident_trace, telemetry
-from trainguard.incident_trace import IncidentTelemetryInput
+from trainguard.job_state import IncidentTelemetryInput
 
 log = logging.getLogger(__name__)
 REMEMBERED = 1000

@@ -32,20 +32,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from opentelemetry import context, trace
-from pydantic import BaseModel
 
-from trainguard.job_state import Incident
-from trainguard.models import JobGauges
+from trainguard.job_state import Incident, IncidentTelemetryInput
 from trainguard.telemetry import Instruments, seeded_ids
-
-
-class IncidentTelemetryInput(BaseModel):
-    job_id: str
-    # The job run (first run id across continue-as-new): a resubmitted job numbers incidents anew.
-    run: str
-    incident: Incident
-    nodes: list[str]  # the job's machines after the recovery
-    gauges: JobGauges | None = None
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from trainguard import ettr
 from trainguard.code_versions import CodeEvent, CodeRelease, PendingUpdate
-from trainguard.models import CheckpointRef, Endpoint, InjectResult, NodeInfo, ShardInfo
+from trainguard.models import CheckpointRef, Endpoint, InjectResult, JobGauges, NodeInfo, ShardInfo
 from trainguard.policy import JobHistory
 from trainguard.progress_series import ProgressSeries
 from trainguard.spec import JobSpec
@@ -47,6 +47,18 @@ class Incident(BaseModel):
     # Where the recovery restored from: memory (every machine's own snapshot) or s3; none: from scratch.
     restored_from: str | None = None
     attempt: int = 0
+
+
+class IncidentTelemetryInput(BaseModel):
+    """A recovered incident, handed to a controller for its spans and metrics
+    (``trainguard.incident_trace``)."""
+
+    job_id: str
+    # The job run (first run id across continue-as-new): a resubmitted job numbers incidents anew.
+    run: str
+    incident: Incident
+    nodes: list[str]  # the job's machines after the recovery
+    gauges: JobGauges | None = None
 
 
 class CheckpointStatus(BaseModel):

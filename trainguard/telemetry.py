@@ -298,9 +298,10 @@ def seeded_ids(seed: str) -> Iterator[None]:
 
 # -- sampling --------------------------------------------------------------------------------------------
 
-# Calls made every few seconds for as long as a job runs (progress reports, status polls): a trace
-# each would bury the rest. Their handlers' spans in the workflow go with them (parent-based).
-HIGH_RATE_SPANS = frozenset({"SignalWorkflow:progress", "QueryWorkflow:status"})
+# Calls made every few seconds for as long as a job runs (progress reports, status polls): a span
+# each would bury the rest. A query's handler span goes with its caller's (parent-based); a signal's
+# hangs from the workflow's span (the caller's is only a link), so it is named here too.
+HIGH_RATE_SPANS = frozenset({"SignalWorkflow:progress", "HandleSignal:progress", "QueryWorkflow:status"})
 
 
 class QuietSampler(Sampler):

@@ -38,11 +38,11 @@ with workflow.unsafe.imports_passed_through():
         spec_for,
     )
     from trainguard.detection import incident_priority
-    from trainguard.incident_trace import IncidentTelemetryInput
     from trainguard.job_state import (
         TERMINAL,
         CheckpointStatus,
         Incident,
+        IncidentTelemetryInput,
         JobInput,
         JobResult,
         JobState,

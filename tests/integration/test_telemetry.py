@@ -38,7 +38,9 @@ async def wait_for_records(path: Path, done: Any) -> list[dict[str, Any]]:
 
 
 def ns(iso: str) -> int:
-    return (datetime.fromisoformat(iso) - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1) * 1000
+    return (
+        (datetime.fromisoformat(iso) - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1) * 1000
+    )
 
 
 async def test_evicting_incident_exports_its_stages(tg: TrainguardClient, stack_dir: Path) -> None:
@@ -55,7 +57,9 @@ async def test_evicting_incident_exports_its_stages(tg: TrainguardClient, stack_
     # The workflow waits for the export activity, which flushes: the incident spans are there now.
     folder = telemetry.telemetry_dir(stack_dir)
     spans = [
-        s for s in read_jsonl(folder / telemetry.SPANS_FILE) if s["attributes"].get("trainguard.job.id") == name
+        s
+        for s in read_jsonl(folder / telemetry.SPANS_FILE)
+        if s["attributes"].get("trainguard.job.id") == name
     ]
     by_name = {s["name"]: s for s in spans}
     assert sorted(by_name) == sorted(["incident", *STAGES]), [s["name"] for s in spans]

@@ -21,8 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from activities.telemetry import TelemetryActivities
 from trainguard import incident_trace, telemetry
-from trainguard.incident_trace import IncidentTelemetryInput
-from trainguard.job_state import Incident
+from trainguard.job_state import Incident, IncidentTelemetryInput
 from trainguard.models import JobGauges
 from trainguard.settings import Settings
 
@@ -192,6 +191,23 @@ def test_span_ids_follow_from_the_incident() -> None:
     tracer.start_span("a").end()
     a, b = exporter.get_finished_spans()
     assert a.context is not None and b.context is not None and a.context.trace_id != b.context.trace_id
+
+
+def test_progress_signals_and_status_polls_are_not_traced() -> None:
+    exporter = InMemorySpanExporter()
+    provider, _ = telemetry.build_providers("x", exporter, [])
+    tracer = provider.get_tracer("t")
+    with tracer.start_as_current_span("RunWorkflow:TrainingJobWorkflow"):
+        tracer.start_span("HandleSignal:progress").end()  # hangs from the workflow span
+        tracer.start_span("HandleSignal:drill").end()
+    with tracer.start_as_current_span("QueryWorkflow:status"):
+        tracer.start_span("HandleQuery:status").end()  # its caller's is not sampled
+    tracer.start_span("SignalWorkflow:progress").end()
+    assert provider.force_flush()
+    assert sorted(s.name for s in exporter.get_finished_spans()) == [
+        "HandleSignal:drill",
+        "RunWorkflow:TrainingJobWorkflow",
+    ]
 
 
 # -- the activity ---------------------------------------------------------------------------------------
