@@ -4,17 +4,13 @@ Built after the fact, on a controller, from the incident record the workflow kep
 (workflow code makes no spans: it must replay the same). Each stage is an interval
 between two times of that record:
 
-=========  ========================================  =========================================
-stage      from                                      to
-=========  ========================================  =========================================
-detect     ``fault_at`` (``detected_at`` if unknown)  ``detected_at``
-diagnose   ``detected_at``                            the decision (``detected_at + decision_s``)
-evict      the decision                               ``evicted_at``: standbys took the places
-restore    the eviction (else the decision)           ``relaunched_at``: restore point chosen
-                                                      (memory, peer or S3) and ranks launched
-resume     ``relaunched_at``                          ``recovered_at``: ranks started, loaded
-                                                      the restore point, ran the first step
-=========  ========================================  =========================================
+- detect: ``fault_at`` (``detected_at`` when unknown) to ``detected_at``.
+- diagnose: ``detected_at`` to the decision, ``detected_at + decision_s``.
+- evict: the decision to ``evicted_at``, when standbys had taken the evicted machines' places.
+- restore: the eviction (else the decision) to ``relaunched_at``: the restore point chosen
+  (memory, a peer's backup or S3) and the next attempt's ranks launched on it.
+- resume: ``relaunched_at`` to ``recovered_at``: the ranks started, loaded the restore
+  point and ran their first step.
 
 ``evict`` is there only when machines were evicted. A detect span of zero length
 (``trainguard.fault_known`` false) means the fault's onset is not known (it is for
