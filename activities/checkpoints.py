@@ -8,7 +8,7 @@ import asyncio
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from trainguard import checkpoints
+from trainguard import checkpoints, telemetry
 from trainguard.models import CheckpointRef, CommitCheckpointInput, LatestCheckpointInput
 from trainguard.storage import S3Store
 
@@ -24,6 +24,9 @@ class CheckpointActivities:
 
     @activity.defn
     async def commit_checkpoint(self, inp: CommitCheckpointInput) -> CheckpointRef:
+        if inp.gauges is not None:
+            # Commits run every few minutes anyway: the job's progress metrics ride along.
+            telemetry.record_job(inp.job_id, inp.gauges)
         try:
             return await asyncio.to_thread(checkpoints.commit, self.store, inp)
         except ValueError as exc:

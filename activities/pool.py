@@ -2,6 +2,7 @@
 
 Workflows cannot send updates to other workflows, so a job reserves and releases
 machines through these. Both are idempotent per job, so a retry is harmless.
+The pool's answers say how many machines are left on standby: the standby gauge.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from temporalio import activity
 from temporalio.client import Client
 
-from trainguard import pool_client
+from trainguard import pool_client, telemetry
 from trainguard.models import EvictRequest, EvictResult, ReleaseRequest, ReserveRequest, ReserveResult
 
 
@@ -19,7 +20,9 @@ class PoolActivities:
 
     @activity.defn
     async def reserve_nodes(self, req: ReserveRequest) -> ReserveResult:
-        return await pool_client.reserve(self.client, req)
+        res = await pool_client.reserve(self.client, req)
+        telemetry.record_standby(res.standby)
+        return res
 
     @activity.defn
     async def release_nodes(self, req: ReleaseRequest) -> int:
@@ -27,4 +30,6 @@ class PoolActivities:
 
     @activity.defn
     async def evict_nodes(self, req: EvictRequest) -> EvictResult:
-        return await pool_client.evict(self.client, req)
+        res = await pool_client.evict(self.client, req)
+        telemetry.record_standby(res.standby)
+        return res

@@ -39,6 +39,7 @@ from trainguard.client import (
 from trainguard.codec import PayloadKeyError
 from trainguard.settings import Settings, SettingsError, state_dir_from_env
 from trainguard.spec import SpecError, load_spec, shown
+from trainguard.telemetry import TelemetryError
 
 try:  # typer vendors click from 0.2x on
     from typer._click.exceptions import UsageError
@@ -116,6 +117,7 @@ def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             BadUpdate,
             JobAlreadyRunning,
             BadInput,
+            TelemetryError,
         ) as exc:
             _fail(2, str(exc))
         except ControllerUnavailable as exc:

@@ -30,7 +30,7 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from trainguard import pool_client
+from trainguard import pool_client, telemetry
 from trainguard.code_versions import CodeUpdate
 from trainguard.job_state import JobInput
 from trainguard.models import (
@@ -258,6 +258,8 @@ class TrainguardClient:
         cls, settings: Settings | None = None, state_dir: str | Path | None = None
     ) -> TrainguardClient:
         s = settings or Settings.load(state_dir)
+        # Traced calls (submit, status...) are the roots the workflows' spans hang from.
+        telemetry.setup(s, "trainguard-client")
         return cls(await connect(s), s)
 
     def job(self, job_id: str) -> JobHandle:

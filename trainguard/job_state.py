@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from trainguard import ettr
 from trainguard.code_versions import CodeEvent, CodeRelease, PendingUpdate
-from trainguard.models import CheckpointRef, Endpoint, InjectResult, NodeInfo, ShardInfo
+from trainguard.models import CheckpointRef, Endpoint, InjectResult, JobGauges, NodeInfo, ShardInfo
 from trainguard.policy import JobHistory
 from trainguard.progress_series import ProgressSeries
 from trainguard.spec import JobSpec
@@ -35,14 +35,30 @@ class Incident(BaseModel):
     decision_s: float | None = None
     suspects: list[str] = []
     evicted: list[str] = []
+    # When the pool had swapped standbys in for the evicted machines.
+    evicted_at: datetime | None = None
     action: str = "reattempt"
     evidence: str = ""
+    # When the next attempt's ranks were launched, its restore point chosen.
+    relaunched_at: datetime | None = None
     recovered_at: datetime | None = None
     recovery_s: float | None = None
     lost_steps: int = 0
     # Where the recovery restored from: memory (every machine's own snapshot) or s3; none: from scratch.
     restored_from: str | None = None
     attempt: int = 0
+
+
+class IncidentTelemetryInput(BaseModel):
+    """A recovered incident, handed to a controller for its spans and metrics
+    (``trainguard.incident_trace``)."""
+
+    job_id: str
+    # The job run (first run id across continue-as-new): a resubmitted job numbers incidents anew.
+    run: str
+    incident: Incident
+    nodes: list[str]  # the job's machines after the recovery
+    gauges: JobGauges | None = None
 
 
 class CheckpointStatus(BaseModel):

@@ -64,6 +64,8 @@ class ReserveResult(Msg):
     nodes: list[NodeInfo] = []
     free: int = 0
     message: str = ""
+    # Machines on standby after this call (None from a pool that does not say).
+    standby: int | None = None
 
 
 class ReleaseRequest(Msg):
@@ -87,6 +89,8 @@ class EvictResult(Msg):
     nodes: list[NodeInfo] = []  # the job's machines after the swap, same order
     evicted: list[str] = []
     message: str = ""
+    # Machines on standby after this call (None from a pool that does not say).
+    standby: int | None = None
 
 
 class PoolConfig(Msg):
@@ -127,6 +131,14 @@ class CheckpointRef(Msg):
     shards: list[ShardInfo]
 
 
+class JobGauges(Msg):
+    """A job's progress as metrics: handed to controller activities that run anyway."""
+
+    step: int
+    ettr: float
+    ettr_window_1h: float
+
+
 class CommitCheckpointInput(Msg):
     job_id: str
     prefix: str
@@ -134,6 +146,8 @@ class CommitCheckpointInput(Msg):
     world_size: int
     shards: list[ShardInfo]
     keep: int
+    # The job's progress when the commit started, recorded as metrics by the controller.
+    gauges: JobGauges | None = None
 
 
 class LatestCheckpointInput(Msg):

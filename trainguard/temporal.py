@@ -1,7 +1,11 @@
-"""One way to reach Temporal: the pydantic converter, TLS, the API key and the payload codec.
+"""One way to reach Temporal: the pydantic converter, TLS, the API key, the payload codec
+and tracing.
 
 The CLI, the SDK, the controller workers and the node agents all connect here, so
 one set of settings (``trainguard.settings``) secures every connection the same way.
+Every client carries Temporal's OpenTelemetry ``TracingInterceptor``; workers built on
+the client take it from there, so client calls, workflows and activities share traces
+(exported through the providers of ``trainguard.telemetry``; no-op until it is set up).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from temporalio.client import Client
+from temporalio.contrib.opentelemetry import TracingInterceptor
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import DataConverter
 from temporalio.service import TLSConfig
@@ -73,4 +78,4 @@ def connect_kwargs(settings: Settings) -> dict[str, Any]:
 
 
 async def connect(settings: Settings) -> Client:
-    return await Client.connect(**connect_kwargs(settings))
+    return await Client.connect(**connect_kwargs(settings), interceptors=[TracingInterceptor()])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from datetime import timedelta
 
 from temporalio.worker import Worker
@@ -17,6 +18,8 @@ from temporalio.worker import Worker
 from activities.checkpoints import CheckpointActivities
 from activities.pool import PoolActivities
 from activities.stacks import StackActivities
+from activities.telemetry import TelemetryActivities
+from trainguard import telemetry
 from trainguard.models import CONTROLLER_QUEUE
 from trainguard.settings import Settings
 from trainguard.storage import S3Store
@@ -28,11 +31,14 @@ from workflows.training_job import TrainingJobWorkflow
 
 async def main(identity: str | None = None) -> None:
     settings = Settings.load()
+    telemetry.setup(settings, "trainguard-controller", {"service.instance.id": identity or str(os.getpid())})
+    # The client's TracingInterceptor applies to this worker too: workflows and activities are traced.
     client = await connect(settings)
     pool = PoolActivities(client)
     store = S3Store(settings)
     ckpt = CheckpointActivities(store)
     stacks = StackActivities(store)
+    tele = TelemetryActivities()
     worker = Worker(
         client,
         task_queue=CONTROLLER_QUEUE,
@@ -44,6 +50,7 @@ async def main(identity: str | None = None) -> None:
             ckpt.latest_checkpoint,
             ckpt.commit_checkpoint,
             stacks.localize_stacks,
+            tele.record_incident,
         ],
         identity=identity,
         graceful_shutdown_timeout=timedelta(seconds=10),

@@ -34,7 +34,7 @@ from activities.rank_session import rank_preexec
 from activities.ranks import RankActivities
 from activities.stacks import StackActivities
 from activities.warm_pool import WarmPool
-from trainguard import pool_client
+from trainguard import pool_client, telemetry
 from trainguard.health.events import Probe
 from trainguard.health.host import HostProbe
 from trainguard.health.link import LinkProbe
@@ -83,6 +83,8 @@ async def main(
     drill = DrillActivities(drills, LinkControl(nic, workdir) if nic else None)
     await drill.restore_link()  # before connecting: a link left down would keep us offline
     settings = Settings.load()
+    telemetry.setup(settings, "trainguard-agent", {"service.instance.id": name})
+    # The client's TracingInterceptor applies to this worker too: its activities are traced.
     client = await connect(settings)
     info = NodeInfo(name=name, task_queue=node_queue(name), host=host, gpus=gpus)
     sessions: list[RankActivities] = []

@@ -196,7 +196,9 @@ class NodePoolWorkflow:
                 (n for n in self.nodes.values() if n.job == req.job_id), key=lambda n: _order(n.info.name)
             )
             if len(held) >= req.count:
-                return ReserveResult(granted=True, nodes=[n.info for n in held[: req.count]])
+                return ReserveResult(
+                    granted=True, nodes=[n.info for n in held[: req.count]], standby=len(self._standbys())
+                )
             free = self._standbys()
             need = req.count - len(held)
             if len(free) < need:
@@ -204,6 +206,7 @@ class NodePoolWorkflow:
                 return ReserveResult(
                     granted=False,
                     free=len(free),
+                    standby=len(free),
                     message=f"{req.count} machines requested, {len(free) + len(held)} available"
                     + (f" ({testing} more in their self-test)" if testing else ""),
                 )
@@ -213,7 +216,7 @@ class NodePoolWorkflow:
                     update={"state": "active", "job": req.job_id, "since": now}
                 )
             chosen = held + free[:need]
-            return ReserveResult(granted=True, nodes=[n.info for n in chosen])
+            return ReserveResult(granted=True, nodes=[n.info for n in chosen], standby=len(self._standbys()))
 
     @reserve.validator
     def _validate_reserve(self, req: ReserveRequest) -> None:
@@ -244,6 +247,7 @@ class NodePoolWorkflow:
                 return EvictResult(
                     replaced=False,
                     message=f"{len(req.nodes)} spare machines needed, {len(free)} on standby",
+                    standby=len(free),
                 )
             swap = dict(zip(req.nodes, free, strict=False))
             for name in req.nodes:
@@ -262,7 +266,10 @@ class NodePoolWorkflow:
                 )
             order = [swap[n].info.name if n in swap else n for n in req.current]
             return EvictResult(
-                replaced=True, nodes=[self.nodes[n].info for n in order], evicted=list(req.nodes)
+                replaced=True,
+                nodes=[self.nodes[n].info for n in order],
+                evicted=list(req.nodes),
+                standby=len(self._standbys()),
             )
 
     @evict.validator

@@ -42,6 +42,7 @@ with workflow.unsafe.imports_passed_through():
         TERMINAL,
         CheckpointStatus,
         Incident,
+        IncidentTelemetryInput,
         JobInput,
         JobResult,
         JobState,
@@ -61,6 +62,7 @@ with workflow.unsafe.imports_passed_through():
         EvictResult,
         IncidentReport,
         InjectResult,
+        JobGauges,
         LatestCheckpointInput,
         LocalizeStacksInput,
         PairTestRequest,
@@ -102,6 +104,9 @@ SA_INCIDENTS = SearchAttributeKey.for_int("TgIncidents")
 
 SHORT = timedelta(seconds=30)
 NO_RETRY = RetryPolicy(maximum_attempts=1)
+TELEMETRY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
+# workflow.patched ids: histories recorded before a change replay without it.
+PATCH_INCIDENT_TELEMETRY = "incident-telemetry"
 CONTROLLER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 
 
@@ -131,6 +136,7 @@ class TrainingJobWorkflow:
         self.stop_reason: str | None = None
         self.progress: list[ProgressReport] = []
         self.commits: dict[int, Any] = {}  # step -> activity handle
+        self.exports: set[Any] = set()  # telemetry activities under way
         # An incident found by the workflow itself (fail-slow, replica mismatch).
         self.found: IncidentReport | None = None
         self._sa_at: float | None = None
@@ -307,8 +313,9 @@ class TrainingJobWorkflow:
             retry_policy=NO_RETRY,
             result_type=Endpoint,
         )
+        started = workflow.now()
         self.s.running = RunningAttempt(
-            attempt=self.s.attempt, master=master, resume=resume, started_at=workflow.now(), peers=peers
+            attempt=self.s.attempt, master=master, resume=resume, started_at=started, peers=peers
         )
         self.s.step = resume.step if resume else 0
         self.s.resumed_from_step = resume.step if resume else None
@@ -321,6 +328,7 @@ class TrainingJobWorkflow:
             self.s.incidents[-1].restored_from = (
                 self.s.checkpoint.tier if resume and self.s.checkpoint else None
             )
+            self.s.incidents[-1].relaunched_at = started
         self._set_phase("running")
 
     def _ranks_input(self, index: int, attach: bool) -> RunRanksInput:
@@ -622,6 +630,7 @@ class TrainingJobWorkflow:
                 last.recovery_s = round((r.first_step_at - last.detected_at).total_seconds(), 3)
                 self.s.ledger = ettr.add_badput(self.s.ledger, "recovery", last.recovery_s)
                 self._set_phase("running")
+                self._export_incident(last)
             else:
                 self.s.ledger = ettr.add_badput(
                     self.s.ledger, "startup", (r.first_step_at - run.started_at).total_seconds()
@@ -766,6 +775,7 @@ class TrainingJobWorkflow:
                 world_size=world,
                 shards=shards,
                 keep=spec.checkpoint.keep,
+                gauges=self._gauges(),
             ),
             task_queue=CONTROLLER_QUEUE,
             # Short: a controller that dies mid-commit is noticed by this timeout, then retried.
@@ -792,6 +802,47 @@ class TrainingJobWorkflow:
     async def _wait_commits(self) -> None:
         await workflow.wait_condition(lambda: not self.commits)
 
+    # -- telemetry (spans and metrics are made on a controller, never here) ----------------------
+    def _gauges(self) -> JobGauges:
+        now = workflow.now()
+        return JobGauges(
+            step=self.s.step,
+            ettr=round(ettr.ettr(self.s.ledger, now), 4),
+            ettr_window_1h=round(ettr.ettr_window(self.s.ledger, now), 4),
+        )
+
+    def _export_incident(self, incident: Incident) -> None:
+        """Hand a recovered incident to a controller: its stage spans and metrics (one
+        activity per incident; the job does not wait for it, nor fail with it)."""
+        if not workflow.patched(PATCH_INCIDENT_TELEMETRY):
+            return
+        handle = workflow.start_activity(
+            "record_incident",
+            IncidentTelemetryInput(
+                job_id=self.s.spec.name,
+                run=workflow.info().first_execution_run_id,
+                incident=incident.model_copy(),
+                nodes=[n.name for n in self.s.nodes],
+                gauges=self._gauges(),
+            ),
+            task_queue=CONTROLLER_QUEUE,
+            start_to_close_timeout=SHORT,
+            retry_policy=TELEMETRY_RETRY,
+            result_type=bool,
+            summary=f"telemetry of {incident.id}",
+        )
+        self.exports.add(handle)
+        handle.add_done_callback(self._export_done)
+
+    def _export_done(self, handle: Any) -> None:
+        self.exports.discard(handle)
+        if not handle.cancelled() and handle.exception() is not None:
+            workflow.logger.warning("telemetry export failed: %s", handle.exception())
+
+    async def _wait_exports(self) -> None:
+        if self.exports:  # no wait at all otherwise: histories from before telemetry replay as they were
+            await workflow.wait_condition(lambda: not self.exports)
+
     # -- endings -------------------------------------------------------------------
     async def _complete(self, results: list[RunRanksResult]) -> dict[str, Any]:
         for r in results:
@@ -813,6 +864,7 @@ class TrainingJobWorkflow:
             self.s.verdict = self.stop_reason
         await self._release()
         self._set_phase(phase)
+        await self._wait_exports()
         await workflow.wait_condition(workflow.all_handlers_finished)
         return status_json(self.s, workflow.now())
 
@@ -1160,6 +1212,7 @@ class TrainingJobWorkflow:
                 self.s.backups.pop(name, None)
             incident.action = "evict"
             incident.evicted = list(res.evicted)
+            incident.evicted_at = workflow.now()
         else:
             incident.evidence = f"{incident.evidence} | not evicted: {res.message}"[:2000]
 
@@ -1167,6 +1220,7 @@ class TrainingJobWorkflow:
         await self._wait_commits()
         self._drain_progress()
         await self._wait_commits()
+        await self._wait_exports()
         await workflow.wait_condition(workflow.all_handlers_finished)
         workflow.continue_as_new(self.inp.model_copy(update={"state": self.s}))
 
