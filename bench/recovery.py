@@ -31,7 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -92,13 +92,21 @@ async def _incident(
 
 
 async def _hot_update(job: JobHandle, version: str, settle_s: float) -> tuple[float, int]:
+    """Request to the first step on the new version, and the steps it computed again."""
     st = await _ready(job, settle_s)
-    t0 = time.monotonic()
+    t0 = datetime.now(UTC)
     await job.update_code(version, urgent=True, env={"GPT_RELEASE": version}, why="bench")
-    after = await wait_until(
-        job, lambda s: s["attempt"] > st["attempt"] and s["step"] > (s["resumed_from_step"] or 0)
-    )
-    return time.monotonic() - t0, max(0, st["step"] - (after["resumed_from_step"] or 0))
+    reached = st["step"]
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        s = await job.status()
+        if s["attempt"] == st["attempt"]:
+            reached = max(reached, s["step"])  # the old attempt runs until its ranks are stopped
+        elif s["attempt_first_step_at"] is not None and s["code_version"] == version:
+            secs = (_t(s["attempt_first_step_at"]) - t0).total_seconds()
+            return secs, max(0, reached - (s["resumed_from_step"] or 0))
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"no step on {version} within 300 s")
 
 
 def _warm_starts(state_dir: Path) -> int:

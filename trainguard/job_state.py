@@ -150,6 +150,9 @@ def status_json(state: JobState, now: datetime) -> dict[str, Any]:
         "nodes": {str(i): n.name for i, n in enumerate(state.nodes)},
         "checkpoint": state.checkpoint.model_dump(mode="json") if state.checkpoint else None,
         "resumed_from_step": state.resumed_from_step,
+        # The running attempt: when its ranks were launched and when its first step came.
+        "attempt_started_at": _iso(state.running.started_at if state.running else None),
+        "attempt_first_step_at": _iso(state.running.first_step_at if state.running else None),
         "incidents": [i.model_dump(mode="json", exclude={"attempt"}) for i in state.incidents],
         "verdict": state.verdict,
         "result": state.result.model_dump(mode="json") if state.result else None,
@@ -161,6 +164,10 @@ def status_json(state: JobState, now: datetime) -> dict[str, Any]:
         "as_of": now.isoformat(),
         "progress": _progress(state.progress_series),
     }
+
+
+def _iso(t: datetime | None) -> str | None:
+    return t.isoformat() if t else None
 
 
 def _progress(series: ProgressSeries) -> list[list[Any]]:

@@ -4,6 +4,7 @@ loopback ports."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 from infra.local import bring_down, bring_up, node_names, restore_pool
 from infra.stack import Stack, StackConfig, client_env
 from tests.integration.helpers import REPO, example_spec, run_to_end
+from tests.replay.record import export_histories
 from trainguard.client import TrainguardClient
 from trainguard.settings import Settings
 
@@ -41,7 +43,10 @@ def settings(stack: Stack) -> Settings:
 
 @pytest.fixture(scope="session")
 async def tg(settings: Settings) -> AsyncIterator[TrainguardClient]:
-    yield await TrainguardClient.connect(settings)
+    client = await TrainguardClient.connect(settings)
+    yield client
+    if out := os.environ.get("TG_RECORD_HISTORIES"):
+        await export_histories(client.temporal, Path(out))
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,41 @@
+"""Record fresh histories: run the example job through a crash (restarted in place) and a
+recurring crash (checked, evicted, restored from peer backups) on a private local stack,
+then write every closed workflow's history.
+
+    python -m tests.replay.record_run --out tests/replay/histories
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from bench.private_stack import connect, run_bench
+from infra.local import node_names, restore_pool
+from tests.integration.helpers import REPO, example_spec, run_to_end, wait_until
+from tests.replay.record import export_histories
+
+
+async def _record(state_dir: Path, out: Path, log: Any) -> dict[str, Any]:
+    tg = await connect(state_dir)
+    for name, count in (("replay-crash", None), ("replay-evict", 5)):
+        job = await tg.submit(example_spec(name))
+        await wait_until(job, lambda s: s["step"] >= 25)
+        await tg.inject("node-1", "crash", rank=1, count=count)
+        final = await run_to_end(job)
+        log(f"{name}: {final['phase']}, {[i['action'] for i in final['incidents']]}")
+        await restore_pool(tg, state_dir, node_names(3, 0), REPO)
+    await tg.nodes()  # the pool workflow stays running; its history is recorded when closed
+    return {"histories": await export_histories(tg.temporal, out)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    print(run_bench("tg-record-", 3, lambda d, log: _record(d, args.out, log)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Workflow code must replay the histories of jobs that ran before it changed.
+
+A running job's history is replayed by whichever controller picks it up next, so a
+change that makes today's code issue different commands for yesterday's events
+would break running jobs. Each file under ``histories/`` is a real run recorded on
+the local stack (``tests/replay/record.py``); a change that fails here needs a
+``workflow.patched(...)`` branch (see the README's developer notes).
+"""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import pytest
+from temporalio.client import WorkflowHistory
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
+
+from workflows.node_pool import NodePoolWorkflow
+from workflows.training_job import TrainingJobWorkflow
+
+HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json.gz"))
+
+
+def _load(path: Path) -> WorkflowHistory:
+    workflow_id = path.name.removesuffix(".json.gz").split("-", 1)[1].rsplit("-", 1)[0]
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return WorkflowHistory.from_json(workflow_id, f.read())
+
+
+def test_histories_are_kept() -> None:
+    assert len(HISTORIES) >= 3, "tests/replay/histories/ holds the recorded runs"
+
+
+@pytest.mark.parametrize("path", HISTORIES, ids=[p.name.removesuffix(".json.gz") for p in HISTORIES])
+async def test_replays_without_nondeterminism(path: Path) -> None:
+    replayer = Replayer(
+        workflows=[TrainingJobWorkflow, NodePoolWorkflow], data_converter=pydantic_data_converter
+    )
+    result = await replayer.replay_workflow(_load(path), raise_on_replay_failure=False)
+    assert result.replay_failure is None, f"{path.name}: {result.replay_failure}"
