@@ -15,7 +15,7 @@ The ladder (ByteRobust; the reference notes, "Localization" and "Recovery"):
    failed the same way) -> stop: no machine is to blame.
 3. Everything else climbs per *fault signature*, counting only the incidents
    since the job last made progress (the "streak"):
-   - first time: a plain crash with no probe evidence -> ``first-reattempt`` in
+   - first time: a crash (no health probe flagged a machine) -> ``first-reattempt`` in
      place at once (checks only if it comes back before progress); otherwise
      diagnose. Hang / fail-slow -> ``stack-aggregation`` on all
      machines; NaN / loss spike / SDC -> bit-wise ``alignment-test`` on all
@@ -399,18 +399,15 @@ def decide(incident: IncidentFacts, history: JobHistory, cfg: PolicyConfig = DEF
         )
 
     # First time (since progress): a plain crash restarts in place; anything else is diagnosed.
-    if (
-        cfg.reattempt_first
-        and not streak
-        and incident.kind in cfg.reattempt_first_kinds
-        and incident.confidence == 0
-    ):
+    # A probe's finding arrives as a machine-fault kind (rung 1), never as "crash": a crash's own
+    # confidence only says the rank died on that machine.
+    if cfg.reattempt_first and not streak and incident.kind in cfg.reattempt_first_kinds:
         return Decision(
             action="reattempt",
             rung="first-reattempt",
             signature=sig,
-            evidence=f"first {sig} since progress, no probe points at a machine: restarting in place "
-            f"at once; stop-time checks if it comes back: {what}",
+            evidence=f"first {sig} since progress, no health probe points at a machine: restarting "
+            f"in place at once; stop-time checks if it comes back: {what}",
         )
     suspects = sorted(set(incident.machines))
     if incident.kind in cfg.hang_kinds:

@@ -3,6 +3,9 @@ stop and resubmit, a controller SIGKILL, continue-as-new while ranks run."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +14,7 @@ import yaml
 
 from infra.local import start_controller
 from infra.stack import Stack
-from tests.integration.helpers import cli, example_spec, run_to_end, wait_until
+from tests.integration.helpers import JOB_TIMEOUT_S, REPO, cli, example_spec, run_to_end, wait_until
 from trainguard import checkpoints
 from trainguard.client import JobAlreadyRunning, TrainguardClient
 from trainguard.settings import Settings
@@ -117,3 +120,18 @@ def test_cli_status_unknown_job(settings: Settings) -> None:
     r = cli(settings, "status", "no-such-job", "--json")
     assert r.returncode == 2
     assert "no-such-job" in r.stderr
+
+
+async def test_example_launcher_drives_a_job_through_the_sdk(settings: Settings) -> None:
+    # examples/launcher.py is what a team's own tooling looks like: spec in code, submit, follow.
+    env = {**os.environ, **settings.to_env()}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "examples/launcher.py", "--name", "sdk-launch", "--steps", "30",
+        "--env", "GPT_SEQ_LEN=32", cwd=REPO, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), JOB_TIMEOUT_S)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    lines = out.decode().splitlines()
+    assert lines[-1].startswith("completed: ") and "param_hash" in lines[-1], lines
+    assert any(line.startswith("running ") for line in lines), lines

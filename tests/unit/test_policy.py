@@ -66,7 +66,7 @@ def test_low_confidence_machine_fault_goes_to_checks() -> None:
 def test_confidence_alone_does_not_evict_for_training_signals() -> None:
     # A crash is not a probe-level machine fault, whatever confidence is attached.
     d = decide(IncidentFacts(kind="crash", machines=["node-3"], confidence=1.0), TWO)
-    assert d.action == "stop-time-checks"
+    assert (d.action, d.rung, d.machines) == ("reattempt", "first-reattempt", [])
 
 
 def test_evict_confidence_is_configurable() -> None:
@@ -130,7 +130,7 @@ def test_numeric_faults_run_alignment_test(kind: str) -> None:
 
 
 def test_crash_with_cuda_error_runs_stop_time_checks_on_suspects() -> None:
-    d = decide(CUDA_CRASH, TWO)
+    d = decide(CUDA_CRASH, TWO.model_copy(update={"incidents": [_rec(CUDA_CRASH.signature, "reattempt")]}))
     assert (d.action, d.rung, d.suspects) == ("stop-time-checks", "stop-time-checks", ["node-2"])
     assert "cuda" in d.evidence and "CUDA error 700" in d.evidence
 
@@ -162,8 +162,8 @@ def test_first_reattempt_does_not_count_as_the_checked_reattempt() -> None:
     assert (d.action, d.rollback_to) == ("rollback", "v1")
 
 
-def test_first_reattempt_skipped_with_probe_evidence_or_when_off() -> None:
-    assert decide(CUDA_CRASH, TWO).action == "stop-time-checks"  # a probe said 0.3
+def test_first_reattempt_skipped_for_other_kinds_or_when_off() -> None:
+    assert decide(CUDA_CRASH, TWO).rung == "first-reattempt"
     crash = IncidentFacts(kind="crash", machines=["node-1"])
     off = PolicyConfig(reattempt_first=False)
     assert decide(crash, TWO, off).action == "stop-time-checks"
@@ -240,12 +240,12 @@ def test_progress_resets_the_ladder() -> None:
     sig = CUDA_CRASH.signature
     # The same CUDA error a day later, after the job made progress, starts at the bottom again.
     h = TWO.model_copy(update={"incidents": [_rec(sig, "stop-time-checks", "reattempt", progress=True)]})
-    assert decide(CUDA_CRASH, h).rung == "stop-time-checks"
+    assert decide(CUDA_CRASH, h).rung == "first-reattempt"
 
 
 def test_other_signature_does_not_escalate() -> None:
     h = TWO.model_copy(update={"incidents": [_rec("hang|-|-", "stack-aggregation", "reattempt")]})
-    assert decide(CUDA_CRASH, h).rung == "stop-time-checks"
+    assert decide(CUDA_CRASH, h).rung == "first-reattempt"
 
 
 # -- crash loops ------------------------------------------------------------------------
@@ -282,14 +282,18 @@ def test_crash_loop_ends_in_stop_and_never_evicts(versions: list[str], kind: str
     incident = IncidentFacts(kind=kind, machines=["m2"], confidence=0.5, error_class="cuda")
     hist = JobHistory(code_versions=versions, current_version=versions[-1])
     handled = _run_loop(incident, hist, cfg)
-    # The ladder has four rungs after diagnosis; the K guard cuts it shorter.
-    assert len(handled) <= min(k, 4) + 1
+    # The ladder has four rungs from diagnosis on (a crash restarts in place once before them);
+    # the K guard cuts it shorter.
+    first = ["first-reattempt"] if kind == "crash" else []
+    depth = len(first) + 4
+    assert len(handled) <= min(k, depth) + 1
     assert handled[-1][-1].action == "stop"
     assert all(d.action != "evict" for chain in handled for d in chain)
     rungs = [chain[0].rung for chain in handled]
-    if k >= 4:
+    if k >= depth:
         expected = ["rollback"] if len(versions) > 1 else []
-        assert rungs[1:] == [*expected, "replay", "exhausted"]
+        assert rungs[: len(first)] == first
+        assert rungs[len(first) + 1 :] == [*expected, "replay", "exhausted"]
 
 
 def test_crash_loop_evicts_only_machines_that_failed_checks() -> None:
@@ -309,12 +313,15 @@ def test_user_code_loop_is_bounded() -> None:
 
 
 def test_mark_progress_resets_counter_and_closes_streak() -> None:
-    h = record_incident(TWO, CUDA_CRASH, [decide(CUDA_CRASH, TWO), outcome_after_checks([])])
-    assert h.recoveries_without_progress == 1 and h.incidents[-1].steps == ["stop-time-checks", "reattempt"]
+    h = record_incident(TWO, CUDA_CRASH, [decide(CUDA_CRASH, TWO)])
+    assert h.recoveries_without_progress == 1 and h.incidents[-1].steps == ["reattempt"]
+    assert decide(CUDA_CRASH, h).rung == "stop-time-checks"
+    h = record_incident(h, CUDA_CRASH, [decide(CUDA_CRASH, h), outcome_after_checks([])])
+    assert h.recoveries_without_progress == 2 and h.incidents[-1].steps == ["stop-time-checks", "reattempt"]
     assert decide(CUDA_CRASH, h).rung == "rollback"
     h2 = mark_progress(h)
     assert h2.recoveries_without_progress == 0 and h2.incidents[-1].made_progress_after
-    assert decide(CUDA_CRASH, h2).rung == "stop-time-checks"
+    assert decide(CUDA_CRASH, h2).rung == "first-reattempt"
 
 
 # -- outcomes ---------------------------------------------------------------------------
@@ -403,10 +410,10 @@ def test_start_over_forgets_the_streak() -> None:
     )
     assert decide(CUDA_CRASH, h).rung == "replay"
     h2 = start_over(h)
-    assert decide(CUDA_CRASH, h2).rung == "stop-time-checks" and len(h2.incidents) == 2
+    assert decide(CUDA_CRASH, h2).rung == "first-reattempt" and len(h2.incidents) == 2
 
 
 def test_a_stop_is_not_a_recovery() -> None:
     # A job stopped once (then resubmitted) does not carry the stop into the no-progress count.
     recs = [_rec("a", "reattempt"), _rec("b", "reattempt"), _rec("c", "stop")]
-    assert decide(CUDA_CRASH, TWO.model_copy(update={"incidents": recs})).rung == "stop-time-checks"
+    assert decide(CUDA_CRASH, TWO.model_copy(update={"incidents": recs})).rung == "first-reattempt"
