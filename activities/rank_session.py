@@ -121,6 +121,7 @@ class RankSession:
         self.inp = inp
         self.warm = warm
         self.warm_started = 0  # ranks of this attempt that took a warm process
+        self.restored: set[int] = set()  # ranks that loaded the checkpoint they were started from
         self.rank_nice = rank_nice
         self.health = health
         self.drills = drills
@@ -355,6 +356,8 @@ class RankSession:
             fired = [f for f in self.drills.load() if f["id"] == rec.get("id")]
             self.fired.extend(fired)
             self.drills.consume(str(rec.get("id")))
+        elif kind == "restored":
+            self.restored.add(rank)
         elif kind == "final":
             self.monitor.on_alive(rank, time.monotonic(), finished=True)
             self.final_hashes[rank] = str(rec["param_hash"])
@@ -626,6 +629,7 @@ class RankSession:
             detected_at=datetime.now(UTC),
             fault_at=self._fault_at(kind, source),
             step=step if step is not None else self.machine_step,
+            restored=self.restored >= set(self.inp.ranks),
             **extra,  # type: ignore[arg-type]
         )
 

@@ -351,6 +351,9 @@ class IncidentReport(Msg):
     user_code: bool = False
     code_location: str | None = None
     step: int | None = None
+    # Every rank on this machine had loaded the checkpoint it was started from: a failure after
+    # that is not the checkpoint's fault.
+    restored: bool = False
 
 
 RunRanksResult.model_rebuild()

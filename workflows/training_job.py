@@ -906,8 +906,14 @@ class TrainingJobWorkflow:
         assert primary is not None
         run = self.s.running
         self.s.running = None
-        if run is not None and checkpoints.is_memory(run.resume) and run.first_step_at is None:
-            # Restoring from memory failed before a step: the next attempt uses S3.
+        if (
+            run is not None
+            and checkpoints.is_memory(run.resume)
+            and run.first_step_at is None
+            and not primary.restored
+        ):
+            # Restoring from memory may have failed (no step, the failing machine's ranks had not
+            # all loaded their shards): the next attempt uses S3.
             self.s.memory, self.s.backups = {}, {}
         self._set_phase("diagnosing")
         progressed = self.s.ledger.high_water_step > self.s.progress_at_attempt_start

@@ -58,11 +58,7 @@ async def test_transient_crash_restarts_in_place_at_once(
     assert final["nodes"] == {"0": "node-1", "1": "node-2"}
 
 
-async def test_gpu_lost_is_evicted_without_checks(tg: TrainguardClient, reference: dict[str, Any]) -> None:
-    inc = single(await drill(tg, "loc-gpu-lost", "gpu-lost", rank=None), reference)
-    assert inc["kind"] == "gpu-lost"
-    assert inc["action"] == "evict" and inc["evicted"] == ["node-1"]
-    assert "stop-time checks" not in inc["evidence"]
+# A lost GPU (evicted at once, no checks) is drilled in test_telemetry.py, which also checks its spans.
 
 
 async def test_hang_in_a_pipeline_stage_evicts_that_pipeline(

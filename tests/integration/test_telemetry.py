@@ -43,14 +43,19 @@ def ns(iso: str) -> int:
     )
 
 
-async def test_evicting_incident_exports_its_stages(tg: TrainguardClient, stack_dir: Path) -> None:
+async def test_evicting_incident_exports_its_stages(
+    tg: TrainguardClient, stack_dir: Path, reference: dict[str, Any]
+) -> None:
     name = "otel-gpu-lost"
     job = await tg.submit(example_spec(name))
     await wait_until(job, lambda s: s["step"] >= 25)
     await tg.inject("node-1", "gpu-lost")
     final = await run_to_end(job)
     assert final["phase"] == "completed", final
+    assert final["result"]["param_hash"] == reference["result"]["param_hash"]
     [inc] = final["incidents"]
+    # A lost GPU is a machine fault a probe is sure of: evicted at once, no checks.
+    assert inc["kind"] == "gpu-lost" and "stop-time checks" not in inc["evidence"]
     assert inc["action"] == "evict" and inc["evicted"] == ["node-1"], inc
     assert inc["evicted_at"] and inc["relaunched_at"] and inc["recovered_at"]
 

@@ -175,7 +175,9 @@ class Context:
         """The state this rank saved at the resume step, or None on a fresh start."""
         if self.env.resume_step is None:
             return None
-        return torch.load(self._shard_path(self.env.resume_step), map_location="cpu", weights_only=False)
+        state = torch.load(self._shard_path(self.env.resume_step), map_location="cpu", weights_only=False)
+        self._send({"t": "restored", "step": self.env.resume_step})
+        return state
 
     def should_save(self, step: int) -> bool:
         return step % self.env.ckpt_every == 0 or step == self.target_steps
