@@ -1,11 +1,12 @@
 """The README's pictures, made by the project itself on a private local stack.
 
-Brings up a stack with the Temporal UI on (2 machines and a spare), runs the example job,
-crashes a rank on a machine whose self-test then fails (it is evicted, the spare takes its
-place) and, once the job trains again, captures its page in the Temporal UI (found by the
-``TgIncidents`` search attribute, at its current details) as ``temporal-ui.png``. When the job
-has completed, ``trainguard report`` draws its timeline as ``timeline.png``. Needs Chromium
-(installed with apt-get when missing and this runs as root).
+Brings up a stack with the Temporal UI on (2 machines and a spare) and runs the example job
+through the faults of ``make demo``: a rank crash (restarted in place) and a lost GPU (its machine
+is evicted and the spare takes its place). Once the job has completed, its page in the Temporal
+UI (found by its search attributes, at its current details: phase, step, ETTR, machines,
+incidents) becomes ``temporal-ui.png`` and ``trainguard report`` draws its timeline as
+``timeline.png``. Both are written only when both were made. Needs Chromium (installed with
+apt-get when missing and this runs as root).
 
     python bench/screenshots.py [--out docs/img]
 """
@@ -42,11 +43,10 @@ from trainguard.cli import exit_now  # noqa: E402
 
 JOB = "gpt-tiny"  # the example's own name, as in the README
 NODES = 3
-TARGET_STEPS = 320
-# Slower steps than the tests': after the recovery the job trains for at least ~65 s, so its page
-# is captured while it runs, also on a fast machine.
+TARGET_STEPS = 240
+# Slower steps than the tests': training, not start-up, fills most of the timeline.
 STEP_SLEEP_S = "0.25"
-UI_QUERY = 'WorkflowType = "TrainingJobWorkflow" AND TgIncidents > 0'
+UI_QUERY = 'WorkflowType = "TrainingJobWorkflow" AND TgPhase = "completed" AND TgIncidents > 0'
 # The UI at a common laptop size; the shot stays well under 200 KB.
 WIDTH, HEIGHT = 1440, 900
 
@@ -63,7 +63,8 @@ def capture_ui(chromium: str, config: StackConfig, out: Path) -> str:
             open_job(page, JOB)
             details = screenshot_job(page, out)
         except BrowserError:
-            log(f"what the browser showed instead: {page.screenshot(config.state_dir / 'temporal-ui.png')}")
+            failed = page.screenshot(config.state_dir / "temporal-ui-failed.png")
+            log(f"what the browser showed instead: {failed}")
             raise
     return details
 
@@ -71,32 +72,21 @@ def capture_ui(chromium: str, config: StackConfig, out: Path) -> str:
 async def produce(state_dir: Path, chromium: str, out_dir: Path) -> None:
     tg = await connect(state_dir)
     config = Stack.load(state_dir).config
-    spec = example_spec(
-        JOB, target_steps=TARGET_STEPS, env={"GPT_SEQ_LEN": "32", "GPT_STEP_SLEEP_S": STEP_SLEEP_S}
-    )
-    job = await tg.submit(spec)
-    st = await wait_until(job, lambda s: s["phase"] == "running" and s["step"] >= 40)
-    machine = st["nodes"]["0"]
-    log(f"step {st['step']}: crashing rank 1 on {machine}, which then fails its self-test")
-    await tg.inject(machine, "crash", rank=1, count=5)
-    st = await wait_until(
-        job,
-        lambda s: (
-            bool(s["incidents"])
-            and s["incidents"][0]["recovery_s"] is not None
-            and s["phase"] == "running"
-            and s["step"] >= (s["resumed_from_step"] or 0) + 10
-        ),
-    )
-    inc = st["incidents"][0]
-    log(f"recovered in {inc['recovery_s']} s ({inc['action']}, evicted {inc['evicted']}); opening the UI")
+    env = {"GPT_SEQ_LEN": "32", "GPT_STEP_SLEEP_S": STEP_SLEEP_S}
+    job = await tg.submit(example_spec(JOB, target_steps=TARGET_STEPS, env=env))
+    for at_step, fault, rank in ((40, "crash", 1), (100, "gpu-lost", None)):
+        st = await wait_until(job, lambda s, at=at_step: s["phase"] == "running" and s["step"] >= at)
+        machine = st["nodes"]["0"]
+        log(f"step {st['step']}: {fault} on {machine}")
+        await tg.inject(machine, fault, rank=rank)
+    final = await run_to_end(job)
+    evicted = [n for inc in final["incidents"] for n in inc["evicted"]]
+    recovered = all(inc["recovered_at"] for inc in final["incidents"])
+    if final["phase"] != "completed" or len(final["incidents"]) != 2 or not recovered or not evicted:
+        raise RuntimeError(f"{JOB} ended {final['phase']} after {final['incidents']}: not the picture wanted")
+    log(f"completed, {len(final['incidents'])} incidents, evicted {evicted}; opening the UI")
     details = await asyncio.to_thread(capture_ui, chromium, config, out_dir / "temporal-ui.png")
     log(f"current details shown:\n{details}")
-    if (await job.status())["phase"] != "running":
-        raise RuntimeError(f"{JOB} stopped running before its page was captured")
-    final = await run_to_end(job)
-    if final["phase"] != "completed":
-        raise RuntimeError(f"{JOB} ended {final['phase']}, not completed")
     report = subprocess.run(
         [sys.executable, "-m", "trainguard", "report", JOB, "--out", str(out_dir / "timeline.png")],
         env={**os.environ, **tg.settings.to_env()},
@@ -124,17 +114,19 @@ def main() -> None:
         exit_now(1)
     out_dir.mkdir(parents=True, exist_ok=True)
     state_dir = Path(tempfile.mkdtemp(prefix="tg-screenshots-"))
+    made = state_dir / "img"
+    made.mkdir()
     log(f"stack in {state_dir}")
     try:
         config = StackConfig.for_tests(state_dir, headless=False)
         bring_up(state_dir, nodes=NODES, config=config, code_dir=REPO)
-        asyncio.run(produce(state_dir, chromium, out_dir))
+        asyncio.run(produce(state_dir, chromium, made))
     finally:
         bring_down(state_dir)
-    shutil.rmtree(state_dir, ignore_errors=True)  # kept (logs) only when something failed
     for name in ("temporal-ui.png", "timeline.png"):
-        path = out_dir / name
+        path = Path(shutil.copy(made / name, out_dir / name))
         print(f"{path} ({path.stat().st_size // 1024} KB)")
+    shutil.rmtree(state_dir, ignore_errors=True)  # kept (logs) only when something failed
 
 
 if __name__ == "__main__":

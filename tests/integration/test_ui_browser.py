@@ -9,6 +9,7 @@ A screenshot of the job's page is kept under the test's tmp dir and in $TG_ARTIF
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -20,6 +21,7 @@ import pytest
 
 from infra.browser import (
     Browser,
+    BrowserError,
     BrowserUnavailable,
     ensure_chromium,
     open_job,
@@ -83,7 +85,8 @@ def browse(chromium: str, config: StackConfig, shot: Path) -> Seen:
                 screenshot_job(page, shot)
         finally:
             if not shot.exists():
-                page.screenshot(shot)  # what the page showed instead
+                with contextlib.suppress(BrowserError):  # the original failure matters more
+                    page.screenshot(shot)  # what the page showed instead
     return Seen(other, running, details)
 
 
