@@ -155,14 +155,15 @@ class StackConfig(BaseModel):
         )
 
     @classmethod
-    def for_tests(cls, state_dir: Path | str) -> StackConfig:
-        """Headless, every port picked free by the kernel: stacks of parallel tests coexist.
+    def for_tests(cls, state_dir: Path | str, *, headless: bool = True) -> StackConfig:
+        """Every port picked free by the kernel: stacks of parallel tests coexist. Headless
+        unless a test looks at the UI (its port is one of the free ones).
 
         No warm rank processes: on a 2-core test machine, refilling them after every attempt
         costs more CPU than they save (``tests/unit/test_warm.py`` covers them on a real process).
         """
         ports = dict(zip(cls._PORT_FIELDS, free_ports(len(cls._PORT_FIELDS)), strict=True))
-        return cls(state_dir=Path(state_dir), headless=True, warm_ranks=0, **ports)
+        return cls(state_dir=Path(state_dir), headless=headless, warm_ranks=0, **ports)
 
     @property
     def temporal_address(self) -> str:
