@@ -101,8 +101,12 @@ def timeline(status: dict[str, Any], now: datetime | None = None) -> Timeline:
     end = max(known)
     if end <= start:
         end = start + timedelta(seconds=1)
+    # An incident whose recovery never reached a step (the fault came back first) ends where
+    # the next one starts: it is not "under way" for the rest of the run.
+    nexts = [_next_start(parsed, n) for n in range(len(parsed))]
     incidents = [
-        _incident(i, n, times, end) for n, (i, times) in enumerate(zip(raw_incidents, parsed, strict=True))
+        _incident(i, n, times, nxt or end, superseded=nxt is not None)
+        for n, (i, times, nxt) in enumerate(zip(raw_incidents, parsed, nexts, strict=True))
     ]
     step = status.get("step")
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
@@ -182,6 +186,14 @@ def _incident_times(raw: Any, n: int) -> tuple[datetime | None, ...]:
     return fault, detected, decided, recovered
 
 
+def _next_start(parsed: list[tuple[datetime | None, ...]], n: int) -> datetime | None:
+    """When the incident after the ``n``-th began (its fault, else its detection)."""
+    if n + 1 >= len(parsed):
+        return None
+    fault, detected = parsed[n + 1][0], parsed[n + 1][1]
+    return fault or detected
+
+
 def _seconds(raw: dict[str, Any], key: str, n: int) -> float:
     v = raw[key]
     if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
@@ -189,16 +201,18 @@ def _seconds(raw: dict[str, Any], key: str, n: int) -> float:
     return float(v)
 
 
-def _incident(raw: dict[str, Any], n: int, times: tuple[datetime | None, ...], end: datetime) -> IncidentView:
+def _incident(
+    raw: dict[str, Any], n: int, times: tuple[datetime | None, ...], end: datetime, superseded: bool = False
+) -> IncidentView:
     fault, detected, decided, recovered = times
     assert detected is not None
     stages: list[Stage] = []
     if fault is not None and fault < detected:
         stages.append(Stage("detection", fault, detected))
     diagnosed = decided or recovered
-    stages.append(Stage("diagnosis", detected, diagnosed or end, open=diagnosed is None))
+    stages.append(Stage("diagnosis", detected, diagnosed or end, open=diagnosed is None and not superseded))
     if decided is not None:
-        stages.append(Stage("recovery", decided, recovered or end, open=recovered is None))
+        stages.append(Stage("recovery", decided, recovered or end, open=recovered is None and not superseded))
     evicted = raw.get("evicted") or []
     if not isinstance(evicted, list):
         raise ReportError(f"incidents[{n}].evicted: expected a list of machine names")

@@ -364,3 +364,14 @@ def _fake_client(status: dict[str, Any] | None) -> Any:
         return Client()
 
     return connect
+
+
+def test_an_incident_that_came_back_before_recovering_ends_at_the_next(status: dict[str, Any]) -> None:
+    # The crash was restarted in place and came back before a step: its recovery never ended.
+    crash = status["incidents"][1]
+    second = {**crash, "id": "i-9", "detected_at": crash["recovered_at"], "decision_s": 1.0}
+    doc = {**status, "incidents": [status["incidents"][0], {**crash, "recovered_at": None}, second]}
+    tl = report.timeline(doc)
+    first = tl.incidents[1]
+    assert not first.recovered and not any(s.open for s in first.stages)
+    assert first.stages[-1].end == datetime.fromisoformat(second["detected_at"])
