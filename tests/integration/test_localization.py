@@ -71,6 +71,8 @@ async def test_hang_in_a_pipeline_stage_evicts_that_pipeline(
     assert inc["action"] == "evict" and inc["evicted"] == ["node-1"]
     assert "stacks:" in inc["evidence"] and "outliers" in inc["evidence"]
     assert final["nodes"] == {"0": "node-3", "1": "node-2"}
+    # The whole pipeline left with node-1: its shards come back from node-2's backups.
+    assert inc["restored_from"] == "peer"
     # Evicted with its group for one outlier: suspect, back on standby once its self-test passes.
     deadline = asyncio.get_running_loop().time() + 60
     while (n1 := (await tg.nodes()).nodes["node-1"]).state != "standby":
