@@ -567,6 +567,54 @@ def _read_status(path: Path) -> dict[str, Any]:
     return data
 
 
+# -- fault drill suite --------------------------------------------------------------------------
+
+
+def _bench_module(name: str) -> Any:
+    """A module of the checkout's ``bench/`` (not part of an installed package)."""
+    import importlib
+
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / "bench" / f"{name}.py").is_file():
+        _fail(1, f"{repo / 'bench' / name}.py not found: the drill runs from a source checkout")
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    return importlib.import_module(f"bench.{name}")
+
+
+@app.command()
+@handles_errors
+def drill(
+    faults: Annotated[
+        str | None,
+        typer.Option(
+            help="comma-separated faults in drill order (default: the standard mix: crash, hang, nan, "
+            "gpu-lost, sdc, slow, nic-flap, bad-code, agent-kill, controller-kill)"
+        ),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="seed of the fault schedule (trigger steps, target ranks)")] = 0,
+    gap_steps: Annotated[
+        int, typer.Option(min=10, max=100_000, help="training steps between two faults")
+    ] = 50,
+    json_out: JsonFlag = False,
+) -> None:
+    """Fault drill suite: the example job through a fault mix on a private local stack, then the same
+    job and faults under plain torchrun --max-restarts 3; detection, action, recovery and lost steps
+    per fault, wall time, ETTR and completion per system. Takes minutes (torchrun waits out its
+    collective timeout after a hang: 30 min)."""
+    drill_mix = _bench_module("drill_mix")
+    names = drill_mix.parse_faults(faults) if faults is not None else list(drill_mix.STANDARD_MIX)
+    drill_mix.schedule(names, gap_steps, seed)  # bad input stops here, before any stack starts
+    bench_drill = _bench_module("drill")
+    doc = bench_drill.run_drill(names, seed, gap_steps)
+    if json_out:
+        _print_json(doc)
+    else:
+        out.print(bench_drill.render(doc), markup=False, highlight=False)
+    if not doc["systems"]["trainguard"]["completed"]:
+        raise typer.Exit(1)
+
+
 # -- scale simulation ---------------------------------------------------------------------------
 
 _BADPUT_COLUMNS = ("startup", "detection", "diagnosis", "recovery", "recompute", "checkpoint", "idle")

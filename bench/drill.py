@@ -1,0 +1,152 @@
+"""The fault drill suite: the example job through a fault mix under trainguard, then
+the same job with the same faults under plain torchrun, scored the same way.
+
+1. A private local stack (3 machines: 2 for the job, 1 spare) runs the example GPT
+   job (``examples/gpt``, pp=2 x dp=2, with the integration tests' shortened checks)
+   through the mix (``drill_mix``: crash, hang, nan, gpu-lost, sdc, slow, nic-flap,
+   bad code version, agent kill, controller kill, each once the job has trained to
+   its trigger step), see ``drill_trainguard``. The stack is torn down.
+2. The same job and faults under ``torchrun --max-restarts 3``, set up as a careful
+   user would (restart workaround, resume from its own checkpoints), see
+   ``drill_torchrun``.
+
+Per fault and system: seconds from the fault to its detection, the action taken,
+machines evicted, seconds from detection to the first step after recovery, steps
+computed again. Per system: wall time, ETTR (``drill_progress``: productive step
+time over wall time, measured identically for both), whether the job completed.
+
+    python bench/drill.py [--json] [--faults crash,hang] [--seed S] [--gap-steps N]
+    trainguard drill ...   (the same)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.drill_mix import DEFAULT_GAP_STEPS, STANDARD_MIX, Mix, parse_faults, schedule  # noqa: E402
+from bench.drill_run import SystemResult, drive  # noqa: E402
+from bench.drill_torchrun import TorchrunSide  # noqa: E402
+from bench.drill_trainguard import NODES, TrainguardSide  # noqa: E402
+from bench.private_stack import connect, log, run_bench  # noqa: E402
+from tests.integration.helpers import example_spec  # noqa: E402
+from trainguard.cli import exit_now  # noqa: E402
+from trainguard.spec import JobSpec, SpecError  # noqa: E402
+
+# Warm rank processes per machine: the product default of `trainguard up`.
+WARM_RANKS = 2
+# The torchrun side waits out gloo's 30-minute default timeout after a hang.
+TRAINGUARD_LIMIT_S = 1800.0
+TORCHRUN_LIMIT_S = 3600.0
+
+
+def drill_spec(mix: Mix) -> JobSpec:
+    return example_spec("gpt-drill", target_steps=mix.target_steps)
+
+
+def run_drill(
+    names: list[str],
+    seed: int = 0,
+    gap_steps: int = DEFAULT_GAP_STEPS,
+    *,
+    warm_ranks: int = WARM_RANKS,
+    limits_s: tuple[float, float] = (TRAINGUARD_LIMIT_S, TORCHRUN_LIMIT_S),
+    say: Callable[[str], None] = log,
+) -> dict[str, Any]:
+    """Both systems through the same mix, one after the other; the drill's JSON document."""
+    t0 = time.monotonic()
+    mix = schedule(names, gap_steps, seed)
+    spec = drill_spec(mix)
+    say("mix: " + ", ".join(f"{f.name}@{f.trigger_step}" for f in mix.faults) + f"; {mix.target_steps} steps")
+
+    async def trainguard(state_dir: Path, _log: Callable[[str], None]) -> dict[str, Any]:
+        side = TrainguardSide(await connect(state_dir), state_dir, spec)
+        return {"result": await drive(side, mix, limits_s[0], say)}
+
+    tg: SystemResult = run_bench("tg-drill-", NODES, trainguard, warm_ranks=warm_ranks)["result"]
+    tr = asyncio.run(drive(TorchrunSide(spec, say), mix, limits_s[1], say))
+    return document(mix, [tg, tr], time.monotonic() - t0)
+
+
+def document(mix: Mix, results: list[SystemResult], wall_s: float) -> dict[str, Any]:
+    """The JSON of CONTRACT.md (``systems``, ``faults``), with the mix and the ETTR ratio."""
+    by = {r.system: r for r in results}
+    tg, tr = by.get("trainguard"), by.get("torchrun")
+    ratio = round(tg.ettr / tr.ettr, 2) if tg and tr and tr.ettr > 0 else None
+    same = tg.param_hash == tr.param_hash if tg and tr and tg.param_hash and tr.param_hash else None
+    return {
+        "systems": {r.system: r.to_json() for r in results},
+        "faults": [row.to_json() for r in results for row in r.rows],
+        "ettr_ratio": ratio,
+        "same_final_params": same,
+        "mix": {
+            "faults": [{"fault": f.name, "trigger_step": f.trigger_step, "rank": f.rank} for f in mix.faults],
+            "target_steps": mix.target_steps,
+            "gap_steps": mix.gap_steps,
+            "seed": mix.seed,
+        },
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.1f}"
+    if isinstance(v, list):
+        return ",".join(v) or "-"
+    return str(v)
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The drill as text: one line per fault and system, then one per system."""
+    cols = ("fault", "system", "detected_s", "action", "evicted", "recovery_s", "lost_steps")
+    rows = [[_cell(r[c]) for c in cols] for r in doc["faults"]]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    lines.append("")
+    for name, s in doc["systems"].items():
+        done = "completed" if s["completed"] else "NOT completed"
+        extra = f" ({s['note']})" if s["note"] else ""
+        lines.append(
+            f"{name:<11} wall {s['wall_s']:>7.1f} s  productive {s['productive_s']:>6.1f} s  "
+            f"ETTR {s['ettr']:.3f}  {done}, step {s['final_step']}{extra}"
+        )
+    if doc["ettr_ratio"] is not None:
+        lines.append(f"ETTR trainguard / torchrun: {doc['ettr_ratio']}")
+    lines.append(f"drill wall time {doc['wall_s']} s")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--faults", default=",".join(STANDARD_MIX))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gap-steps", type=int, default=DEFAULT_GAP_STEPS)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    try:
+        names = parse_faults(args.faults)
+        schedule(names, args.gap_steps, args.seed)
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        exit_now(2)
+    doc = run_drill(names, args.seed, args.gap_steps)
+    print(json.dumps(doc) if args.json else render(doc))
+    exit_now(0 if doc["systems"]["trainguard"]["completed"] else 1)
+
+
+if __name__ == "__main__":
+    main()
