@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -46,7 +47,7 @@ from trainguard.spec import JobSpec, SpecError  # noqa: E402
 # Warm rank processes per machine: the product default of `trainguard up`.
 WARM_RANKS = 2
 # The torchrun side waits out gloo's 30-minute default timeout after a hang.
-TRAINGUARD_LIMIT_S = 1800.0
+TRAINGUARD_LIMIT_S = 3600.0
 TORCHRUN_LIMIT_S = 3600.0
 
 
@@ -65,6 +66,7 @@ def run_drill(
 ) -> dict[str, Any]:
     """Both systems through the same mix, one after the other; the drill's JSON document."""
     t0 = time.monotonic()
+    load0 = os.getloadavg()[0]
     mix = schedule(names, gap_steps, seed)
     spec = drill_spec(mix)
     say("mix: " + ", ".join(f"{f.name}@{f.trigger_step}" for f in mix.faults) + f"; {mix.target_steps} steps")
@@ -75,7 +77,10 @@ def run_drill(
 
     tg: SystemResult = run_bench("tg-drill-", NODES, trainguard, warm_ranks=warm_ranks)["result"]
     tr = asyncio.run(drive(TorchrunSide(spec, say), mix, limits_s[1], say))
-    return document(mix, [tg, tr], time.monotonic() - t0)
+    doc = document(mix, [tg, tr], time.monotonic() - t0)
+    # The machine is shared: how busy it was says how far timings stretched.
+    doc["host"] = {"cpus": os.cpu_count(), "load_avg_1m": [round(load0, 1), round(os.getloadavg()[0], 1)]}
+    return doc
 
 
 def document(mix: Mix, results: list[SystemResult], wall_s: float) -> dict[str, Any]:
@@ -127,6 +132,9 @@ def render(doc: dict[str, Any]) -> str:
     if doc["ettr_ratio"] is not None:
         lines.append(f"ETTR trainguard / torchrun: {doc['ettr_ratio']}")
     lines.append(f"drill wall time {doc['wall_s']} s")
+    if "host" in doc:
+        cpus, (before, after) = doc["host"]["cpus"], doc["host"]["load_avg_1m"]
+        lines.append(f"host: {cpus} CPUs, 1-minute load average {before} at the start, {after} at the end")
     return "\n".join(lines)
 
 
