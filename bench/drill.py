@@ -46,13 +46,19 @@ from trainguard.spec import JobSpec, SpecError  # noqa: E402
 
 # Warm rank processes per machine: the product default of `trainguard up`.
 WARM_RANKS = 2
+# Controller workers: production runs two or more (a controller-kill then loses no time).
+CONTROLLERS = 2
 # The torchrun side waits out gloo's 30-minute default timeout after a hang.
 TRAINGUARD_LIMIT_S = 3600.0
 TORCHRUN_LIMIT_S = 3600.0
 
 
 def drill_spec(mix: Mix) -> JobSpec:
-    return example_spec("gpt-drill", target_steps=mix.target_steps)
+    """The example job with the integration tests' fast checks, progress at the example's own
+    rate (``examples/gpt/job.yaml``: once a second)."""
+    spec = example_spec("gpt-drill", target_steps=mix.target_steps)
+    detection = spec.detection.model_copy(update={"progress_interval_s": 1.0})
+    return spec.model_copy(update={"detection": detection})
 
 
 def run_drill(
@@ -75,7 +81,9 @@ def run_drill(
         side = TrainguardSide(await connect(state_dir), state_dir, spec)
         return {"result": await drive(side, mix, limits_s[0], say)}
 
-    tg: SystemResult = run_bench("tg-drill-", NODES, trainguard, warm_ranks=warm_ranks)["result"]
+    tg: SystemResult = run_bench(
+        "tg-drill-", NODES, trainguard, warm_ranks=warm_ranks, controllers=CONTROLLERS
+    )["result"]
     tr = asyncio.run(drive(TorchrunSide(spec, say), mix, limits_s[1], say))
     doc = document(mix, [tg, tr], time.monotonic() - t0)
     # The machine is shared: how busy it was says how far timings stretched.

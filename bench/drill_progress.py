@@ -26,7 +26,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-POLL_S = 0.25
+POLL_S = 0.5
 
 
 @dataclass

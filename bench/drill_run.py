@@ -17,6 +17,9 @@ from typing import Any, Protocol
 from bench.drill_mix import DrillFault, Mix
 from bench.drill_progress import POLL_S, ProgressTrace, ettr
 
+# A system that cannot tell its state for this long (no trainguard controller answering) is given up.
+SILENCE_LIMIT_S = 300.0
+
 
 @dataclass(frozen=True)
 class Observation:
@@ -152,11 +155,16 @@ async def drive(side: Side, mix: Mix, timeout_s: float, log: Callable[[str], Non
         injected: list[Injected] = []
         deadline = time.monotonic() + timeout_s
         end = start
-        timed_out = False
+        cut_short = ""  # why the drill stopped watching before the job ended
         last_logged = -1
+        heard = time.monotonic()
         while True:
             obs = await side.observe()
+            if obs is None and time.monotonic() - heard > SILENCE_LIMIT_S:
+                cut_short = f"no answer for {SILENCE_LIMIT_S:.0f} s"
+                break
             if obs is not None:
+                heard = time.monotonic()
                 trace.add(obs.t, obs.step)
                 end = obs.t
                 if obs.step >= last_logged + mix.gap_steps:
@@ -171,14 +179,16 @@ async def drive(side: Side, mix: Mix, timeout_s: float, log: Callable[[str], Non
                     note = f" ({inj.note})" if inj.note else ""
                     log(f"{side.name}: {inj.fault.name} at step {inj.step}{note}")
             if time.monotonic() > deadline:
-                log(f"{side.name}: drill time limit ({timeout_s:.0f} s) reached")
-                end, timed_out = time.time(), True
+                cut_short = f"drill time limit ({timeout_s:.0f} s) reached"
                 break
             await asyncio.sleep(POLL_S)  # pacing of the poll, not synchronisation
-        result = await side.finish(Outcome(trace, start, end, injected, pending, timed_out))
-        if timed_out:
+        if cut_short:
+            log(f"{side.name}: {cut_short}; giving up")
+            end = time.time()
+        result = await side.finish(Outcome(trace, start, end, injected, pending, bool(cut_short)))
+        if cut_short:
             result.completed = False
-            result.note = "; ".join(n for n in ("drill time limit reached", result.note) if n)
+            result.note = "; ".join(n for n in (cut_short, result.note) if n)
         return result
     finally:
         await side.close()

@@ -43,14 +43,16 @@ async def connect(state_dir: Path) -> TrainguardClient:
     return await TrainguardClient.connect(Settings.from_mapping(client_env(cfg), state_dir))
 
 
-def run_bench(prefix: str, nodes: int, bench: Bench, warm_ranks: int = 0) -> dict[str, Any]:
-    """Bring up ``nodes`` machines (each keeping ``warm_ranks`` warm rank processes), run
-    ``bench(state_dir, log)``, tear down; adds ``wall_s``."""
+def run_bench(
+    prefix: str, nodes: int, bench: Bench, warm_ranks: int = 0, controllers: int = 1
+) -> dict[str, Any]:
+    """Bring up ``nodes`` machines (each keeping ``warm_ranks`` warm rank processes) and
+    ``controllers`` controller workers, run ``bench(state_dir, log)``, tear down; adds ``wall_s``."""
     t0 = time.monotonic()
     state_dir = Path(tempfile.mkdtemp(prefix=prefix))
     config = StackConfig.for_tests(state_dir).model_copy(update={"warm_ranks": warm_ranks})
     try:
-        bring_up(state_dir, nodes=nodes, config=config, code_dir=REPO)
+        bring_up(state_dir, nodes=nodes, config=config, code_dir=REPO, controllers=controllers)
         result = asyncio.run(bench(state_dir, log))
     finally:
         bring_down(state_dir)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from bench.drill import document, render
-from bench.drill_mix import STANDARD_MIX, parse_faults, schedule
+from bench.drill_mix import STANDARD_MIX, DrillFault, Mix, parse_faults, schedule
 from bench.drill_progress import ProgressTrace, corrupt_from, ettr, productive_seconds
-from bench.drill_run import FaultRow, Injected, Outcome, SystemResult
+from bench.drill_run import FaultRow, Injected, Observation, Outcome, SystemResult, drive
 from bench.drill_torchrun import Attempt, Launch, RankLogs, TorchrunSide, training_script
 from bench.torchrun_resume import newest_complete_step, set_resume_step
 from tests.integration.helpers import example_spec
@@ -141,8 +141,6 @@ def test_nan_and_replica_drift_mark_corruption(tmp_path: Path) -> None:
 
 
 def _fault(name: str, step: int = 10) -> Injected:
-    from bench.drill_mix import DrillFault
-
     return Injected(fault=DrillFault(name, step, 1), at=100.0, step=step)
 
 
@@ -203,3 +201,64 @@ def test_outcome_windows_end_at_the_next_injection() -> None:
     b.at = 150.0
     out = Outcome(ProgressTrace(), start=time.time(), end=time.time(), injected=[a, b], pending=[])
     assert out.window(0) == (100.0, 150.0) and out.window(1) == (150.0, float("inf"))
+
+
+# -- the loop both systems share ----------------------------------------------------------------
+
+
+class _ScriptedSide:
+    """Observations from a script; records what the loop asked of it."""
+
+    name = "scripted"
+
+    def __init__(self, script: list[Observation | None], ready_after: int = 0) -> None:
+        self.script = script
+        self.ready_calls = 0
+        self.ready_after = ready_after
+        self.injected_at: list[int] = []
+        self.closed = False
+
+    async def start(self) -> float:
+        return 0.0
+
+    async def observe(self) -> Observation | None:
+        return self.script.pop(0) if len(self.script) > 1 else self.script[0]
+
+    async def ready(self, last: Injected | None) -> bool:
+        self.ready_calls += 1
+        return last is None or self.ready_calls > self.ready_after
+
+    async def inject(self, fault: DrillFault, obs: Observation) -> Injected:
+        self.injected_at.append(obs.step)
+        return Injected(fault=fault, at=obs.t, step=obs.step)
+
+    async def finish(self, outcome: Outcome) -> SystemResult:
+        return SystemResult(self.name, outcome.wall_s, 0.0, True, outcome.trace.samples[-1][1], None, [])
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def _obs(step: int, training: bool = True, ended: bool = False) -> Observation:
+    return Observation(t=float(step), step=step, training=training, ended=ended)
+
+
+async def test_faults_come_at_their_step_while_training_and_once_the_last_settled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("bench.drill_run.POLL_S", 0.0)
+    mix = Mix(faults=(DrillFault("crash", 3), DrillFault("nan", 5)), target_steps=9, gap_steps=3, seed=0)
+    script = [_obs(1), _obs(3, training=False), _obs(4), _obs(5), _obs(6), _obs(7), _obs(9, ended=True)]
+    side = _ScriptedSide(script, ready_after=2)
+    result = await drive(side, mix, timeout_s=60, log=lambda _: None)
+    # Not at step 3 (restarting) but at 4; nan is due at 5, where the crash has not settled yet.
+    assert side.injected_at == [4, 6] and side.ready_calls == 3 and result.completed and side.closed
+
+
+async def test_a_silent_system_is_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("bench.drill_run.POLL_S", 0.0)
+    monkeypatch.setattr("bench.drill_run.SILENCE_LIMIT_S", 0.05)
+    side = _ScriptedSide([_obs(1), None])
+    mix = schedule(["crash"], gap_steps=20)
+    result = await drive(side, mix, timeout_s=60, log=lambda _: None)
+    assert not result.completed and "no answer" in result.note and side.closed
