@@ -46,6 +46,13 @@ def _t(iso: str | None) -> float | None:
     return None if iso is None else datetime.fromisoformat(iso).timestamp()
 
 
+def _incident_note(inc: dict[str, Any]) -> str:
+    """Kind, where the recovery restored from, and the first finding (the evidence lists what
+    else was seen after " | ")."""
+    restored = inc.get("restored_from") or "scratch"
+    return f"{inc['kind']}, restored from {restored}: {inc['evidence'].split(' | ')[0][:100]}"
+
+
 class TrainguardSide:
     name = SYSTEM
 
@@ -145,8 +152,7 @@ class TrainguardSide:
             evicted=evicted,
             recovery_s=None if recovered is None or detected is None else recovered - detected,
             lost_steps=sum(int(i["lost_steps"]) for i in incidents),
-            # The first finding of each incident (the evidence lists what else was seen after " | ").
-            note="; ".join(f"{i['kind']}: {i['evidence'].split(' | ')[0][:100]}" for i in incidents),
+            note="; ".join(_incident_note(i) for i in incidents),
         )
 
     @staticmethod
