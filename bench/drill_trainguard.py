@@ -1,7 +1,8 @@
 """The trainguard side of the drill: the example job on a private local stack.
 
-Three machines (two for the job, one spare), the product's warm rank processes,
-the example job with the integration tests' shortened checks. Faults:
+Three machines (two for the job, one spare) with the product's warm rank processes,
+two controller workers, the example job with the integration tests' shortened
+checks. Faults:
 
 - crash, hang, nan, sdc, slow, gpu-lost, nic-flap: ``trainguard inject`` on the
   machine holding ranks 0-1 (rank faults on the mix's rank);
