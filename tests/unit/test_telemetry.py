@@ -390,7 +390,9 @@ def test_otlp_endpoint_selects_the_otlp_exporters(tmp_path: Path, monkeypatch: p
     assert not (tmp_path / "telemetry").exists()
 
 
-def test_setup_is_off_with_otel_sdk_disabled(tmp_path: Path) -> None:
+def test_setup_is_off_with_otel_sdk_disabled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another test in this process may have installed providers already; this asks about a fresh one.
+    monkeypatch.setattr(telemetry, "_installed", None)
     settings = Settings(state_dir=tmp_path)
     assert telemetry.setup(settings, "x", environ={"OTEL_SDK_DISABLED": "true"}) is False
     assert not (tmp_path / "telemetry").exists()
