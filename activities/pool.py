@@ -1,7 +1,8 @@
 """Controller-side activities that talk to NodePoolWorkflow on a job's behalf.
 
 Workflows cannot send updates to other workflows, so a job reserves and releases
-machines through these. Both are idempotent per job, so a retry is harmless.
+machines through these. All are idempotent (reserve and release per job, evict per
+request), so a retry after a controller died mid-call is harmless.
 The pool's answers say how many machines are left on standby: the standby gauge.
 """
 
@@ -30,6 +31,9 @@ class PoolActivities:
 
     @activity.defn
     async def evict_nodes(self, req: EvictRequest) -> EvictResult:
+        info = activity.info()
+        # The same id on every retry of this activity: the pool answers a retry from memory.
+        req = req.model_copy(update={"request_id": f"{info.workflow_run_id}/{info.activity_id}"})
         res = await pool_client.evict(self.client, req)
         telemetry.record_standby(res.standby)
         return res

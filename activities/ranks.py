@@ -66,6 +66,13 @@ class RankActivities:
             if proc.returncode is None
         }
 
+    def running(self) -> str | None:
+        """What ranks run here now (a graceful shutdown waits for them), or None."""
+        jobs = sorted(
+            {f"{job} attempt {attempt}" for (job, attempt), s in self.sessions.items() if not s.done}
+        )
+        return f"ranks of {', '.join(jobs)} still run" if jobs else None
+
     async def _signal(self, workflow_id: str, report: ProgressReport) -> None:
         await self.client.get_workflow_handle(workflow_id).signal("progress", report)
 

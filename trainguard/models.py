@@ -82,6 +82,9 @@ class EvictRequest(Msg):
     # False when the machines are only suspected (a whole group evicted for one outlier): they
     # go to ``suspect`` and back to standby once they pass the self-test, not to quarantine.
     confirmed: bool = True
+    # Names this eviction across retries (the activity's run and id): a retried request gets the
+    # first one's answer instead of evicting again.
+    request_id: str = ""
 
 
 class EvictResult(Msg):
@@ -107,6 +110,8 @@ class PoolConfig(Msg):
 class PoolState(Msg):
     nodes: dict[str, PoolNode] = {}
     config: PoolConfig = PoolConfig()
+    # The latest evictions' answers by request id, so a retry is answered, not acted on twice.
+    evictions: dict[str, EvictResult] = {}
     # Filled in by the ``state`` query: spares wanted for the jobs running now, and spares ready.
     standby_target: int = 0
     standby: int = 0

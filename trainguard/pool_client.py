@@ -30,7 +30,9 @@ from trainguard.models import (
 T = TypeVar("T")
 
 
-async def _update(client: Client, name: str, arg: Any, result_type: type[T]) -> T:
+async def _update(
+    client: Client, name: str, arg: Any, result_type: type[T], update_id: str | None = None
+) -> T:
     op = WithStartWorkflowOperation(
         "NodePoolWorkflow",
         None,
@@ -39,7 +41,7 @@ async def _update(client: Client, name: str, arg: Any, result_type: type[T]) -> 
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
     )
     return await client.execute_update_with_start_workflow(
-        name, arg, start_workflow_operation=op, result_type=result_type
+        name, arg, start_workflow_operation=op, id=update_id, result_type=result_type
     )
 
 
@@ -64,7 +66,8 @@ async def state(client: Client) -> PoolState:
 
 
 async def evict(client: Client, req: EvictRequest) -> EvictResult:
-    return await _update(client, "evict", req, EvictResult)
+    # A repeated update id joins the first update while it is still running.
+    return await _update(client, "evict", req, EvictResult, req.request_id or None)
 
 
 async def inject(client: Client, req: InjectRequest) -> InjectResult:

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import functools
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -48,6 +49,9 @@ from workers.common import run_until_signalled, setup_logging
 # Checkpoint snapshots go to tmpfs only when it has this much room; else to the work disk.
 MEMORY_MIN_FREE_BYTES = 1 << 30
 MEMORY_DIR_RECORD = "memory_dir"
+LEAVE_TIMEOUT_S = 5.0
+
+log = logging.getLogger(__name__)
 
 
 def memory_dir_for(workdir: Path, shm: Path = Path("/dev/shm")) -> Path:
@@ -122,9 +126,17 @@ async def main(
         max_concurrent_activities=16,
         graceful_shutdown_timeout=timedelta(seconds=5),
     )
+
     # Poll first, then register: once the pool lists this machine, work sent to its
     # queue is picked up at once.
-    running = asyncio.create_task(run_until_signalled(worker))
+    async def leave() -> None:
+        # Off the pool before the queue goes quiet: no job is handed a machine nobody serves.
+        try:
+            await asyncio.wait_for(pool_client.deregister(client, name), LEAVE_TIMEOUT_S)
+        except Exception as exc:  # no controller answering: the pool notices the silence later
+            log.warning("could not leave the pool: %s", exc)
+
+    running = asyncio.create_task(run_until_signalled(worker, ranks.running, leave))
     try:
         await pool_client.register(client, info)
         await running

@@ -47,6 +47,8 @@ with workflow.unsafe.imports_passed_through():
 
 # Continue-as-new well before Temporal's history limits; the state is small.
 MAX_HISTORY_EVENTS = 4000
+# Evictions remembered for retries; a retry comes within minutes, long before this many more.
+MAX_EVICTIONS_KEPT = 64
 
 
 def _order(name: str) -> tuple[int, str]:
@@ -61,6 +63,7 @@ class NodePoolWorkflow:
     def __init__(self, state: PoolState | None = None) -> None:
         self.nodes: dict[str, PoolNode] = dict(state.nodes) if state else {}
         self.config = state.config if state else PoolConfig()
+        self.evictions: dict[str, EvictResult] = dict(state.evictions) if state else {}
         self.lock = asyncio.Lock()
         self.replan = False  # the config changed: the loop's retest timer must be recomputed
 
@@ -79,7 +82,7 @@ class NodePoolWorkflow:
                     timeout=self._next_retest(),
                 )
         await workflow.wait_condition(workflow.all_handlers_finished)
-        workflow.continue_as_new(PoolState(nodes=self.nodes, config=self.config))
+        workflow.continue_as_new(PoolState(nodes=self.nodes, config=self.config, evictions=self.evictions))
 
     def _history_full(self) -> bool:
         info = workflow.info()
@@ -241,6 +244,8 @@ class NodePoolWorkflow:
         """Quarantine machines (or make them suspect) and hand the job standbys in the same
         step, in the same places."""
         async with self.lock:
+            if req.request_id in self.evictions:
+                return self.evictions[req.request_id]  # a retry: the machines were swapped already
             now = workflow.now()
             free = self._standbys()
             if len(free) < len(req.nodes):
@@ -265,15 +270,22 @@ class NodePoolWorkflow:
                     update={"state": "active", "job": req.job_id, "since": now}
                 )
             order = [swap[n].info.name if n in swap else n for n in req.current]
-            return EvictResult(
+            res = EvictResult(
                 replaced=True,
                 nodes=[self.nodes[n].info for n in order],
                 evicted=list(req.nodes),
                 standby=len(self._standbys()),
             )
+            if req.request_id:
+                self.evictions[req.request_id] = res
+                while len(self.evictions) > MAX_EVICTIONS_KEPT:
+                    del self.evictions[next(iter(self.evictions))]  # the oldest
+            return res
 
     @evict.validator
     def _validate_evict(self, req: EvictRequest) -> None:
+        if req.request_id in self.evictions:
+            return
         for name in req.nodes:
             n = self.nodes.get(name)
             if n is None or n.job != req.job_id:

@@ -9,12 +9,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from temporalio.client import WorkflowUpdateFailedError
 
 from infra.local import start_agent
 from infra.stack import Stack
 from tests.integration.helpers import REPO
+from trainguard import pool_client
 from trainguard.client import TrainguardClient
-from trainguard.models import PoolConfig, PoolNode, PoolState
+from trainguard.models import EvictRequest, PoolConfig, PoolNode, PoolState, ReserveRequest
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("healthy_pool")]
 
@@ -72,3 +74,28 @@ async def test_a_restarted_machine_that_fails_its_self_test_is_quarantined_until
         assert node(pool, "node-3").evidence == "health probes clean, matmul exact"
     finally:
         await tg.configure_pool(PoolConfig())
+
+
+async def test_a_retried_eviction_is_answered_not_repeated(tg: TrainguardClient) -> None:
+    # A controller that dies mid-eviction leaves its activity to be retried with the same request:
+    # the pool must answer with the machines it swapped, not evict again or refuse.
+    await pool_until(tg, lambda p: p.standby == 3)
+    held = await pool_client.reserve(tg.temporal, ReserveRequest(job_id="evict-retry", count=1))
+    assert held.granted
+    victim = held.nodes[0].name
+    req = EvictRequest(
+        job_id="evict-retry", nodes=[victim], reason="test", current=[victim], request_id="run-1/7"
+    )
+    try:
+        first = await pool_client.evict(tg.temporal, req)
+        again = await pool_client.evict(tg.temporal, req)
+        assert first.replaced and again == first
+        pool = await tg.nodes()
+        assert node(pool, victim).state == "quarantined"
+        assert [n for n in pool.nodes.values() if n.job == "evict-retry"] == [node(pool, first.nodes[0].name)]
+        assert pool.standby == 1  # one spare handed out, not two
+        # A new request for a machine the job no longer holds is still refused.
+        with pytest.raises(WorkflowUpdateFailedError):
+            await pool_client.evict(tg.temporal, req.model_copy(update={"request_id": "run-1/8"}))
+    finally:
+        await pool_client.release(tg.temporal, "evict-retry")

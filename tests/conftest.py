@@ -1,6 +1,6 @@
-"""One real local stack for the integration tests: Temporal dev server, SeaweedFS,
-a controller worker and three node agents (two for jobs, one spare), all on free
-loopback ports."""
+"""One real local stack for the integration and chaos tests: Temporal dev server,
+SeaweedFS, a controller worker and three node agents (two for jobs, one spare), all
+on free loopback ports. Started on first use only: unit tests never start it."""
 
 from __future__ import annotations
 
@@ -31,14 +31,15 @@ def stack_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         bring_down(state_dir)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def stack(stack_dir: Path) -> Stack:
+    # Read afresh for each test: the chaos tests restart servers and workers under new pids.
     return Stack.load(stack_dir)
 
 
 @pytest.fixture(scope="session")
-def settings(stack: Stack) -> Settings:
-    return Settings.from_mapping(client_env(stack.config), stack.config.state_dir)
+def settings(stack_dir: Path) -> Settings:
+    return Settings.from_mapping(client_env(Stack.load(stack_dir).config), stack_dir)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,464 @@
+"""Chaos: the example job through process-level failures at random moments, on a private stack.
+
+Every trial runs the example job (2 machines, pp=2 x dp=2) and strikes it with
+one or more of these faults (``infra.chaos`` does the killing, by recorded pid):
+
+- ``controller-kill``: SIGKILL one of the two controller workers; a new one starts at once.
+- ``controller-outage``: SIGKILL every controller; they start again after a pause.
+- ``controller-rolling``: SIGTERM each controller in turn, its replacement started
+  before the next goes (a rolling update).
+- ``diagnosis-kill``: a rank crashes twice: restarted in place, then the stop-time
+  checks run (and pass: the crash does not come back); every controller is SIGKILLed
+  as the job schedules the first check, and started again.
+- ``eviction-kill``: a lost GPU is evicted at once; every controller is SIGKILLed as
+  the job schedules the eviction, and started again.
+- ``persist-kill``: every controller is SIGKILLed as the job schedules a checkpoint's
+  commit (its shards uploaded, its manifest not yet written), and started again.
+
+The three mid-action kills watch the job's history as it is written, so they strike
+while that activity is in flight, not some time around it.
+- ``agent-kill``: SIGKILL the agent of the machine holding ranks 0-1 (its ranks die
+  with it); it starts again after a pause, as a rebooted host does.
+- ``machine-lost``: the same, but the machine stays down until the job has recovered
+  without it.
+- ``temporal-restart``: stop the Temporal server; start it again on the same SQLite
+  file after a pause.
+- ``s3-outage``: stop the object store just before a checkpoint persist; start it
+  again after a pause.
+
+A trial passes when the job completes and its final parameter hash equals that of
+a fault-free run of the same job. Between faults, once the job has recovered, the
+pool is made whole again (agents started, faults cleared, quarantined machines
+released), as repaired machines return.
+
+    python bench/chaos.py [--trials 100] [--seed 0] [--faults KIND,...] [--json]
+
+``--json`` prints ``{"trials": N, "completed": N, "hash_matches": N, "lost_jobs": 0, ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from temporalio.api.enums.v1 import EventType  # noqa: E402
+from temporalio.service import RPCError  # noqa: E402
+
+from bench.private_stack import choose, connect, log, run_bench  # noqa: E402
+from infra import chaos  # noqa: E402
+from infra.local import node_names, restore_pool  # noqa: E402
+from infra.stack import SEAWEEDFS, TEMPORAL, Stack  # noqa: E402
+from tests.integration.helpers import example_spec  # noqa: E402
+from trainguard.client import ControllerUnavailable, JobHandle, TrainguardClient  # noqa: E402
+from trainguard.job_state import TERMINAL  # noqa: E402
+from trainguard.spec import JobSpec  # noqa: E402
+
+# The activity each mid-action kill waits for, and the drill that makes the job run it
+# (fault, rank, count): the second of two crashes runs the stop-time checks, a lost GPU is
+# evicted at once, and a checkpoint is committed every ``every_steps`` without help.
+MID_ACTION: dict[str, tuple[str, tuple[str, int | None, int] | None]] = {
+    "diagnosis-kill": ("self_test", ("crash", 1, 2)),
+    "eviction-kill": ("evict_nodes", ("gpu-lost", None, 1)),
+    "persist-kill": ("commit_checkpoint", None),
+}
+KINDS = (
+    "controller-kill",
+    "controller-outage",
+    "controller-rolling",
+    "diagnosis-kill",
+    "eviction-kill",
+    "persist-kill",
+    "agent-kill",
+    "machine-lost",
+    "temporal-restart",
+    "s3-outage",
+)
+NODES = 3  # two for the job, one spare
+CONTROLLERS = 2
+TARGET_STEPS = 80
+# Each step sleeps this long on top of its compute, so faults meet a job still training.
+STEP_SLEEP_S = 0.2
+POLL_S = 0.2
+# How long a status query may take before the stack counts as not answering.
+QUERY_TIMEOUT_S = 10.0
+# The longest a fault may take to be dealt with, and a job to end after its last fault.
+SETTLE_TIMEOUT_S = 420.0
+END_TIMEOUT_S = 600.0
+# How long the job may take to reach the moment a fault waits for (a phase, a step).
+MOMENT_TIMEOUT_S = 120.0
+
+
+class JobEnded(Exception):
+    """The job ended before a fault's moment came."""
+
+
+@dataclass(frozen=True)
+class ChaosFault:
+    kind: str
+    at_step: int  # struck once the job has trained past this step
+    pause_s: float = 0.0  # how long the struck part stays down (where it comes back)
+
+
+@dataclass
+class Struck:
+    kind: str
+    at_step: int
+    step: int  # the job's step when struck
+    moment: str = ""  # the job's phase when struck, as last seen, or the activity just scheduled
+    note: str = ""
+    incidents: list[str] = field(default_factory=list)  # "kind action [evicted]" of the fault's incidents
+    settled: bool = False
+
+
+@dataclass
+class TrialResult:
+    job: str
+    faults: list[Struck]
+    phase: str
+    completed: bool
+    hash_match: bool
+    lost_steps: int
+    attempts: int
+    wall_s: float
+    verdict: str | None = None
+
+
+def chaos_spec(name: str, target_steps: int = TARGET_STEPS, step_sleep_s: float = STEP_SLEEP_S) -> JobSpec:
+    """The example job as the integration tests run it, each step slowed by ``step_sleep_s``
+    (the sleep changes no parameter: the final hash is that of the unslowed job)."""
+    spec = example_spec(name, target_steps=target_steps)
+    return spec.model_copy(update={"env": {**spec.env, "GPT_STEP_SLEEP_S": str(step_sleep_s)}})
+
+
+async def observe(job: JobHandle) -> dict[str, Any] | None:
+    """The job's status, or None while no controller or no Temporal server answers."""
+    try:
+        return await asyncio.wait_for(job.status(), QUERY_TIMEOUT_S)
+    except (ControllerUnavailable, RPCError, TimeoutError):
+        return None
+
+
+async def history_length(job: JobHandle) -> int:
+    desc = await job.client.get_workflow_handle(job.job_id).describe()
+    return int(desc.raw_description.workflow_execution_info.history_length)
+
+
+async def scheduled(job: JobHandle, activity: str, after_event: int, timeout_s: float) -> None:
+    """Until the job's run schedules ``activity`` after event ``after_event``, read from its history
+    as the server writes it (a long poll, no sampling)."""
+
+    async def watch() -> None:
+        handle = job.client.get_workflow_handle(job.job_id)
+        async for ev in handle.fetch_history_events(wait_new_event=True):
+            if (
+                ev.event_id > after_event
+                and ev.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+                and ev.activity_task_scheduled_event_attributes.activity_type.name == activity
+            ):
+                return
+        raise JobEnded(f"over before it scheduled {activity}")
+
+    await asyncio.wait_for(watch(), timeout_s)
+
+
+async def until(
+    job: JobHandle, pred: Callable[[dict[str, Any]], bool], timeout_s: float
+) -> dict[str, Any] | None:
+    """Poll until ``pred`` holds for an answered status (returned) or the job ended or time is up
+    (the last status answered, or None)."""
+    deadline = time.monotonic() + timeout_s
+    last: dict[str, Any] | None = None
+    while time.monotonic() < deadline:
+        st = await observe(job)
+        if st is not None:
+            last = st
+            if pred(st) or st["phase"] in TERMINAL:
+                return st
+        await asyncio.sleep(POLL_S)
+    return last
+
+
+def _recovered(st: dict[str, Any], mark: int) -> bool:
+    """Training (or done) with the incidents since ``mark`` behind it. Only the last one counts:
+    a fault that came back before the first step after its recovery merges into the next."""
+    new = st["incidents"][mark:]
+    back = not new or new[-1]["recovered_at"] is not None
+    return back and st["phase"] in ("running", "completed")
+
+
+class ChaosRun:
+    """One private stack and its reference hash; strikes jobs with faults, one trial at a time."""
+
+    def __init__(
+        self,
+        tg: TrainguardClient,
+        state_dir: Path,
+        rng: random.Random,
+        say: Callable[[str], None],
+        controllers: list[str],
+        nodes: list[str],
+    ) -> None:
+        self.tg = tg
+        self.state_dir = state_dir
+        self.rng = rng
+        self.say = say
+        self.controllers = controllers  # those the stack should run
+        self.nodes = nodes
+
+    def stack(self) -> Stack:
+        return Stack.load(self.state_dir)
+
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.to_thread(fn, *args)
+
+    async def trial(
+        self, name: str, faults: list[ChaosFault], reference_hash: str, spec: JobSpec
+    ) -> TrialResult:
+        t0 = time.monotonic()
+        job = await self.tg.submit(spec.model_copy(update={"name": name}))
+        struck: list[Struck] = []
+        every = spec.checkpoint.every_steps
+        for fault in faults:
+            st = await until(
+                job, lambda s, f=fault: s["step"] >= f.at_step and _recovered(s, 0), SETTLE_TIMEOUT_S
+            )
+            if st is None or st["phase"] in TERMINAL:
+                struck.append(Struck(fault.kind, fault.at_step, -1, note="not reached: the job had ended"))
+                continue
+            mark = len(st["incidents"])
+            try:
+                hit = await self.strike(job, fault, st, every)
+            except JobEnded as ended:
+                struck.append(Struck(fault.kind, fault.at_step, -1, note=f"not reached: the job was {ended}"))
+                continue
+            after = await until(
+                job, lambda s, m=mark, h=hit: _recovered(s, m) and s["step"] > h.step, SETTLE_TIMEOUT_S
+            )
+            if after is not None:
+                hit.incidents = [
+                    f"{i['kind']} {i['action']}" + (f" {i['evicted']}" if i["evicted"] else "")
+                    for i in after["incidents"][mark:]
+                ]
+                hit.settled = _recovered(after, mark)
+            struck.append(hit)
+            await self.mend()
+        final = await until(job, lambda s: False, END_TIMEOUT_S)
+        if final is None or final["phase"] not in TERMINAL:
+            await job.stop("chaos trial timed out")
+        final = final or {}
+        result = final.get("result") or {}
+        res = TrialResult(
+            job=name,
+            faults=struck,
+            phase=final.get("phase", "unknown"),
+            completed=final.get("phase") == "completed",
+            hash_match=result.get("param_hash") == reference_hash,
+            lost_steps=sum(int(i.get("lost_steps") or 0) for i in final.get("incidents", [])),
+            attempts=int(final.get("attempt", 0)),
+            wall_s=round(time.monotonic() - t0, 1),
+            verdict=final.get("verdict"),
+        )
+        await self.mend()
+        return res
+
+    async def strike(self, job: JobHandle, fault: ChaosFault, st: dict[str, Any], every: int) -> Struck:
+        """Wait for the fault's moment, then strike; returns once the struck part is back (where
+        it comes back)."""
+        node = st["nodes"]["0"]  # the machine holding ranks 0-1
+        kind = fault.kind
+        note = ""
+        moment = st["phase"]
+        if kind == "controller-kill":
+            note = f"SIGKILL {await self._in_thread(chaos.kill_one_controller, self.stack(), self.rng)}"
+        elif kind == "controller-outage":
+            note = await self._outage(self._kill_controllers, self._start_controllers, fault.pause_s)
+        elif kind == "controller-rolling":
+            names = await self._in_thread(chaos.rolling_restart, self.stack())
+            note = f"SIGTERM and restart {', '.join(names)} in turn"
+        elif kind in MID_ACTION:
+            activity, drill = MID_ACTION[kind]
+            since = await history_length(job)
+            if drill is not None:
+                await self.tg.inject(node, drill[0], rank=drill[1], count=drill[2])
+                note = f"{drill[0]} x{drill[2]} on {node}; "
+            await scheduled(job, activity, since, MOMENT_TIMEOUT_S)
+            moment = f"{activity} scheduled"
+            note += await self._outage(self._kill_controllers, self._start_controllers, fault.pause_s)
+        elif kind in ("agent-kill", "machine-lost"):
+            await self._in_thread(chaos.kill_agent, self.stack(), node)
+            note = f"SIGKILL agent-{node}"
+            if kind == "agent-kill":
+                await asyncio.sleep(fault.pause_s)  # the host reboots
+                await self._in_thread(chaos.start_agents, self.stack(), [node], REPO)
+                note += f", back after {fault.pause_s:.1f} s"
+        elif kind == "temporal-restart":
+            note = await self._outage(self._stop(TEMPORAL), self._start_servers, fault.pause_s)
+        elif kind == "s3-outage":
+            # Just before a checkpoint step: its upload meets the outage.
+            st = await self._moment(
+                job, lambda s, at=st["step"]: s["step"] > at and s["step"] % every >= every - 4
+            )
+            note = await self._outage(self._stop(SEAWEEDFS), self._start_servers, fault.pause_s)
+        else:
+            raise ValueError(f"unknown chaos fault {kind!r}")
+        self.say(f"  {kind} at step {st['step']} ({moment}): {note}")
+        return Struck(kind, fault.at_step, int(st["step"]), moment=moment, note=note)
+
+    async def _moment(self, job: JobHandle, pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        """The status once ``pred`` holds; when the moment passed unseen, the latest status."""
+        st = await until(job, pred, MOMENT_TIMEOUT_S)
+        if st is None:
+            raise RuntimeError("the job stopped answering while waiting for the moment to strike")
+        if st["phase"] in TERMINAL:
+            raise JobEnded(st["phase"])
+        if not pred(st):
+            self.say(f"  the moment passed unseen (phase {st['phase']}, step {st['step']}): striking now")
+        return st
+
+    async def _outage(
+        self,
+        down: Callable[[], Awaitable[str]],
+        up: Callable[[], Awaitable[None]],
+        pause_s: float,
+    ) -> str:
+        what = await down()
+        await asyncio.sleep(pause_s)  # the outage itself
+        await up()
+        return f"{what}, back after {pause_s:.1f} s"
+
+    async def _kill_controllers(self) -> str:
+        stack = self.stack()
+        self._down = chaos.controllers(stack)
+        await self._in_thread(chaos.kill_controllers, stack, self._down)
+        return f"SIGKILL {', '.join(self._down)}"
+
+    async def _start_controllers(self) -> None:
+        await self._in_thread(chaos.start_controllers, self.stack(), self._down)
+
+    def _stop(self, server: str) -> Callable[[], Awaitable[str]]:
+        async def down() -> str:
+            await self._in_thread(chaos.stop_server, self.stack(), server)
+            return f"{server} stopped"
+
+        return down
+
+    async def _start_servers(self) -> None:
+        await self._in_thread(chaos.start_servers, self.stack())
+
+    async def mend(self) -> None:
+        """Every part of the stack running again, every machine back in the pool."""
+        stack = self.stack()
+        await self._in_thread(chaos.start_servers, stack)
+        down = [n for n in self.controllers if not stack.is_running(n)]
+        await self._in_thread(chaos.start_controllers, stack, down)
+        await restore_pool(self.tg, self.state_dir, self.nodes, REPO)
+
+
+def plan_trials(trials: int, kinds: list[str], seed: int, per_trial: int = 2) -> list[list[ChaosFault]]:
+    """Each trial's faults: kinds dealt round-robin from a shuffled deck (every kind equally often),
+    struck at random steps in order, each down for a random pause."""
+    rng = random.Random(seed)
+    deck: list[str] = []
+    plans = []
+    for _ in range(trials):
+        faults = []
+        steps = sorted(rng.sample(range(8, TARGET_STEPS - 25), per_trial))
+        for step in steps:
+            if not deck:
+                deck = list(kinds)
+                rng.shuffle(deck)
+            faults.append(ChaosFault(deck.pop(), step, round(rng.uniform(1.0, 12.0), 1)))
+        plans.append(faults)
+    return plans
+
+
+async def reference_hash(tg: TrainguardClient, spec: JobSpec) -> str:
+    final = await tg.submit(spec.model_copy(update={"name": "chaos-ref"}))
+    st = await asyncio.wait_for(final.wait(poll_s=0.5), END_TIMEOUT_S)
+    if st["phase"] != "completed":
+        raise RuntimeError(f"the fault-free reference run did not complete: {st.get('verdict')}")
+    return str(st["result"]["param_hash"])
+
+
+def summarize(results: list[TrialResult], wall_s: float) -> dict[str, Any]:
+    by_kind: dict[str, dict[str, int]] = {}
+    for r in results:
+        for f in r.faults:
+            row = by_kind.setdefault(f.kind, {"struck": 0, "passed": 0})
+            row["struck"] += f.step >= 0
+            row["passed"] += f.step >= 0 and r.completed and r.hash_match
+    return {
+        "trials": len(results),
+        "completed": sum(r.completed for r in results),
+        "hash_matches": sum(r.hash_match for r in results),
+        "lost_jobs": sum(not r.completed for r in results),
+        "faults": sum(f.step >= 0 for r in results for f in r.faults),
+        "lost_steps_total": sum(r.lost_steps for r in results),
+        "lost_steps_max": max((r.lost_steps for r in results), default=0),
+        "by_kind": by_kind,
+        "wall_s": round(wall_s, 1),
+        "results": [asdict(r) for r in results],
+    }
+
+
+def run(trials: int, kinds: list[str], seed: int, per_trial: int) -> dict[str, Any]:
+    plans = plan_trials(trials, kinds, seed, per_trial)
+
+    async def bench(state_dir: Path, say: Callable[[str], None]) -> dict[str, Any]:
+        t0 = time.monotonic()
+        tg = await connect(state_dir)
+        spec = chaos_spec("chaos")
+        ref = await reference_hash(tg, spec)
+        say(f"reference {ref[:20]}...")
+        names = [chaos.CONTROLLER, *(f"{chaos.CONTROLLER}-{i}" for i in range(2, CONTROLLERS + 1))]
+        runner = ChaosRun(tg, state_dir, random.Random(seed), say, names, node_names(NODES, 0))
+        results = []
+        for i, faults in enumerate(plans):
+            say(f"trial {i + 1}/{trials}: {', '.join(f'{f.kind}@{f.at_step}' for f in faults)}")
+            r = await runner.trial(f"chaos-{i + 1}", faults, ref, spec)
+            say(f"  -> {r.phase}, hash {'matches' if r.hash_match else 'DIFFERS'}, {r.wall_s} s")
+            results.append(r)
+        return summarize(results, time.monotonic() - t0)
+
+    return run_bench("tg-chaos-", NODES, bench, controllers=CONTROLLERS)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trials", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--faults", default=",".join(KINDS), help="comma-separated kinds (default: all)")
+    p.add_argument("--per-trial", type=int, default=2, help="faults per trial")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", type=Path, default=None, help="also write the full JSON document here")
+    args = p.parse_args()
+    if args.trials < 1:
+        print("error: --trials: must be at least 1", file=sys.stderr)
+        sys.exit(2)
+    if not 1 <= args.per_trial <= 3:
+        print("error: --per-trial: 1 to 3", file=sys.stderr)
+        sys.exit(2)
+    kinds = choose("--faults", args.faults, KINDS)
+    doc = run(args.trials, kinds, args.seed, args.per_trial)
+    if args.out:
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    if args.json:
+        print(json.dumps({k: v for k, v in doc.items() if k != "results"}))
+    else:
+        log(json.dumps({k: v for k, v in doc.items() if k != "results"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
