@@ -36,7 +36,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.drill_mix import DEFAULT_GAP_STEPS, STANDARD_MIX, Mix, parse_faults, schedule  # noqa: E402
-from bench.drill_run import SystemResult, drive  # noqa: E402
+from bench.drill_run import ProgressFn, SystemResult, drive  # noqa: E402
 from bench.drill_torchrun import TorchrunSide  # noqa: E402
 from bench.drill_trainguard import NODES, TrainguardSide  # noqa: E402
 from bench.private_stack import connect, log, run_bench  # noqa: E402
@@ -69,6 +69,7 @@ def run_drill(
     warm_ranks: int = WARM_RANKS,
     limits_s: tuple[float, float] = (TRAINGUARD_LIMIT_S, TORCHRUN_LIMIT_S),
     say: Callable[[str], None] = log,
+    progress: ProgressFn | None = None,
 ) -> dict[str, Any]:
     """Both systems through the same mix, one after the other; the drill's JSON document."""
     t0 = time.monotonic()
@@ -79,12 +80,12 @@ def run_drill(
 
     async def trainguard(state_dir: Path, _log: Callable[[str], None]) -> dict[str, Any]:
         side = TrainguardSide(await connect(state_dir), state_dir, spec)
-        return {"result": await drive(side, mix, limits_s[0], say)}
+        return {"result": await drive(side, mix, limits_s[0], say, progress)}
 
     tg: SystemResult = run_bench(
         "tg-drill-", NODES, trainguard, warm_ranks=warm_ranks, controllers=CONTROLLERS
     )["result"]
-    tr = asyncio.run(drive(TorchrunSide(spec, say), mix, limits_s[1], say))
+    tr = asyncio.run(drive(TorchrunSide(spec, say), mix, limits_s[1], say, progress))
     doc = document(mix, [tg, tr], time.monotonic() - t0)
     # The machine is shared: how busy it was says how far timings stretched.
     doc["host"] = {"cpus": os.cpu_count(), "load_avg_1m": [round(load0, 1), round(os.getloadavg()[0], 1)]}

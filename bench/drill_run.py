@@ -145,7 +145,17 @@ class Side(Protocol):
         ...
 
 
-async def drive(side: Side, mix: Mix, timeout_s: float, log: Callable[[str], None]) -> SystemResult:
+# A system's progress as the drill sees it: system, step, target steps, faults injected, faults in all.
+ProgressFn = Callable[[str, int, int, int, int], None]
+
+
+async def drive(
+    side: Side,
+    mix: Mix,
+    timeout_s: float,
+    log: Callable[[str], None],
+    progress: ProgressFn | None = None,
+) -> SystemResult:
     """Run one system through ``mix``; always closes the side."""
     try:
         start = await side.start()
@@ -167,7 +177,9 @@ async def drive(side: Side, mix: Mix, timeout_s: float, log: Callable[[str], Non
                 heard = time.monotonic()
                 trace.add(obs.t, obs.step)
                 end = obs.t
-                if obs.step >= last_logged + mix.gap_steps:
+                if progress is not None:
+                    progress(side.name, obs.step, mix.target_steps, len(injected), len(mix.faults))
+                elif obs.step >= last_logged + mix.gap_steps:
                     log(f"{side.name}: step {obs.step}/{mix.target_steps}")
                     last_logged = obs.step
                 if obs.ended:

@@ -606,7 +606,22 @@ def drill(
     names = drill_mix.parse_faults(faults) if faults is not None else list(drill_mix.STANDARD_MIX)
     drill_mix.schedule(names, gap_steps, seed)  # bad input stops here, before any stack starts
     bench_drill = _bench_module("drill")
-    doc = bench_drill.run_drill(names, seed, gap_steps)
+    with Progress(
+        TextColumn("[bold]{task.description:<10}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("steps, {task.fields[faults]} faults injected"),
+        TimeElapsedColumn(),
+        console=err,
+    ) as bar:
+        tasks: dict[str, Any] = {}
+
+        def show(system: str, step: int, target: int, injected: int, total: int) -> None:
+            if system not in tasks:
+                tasks[system] = bar.add_task(system, total=target, faults="0/0")
+            bar.update(tasks[system], completed=step, faults=f"{injected}/{total}")
+
+        doc = bench_drill.run_drill(names, seed, gap_steps, say=bar.console.log, progress=show)
     if json_out:
         _print_json(doc)
     else:

@@ -262,3 +262,20 @@ async def test_a_silent_system_is_given_up(monkeypatch: pytest.MonkeyPatch) -> N
     mix = schedule(["crash"], gap_steps=20)
     result = await drive(side, mix, timeout_s=60, log=lambda _: None)
     assert not result.completed and "no answer" in result.note and side.closed
+
+
+async def test_progress_reports_each_observation_with_the_faults_injected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("bench.drill_run.POLL_S", 0.0)
+    mix = Mix(faults=(DrillFault("crash", 2),), target_steps=5, gap_steps=2, seed=0)
+    side = _ScriptedSide([_obs(1), _obs(2), _obs(3), _obs(5, ended=True)])
+    seen: list[tuple[str, int, int, int, int]] = []
+    await drive(side, mix, timeout_s=60, log=lambda _: None, progress=lambda *a: seen.append(a))
+    # The bar for `trainguard drill`: the step against the target, and faults injected so far.
+    assert seen == [
+        ("scripted", 1, 5, 0, 1),
+        ("scripted", 2, 5, 0, 1),
+        ("scripted", 3, 5, 1, 1),
+        ("scripted", 5, 5, 1, 1),
+    ]
