@@ -54,7 +54,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from temporalio.api.enums.v1 import EventType  # noqa: E402
+from temporalio.client import WorkflowQueryFailedError  # noqa: E402
 from temporalio.service import RPCError  # noqa: E402
+from temporalio.worker import Replayer  # noqa: E402
 
 from bench.private_stack import choose, connect, log, run_bench  # noqa: E402
 from infra import chaos  # noqa: E402
@@ -64,6 +66,7 @@ from tests.integration.helpers import example_spec  # noqa: E402
 from trainguard.client import ControllerUnavailable, JobHandle, TrainguardClient  # noqa: E402
 from trainguard.job_state import TERMINAL  # noqa: E402
 from trainguard.spec import JobSpec  # noqa: E402
+from workflows.training_job import TrainingJobWorkflow  # noqa: E402
 
 # The activity each mid-action kill waits for, and the drill that makes the job run it
 # (fault, rank, count): the second of two crashes runs the stop-time checks, a lost GPU is
@@ -100,6 +103,10 @@ END_TIMEOUT_S = 600.0
 MOMENT_TIMEOUT_S = 120.0
 
 
+class TrialError(Exception):
+    """The trial cannot go on: the job stopped answering for good."""
+
+
 class JobEnded(Exception):
     """The job ended before a fault's moment came."""
 
@@ -133,6 +140,7 @@ class TrialResult:
     attempts: int
     wall_s: float
     verdict: str | None = None
+    replays: bool = False  # every run of the job's history replays on today's workflow code
 
 
 def chaos_spec(name: str, target_steps: int = TARGET_STEPS, step_sleep_s: float = STEP_SLEEP_S) -> JobSpec:
@@ -148,6 +156,9 @@ async def observe(job: JobHandle) -> dict[str, Any] | None:
         return await asyncio.wait_for(job.status(), QUERY_TIMEOUT_S)
     except (ControllerUnavailable, RPCError, TimeoutError):
         return None
+    except WorkflowQueryFailedError as exc:
+        # The job's code failed to answer (a replay that went wrong): that is a finding, not a pause.
+        raise TrialError(f"status query failed: {exc}") from None
 
 
 async def history_length(job: JobHandle) -> int:
@@ -270,6 +281,7 @@ class ChaosRun:
             wall_s=round(time.monotonic() - t0, 1),
             verdict=final.get("verdict"),
         )
+        res.replays = await replays_cleanly(self.tg, name)
         await self.mend()
         return res
 
@@ -366,6 +378,18 @@ class ChaosRun:
         await restore_pool(self.tg, self.state_dir, self.nodes, REPO)
 
 
+async def replays_cleanly(tg: TrainguardClient, job_id: str) -> bool:
+    """Whether every run of ``job_id`` replays on the workflow code without nondeterminism: a
+    controller taking over mid-job (or answering a query) replays it, so this must hold."""
+    replayer = Replayer(workflows=[TrainingJobWorkflow], data_converter=tg.temporal.data_converter)
+    async for wf in tg.temporal.list_workflows(f"WorkflowId = '{job_id}'"):
+        history = await tg.temporal.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
+        result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
+        if result.replay_failure is not None:
+            return False
+    return True
+
+
 def plan_trials(trials: int, kinds: list[str], seed: int, per_trial: int = 2) -> list[list[ChaosFault]]:
     """Each trial's faults: kinds dealt round-robin from a shuffled deck (every kind equally often),
     struck at random steps in order, each down for a random pause."""
@@ -403,6 +427,7 @@ def summarize(results: list[TrialResult], wall_s: float) -> dict[str, Any]:
         "trials": len(results),
         "completed": sum(r.completed for r in results),
         "hash_matches": sum(r.hash_match for r in results),
+        "replay_failures": sum(not r.replays for r in results),
         "lost_jobs": sum(not r.completed for r in results),
         "faults": sum(f.step >= 0 for r in results for f in r.faults),
         "lost_steps_total": sum(r.lost_steps for r in results),
@@ -427,8 +452,15 @@ def run(trials: int, kinds: list[str], seed: int, per_trial: int) -> dict[str, A
         results = []
         for i, faults in enumerate(plans):
             say(f"trial {i + 1}/{trials}: {', '.join(f'{f.kind}@{f.at_step}' for f in faults)}")
-            r = await runner.trial(f"chaos-{i + 1}", faults, ref, spec)
-            say(f"  -> {r.phase}, hash {'matches' if r.hash_match else 'DIFFERS'}, {r.wall_s} s")
+            try:
+                r = await runner.trial(f"chaos-{i + 1}", faults, ref, spec)
+            except TrialError as err:
+                r = TrialResult(f"chaos-{i + 1}", [], "error", False, False, 0, 0, 0.0, str(err)[:500])
+                await runner.mend()
+            say(
+                f"  -> {r.phase}, hash {'matches' if r.hash_match else 'DIFFERS'}, "
+                f"{'replays' if r.replays else 'NONDETERMINISTIC'}, {r.wall_s} s"
+            )
             results.append(r)
         return summarize(results, time.monotonic() - t0)
 

@@ -63,18 +63,26 @@ def choose_latest(manifests: list[Manifest], world_size: int, sizes: dict[str, i
     return None
 
 
-def steps_to_prune(all_steps: set[int], complete_steps: set[int], keep: int) -> list[int]:
+def steps_to_prune(
+    all_steps: set[int], complete_steps: set[int], keep: int, verified_step: int | None = None
+) -> list[int]:
     """Steps safe to delete: complete ones beyond the newest ``keep``, and
-    incomplete ones older than the newest complete (newer ones may still be uploading)."""
+    incomplete ones older than the newest complete (newer ones may still be uploading).
+
+    The newest complete step at or before ``verified_step`` (replicas last agreed there) is
+    kept too: corruption found later resumes from it, not from scratch."""
     if not complete_steps:
         return []
     kept = sorted(complete_steps, reverse=True)[:keep]
     newest = kept[0]
     oldest_kept = kept[-1]
+    verified = [s for s in complete_steps if verified_step is not None and s <= verified_step]
+    anchor = max(verified, default=None)
     return sorted(
         s
         for s in all_steps
-        if (s in complete_steps and s < oldest_kept) or (s not in complete_steps and s < newest)
+        if s != anchor
+        and ((s in complete_steps and s < oldest_kept) or (s not in complete_steps and s < newest))
     )
 
 
@@ -139,16 +147,18 @@ def commit(store: S3Store, inp: CommitCheckpointInput) -> CheckpointRef:
         raise ValueError(f"checkpoint step {inp.step} incomplete: ranks {missing} missing or truncated")
     mkey = manifest_key(jprefix, inp.step)
     store.put_json(mkey, manifest.model_dump(mode="json"))
-    prune(store, jprefix, inp.world_size, inp.keep)
+    prune(store, jprefix, inp.world_size, inp.keep, inp.verified_step)
     return CheckpointRef(step=inp.step, uri=store.uri(mkey), shards=shards)
 
 
-def prune(store: S3Store, jprefix: str, world_size: int, keep: int) -> list[int]:
+def prune(
+    store: S3Store, jprefix: str, world_size: int, keep: int, verified_step: int | None = None
+) -> list[int]:
     sizes, by_step = _scan(store, jprefix)
     complete = {
         m.step for m in _manifests(store, jprefix, by_step) if manifest_complete(m, world_size, sizes)
     }
-    doomed = steps_to_prune(set(by_step), complete, keep)
+    doomed = steps_to_prune(set(by_step), complete, keep, verified_step)
     # Manifests go first so a half-deleted checkpoint is never mistaken for a complete one.
     for step in doomed:
         keys = by_step[step]

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
-from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError, WorkflowUpdateFailedError
 from temporalio.client import WorkflowExecutionStatus as ExecStatus
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
@@ -168,6 +168,11 @@ class JobHandle:
             if await self._describe_status() == ExecStatus.COMPLETED:
                 return await self._wf.result(result_type=dict)
             raise ControllerUnavailable(self.job_id, exc) from None
+        except WorkflowQueryFailedError:
+            # A finished job needs no replay to answer: its result is its final status.
+            if await self._describe_status() == ExecStatus.COMPLETED:
+                return await self._wf.result(result_type=dict)
+            raise
 
     async def incidents(self) -> list[dict[str, Any]]:
         return list((await self.status())["incidents"])

@@ -106,6 +106,11 @@ class JobState(BaseModel):
     resumed_from_step: int | None = None
     # Never resume past this step (set when replicas were found to disagree after it).
     max_resume_step: int | None = None
+    # Checkpoints up to this step (the furthest reached when the corruption was found) may hold
+    # it; later attempts, resumed from clean state, overwrite them as they commit (same keys), so
+    # each of their commits moves max_resume_step up, and past this step the bound is gone.
+    suspect_until: int | None = None
+    suspect_attempt: int | None = None
     drills: list[InjectResult] = []
     # Fail-slow: the latest forward/backward time per machine, and the current streak.
     compute_s: dict[str, float] = {}

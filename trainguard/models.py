@@ -151,6 +151,8 @@ class CommitCheckpointInput(Msg):
     world_size: int
     shards: list[ShardInfo]
     keep: int
+    # The newest step the replicas agreed on: the newest checkpoint at or before it is kept.
+    verified_step: int | None = None
     # The job's progress when the commit started, recorded as metrics by the controller.
     gauges: JobGauges | None = None
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from temporalio import workflow
@@ -107,6 +107,11 @@ NO_RETRY = RetryPolicy(maximum_attempts=1)
 TELEMETRY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
 # workflow.patched ids: histories recorded before a change replay without it.
 PATCH_INCIDENT_TELEMETRY = "incident-telemetry"
+# Progress-driven choices (search-attribute rate, fail-slow rounds) read the reports' own clock,
+# not the workflow's: the same choice whenever the worker processes the signal (a query-driven
+# replay after a server restart processed them at an earlier workflow time than the task that
+# recorded them, and a history became nondeterministic).
+PATCH_REPORT_CLOCK = "report-clock"
 CONTROLLER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 
 
@@ -140,6 +145,8 @@ class TrainingJobWorkflow:
         # An incident found by the workflow itself (fail-slow, replica mismatch).
         self.found: IncidentReport | None = None
         self._sa_at: float | None = None
+        self._report_clock = False  # PATCH_REPORT_CLOCK, decided at the start of the run
+        self._sa_report_at: datetime | None = None  # report time of the last progress upsert
 
     # -- queries and signals -----------------------------------------------------------
     @workflow.query
@@ -204,6 +211,7 @@ class TrainingJobWorkflow:
     # -- main loop ---------------------------------------------------------------------
     @workflow.run
     async def run(self, inp: JobInput) -> dict[str, Any]:
+        self._report_clock = workflow.patched(PATCH_REPORT_CLOCK)
         now = workflow.now()
         if self.s.submitted_at is None:
             self.s.submitted_at = now
@@ -605,9 +613,11 @@ class TrainingJobWorkflow:
     def _drain_progress(self) -> None:
         reports, self.progress = self.progress, []
         run = self.s.running
+        latest: datetime | None = None
         for r in reports:
             if run is None or r.attempt != run.attempt:
                 continue  # a late report from an attempt already over
+            latest = r.at if latest is None else max(latest, r.at)
             self._note_shards(r)
             self._note_memory(r)
             self._note_step(r)
@@ -615,7 +625,10 @@ class TrainingJobWorkflow:
             self._note_replicas(r)
             if r.compute_s is not None:
                 self.s.compute_s[r.node] = r.compute_s
-        self._check_fail_slow()
+        if not self._report_clock:
+            self._check_fail_slow(workflow.now())
+        elif latest is not None:
+            self._check_fail_slow(latest)
         self._start_commits()
 
     def _note_step(self, r: ProgressReport) -> None:
@@ -657,7 +670,7 @@ class TrainingJobWorkflow:
         if r.step_time_s is not None:
             self.s.step_time_s = r.step_time_s
         self.s.updated_at = workflow.now()
-        self._upsert_progress()
+        self._upsert_progress(r.at)
 
     def _note_ckpt_block(self, r: ProgressReport) -> None:
         """The job waits for its slowest machine: badput grows with the largest machine's total."""
@@ -697,6 +710,8 @@ class TrainingJobWorkflow:
             if self.found is None:
                 # Checkpoints after the last agreement may hold the corruption.
                 self.s.max_resume_step = self.s.replicas_agreed_step or 0
+                self.s.suspect_until = self.s.ledger.high_water_step
+                self.s.suspect_attempt = self.s.running.attempt if self.s.running else self.s.attempt
                 self.found = IncidentReport(
                     kind="sdc",
                     node=bad[0],
@@ -730,10 +745,10 @@ class TrainingJobWorkflow:
             evidence.append(f"dp group {group}: " + ", ".join(f"rank {g} {hashes[g][7:19]}" for g in group))
         return bad, evidence
 
-    def _check_fail_slow(self) -> None:
-        """One machine far slower than its peers, round after round, is failing slow."""
+    def _check_fail_slow(self, now: datetime) -> None:
+        """One machine far slower than its peers, round after round, is failing slow; rounds are
+        ``slow_round_s`` apart on ``now`` (the newest report's time)."""
         det = self.s.spec.detection
-        now = workflow.now()
         if len(self.s.compute_s) < max(2, len(self.s.nodes)) or self.found is not None:
             return
         if self.s.slow_round_at and (now - self.s.slow_round_at).total_seconds() < det.slow_round_s:
@@ -754,7 +769,7 @@ class TrainingJobWorkflow:
                 f"({slowest / fastest:.1f}x, threshold {det.slow_factor:g}x) for {self.s.slow_rounds} rounds",
                 confidence=0.6,
                 origin=True,
-                detected_at=now,
+                detected_at=workflow.now(),
             )
 
     def _start_commits(self) -> None:
@@ -775,6 +790,7 @@ class TrainingJobWorkflow:
                 world_size=world,
                 shards=shards,
                 keep=spec.checkpoint.keep,
+                verified_step=self.s.replicas_agreed_step,
                 gauges=self._gauges(),
             ),
             task_queue=CONTROLLER_QUEUE,
@@ -784,9 +800,11 @@ class TrainingJobWorkflow:
             result_type=CheckpointRef,
             summary=f"commit checkpoint step {step}",
         )
-        self.commits[step].add_done_callback(lambda _: self._commit_done(step))
+        # Shards reach the workflow only from the running attempt: the commit is that attempt's.
+        attempt = self.s.running.attempt if self.s.running else self.s.attempt
+        self.commits[step].add_done_callback(lambda _: self._commit_done(step, attempt))
 
-    def _commit_done(self, step: int) -> None:
+    def _commit_done(self, step: int, attempt: int) -> None:
         handle = self.commits.pop(step)
         try:
             ref: CheckpointRef = handle.result()
@@ -797,7 +815,19 @@ class TrainingJobWorkflow:
             if self.s.checkpoint is None or ref.step >= self.s.checkpoint.step:
                 self.s.checkpoint = CheckpointStatus(step=ref.step, tier="s3", uri=ref.uri)
             self.s.pending_shards = {s: v for s, v in self.s.pending_shards.items() if s > step}
+            self._lift_resume_bound(ref.step, attempt)
         self._start_commits()
+
+    def _lift_resume_bound(self, step: int, attempt: int) -> None:
+        """A commit by an attempt after the corruption replaced that step's checkpoint (and every
+        earlier one it resumed past) with a clean one: resuming up to it is safe again."""
+        s = self.s
+        if s.max_resume_step is None or attempt <= (s.suspect_attempt or 0):
+            return
+        if step >= (s.suspect_until or 0):
+            s.max_resume_step = s.suspect_until = s.suspect_attempt = None
+        else:
+            s.max_resume_step = max(s.max_resume_step, step)
 
     async def _wait_commits(self) -> None:
         await workflow.wait_condition(lambda: not self.commits)
@@ -1243,8 +1273,16 @@ class TrainingJobWorkflow:
         self.s.updated_at = workflow.now()
         self._upsert(force=True)
 
-    def _upsert_progress(self) -> None:
-        self._upsert(force=False)
+    def _upsert_progress(self, at: datetime) -> None:
+        """Search attributes follow progress at a bounded rate, timed by the report (``at``)."""
+        if not self._report_clock:
+            self._upsert(force=False)
+            return
+        interval = self.inp.search_attribute_interval_s
+        if self._sa_report_at is not None and (at - self._sa_report_at).total_seconds() < interval:
+            return
+        self._sa_report_at = at
+        self._upsert(force=True)
 
     def _upsert(self, force: bool) -> None:
         # Bounded rate: every upsert is a history event.

@@ -72,6 +72,8 @@ async def strike(runner: ChaosRun, plan: str, reference: dict[str, Any]) -> Tria
         assert f.step >= f.at_step, f  # struck while the job trained
         assert f.settled, f  # and the job was training again afterwards, every incident recovered
     assert res.completed and res.hash_match, res
+    # Whichever controller picks the job up next replays its history: that must work.
+    assert res.replays, res
     return res
 
 

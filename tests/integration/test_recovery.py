@@ -79,3 +79,29 @@ async def test_storage_outage_restores_only_complete_checkpoints(
     prefix = checkpoints.job_prefix(spec.checkpoint.s3_prefix, spec.name)
     latest = checkpoints.latest(store, prefix, spec.world_size)
     assert latest is not None and latest.step == 80
+
+
+async def test_after_silent_corruption_later_recoveries_use_the_new_checkpoints(
+    tg: TrainguardClient, reference: dict[str, Any]
+) -> None:
+    # Corruption bounds resuming to the step the replicas last agreed on. Once the job, restored
+    # from clean state, has committed past the furthest step it had reached, a later fault must
+    # resume from the newest snapshot again, not from that old bound (or from scratch).
+    job = await tg.submit(example_spec("rec-after-sdc"))
+    await wait_until(job, lambda s: s["step"] >= 25)
+    await tg.inject("node-1", "sdc", rank=1)
+    seen = await wait_until(job, lambda s: len(s["incidents"]) >= 1)
+    await tg.clear_faults("node-1")
+    reached = seen["step"] + 5  # status trails the ranks by a report or two
+    st = await wait_until(job, lambda s: s["incidents"][0]["recovered_at"] is not None)
+    assert st["incidents"][0]["kind"] == "sdc"
+    await wait_until(job, lambda s: (s["checkpoint"] or {}).get("step", 0) >= reached + 10)
+    node = (await job.status())["nodes"]["0"]
+    await tg.inject(node, "crash", rank=1)
+    final = await run_to_end(job)
+    assert final["phase"] == "completed", final
+    assert final["result"]["param_hash"] == reference["result"]["param_hash"]
+    assert [i["kind"] for i in final["incidents"]] == ["sdc", "crash"], final["incidents"]
+    crash = final["incidents"][1]
+    assert crash["restored_from"] in ("memory", "peer") and crash["lost_steps"] <= 5, crash
+    assert final["resumed_from_step"] > reached

@@ -83,3 +83,11 @@ def test_prune_never_deletes_when_nothing_complete() -> None:
 
 def test_prune_keep_one_leaves_only_newest_complete() -> None:
     assert steps_to_prune({10, 20, 30}, {10, 20, 30}, keep=1) == [10, 20]
+
+
+def test_prune_keeps_the_newest_checkpoint_the_replicas_agreed_on() -> None:
+    # Replicas last agreed at 25: 20 is the step a corruption found later resumes from.
+    assert steps_to_prune({10, 20, 30, 40}, {10, 20, 30, 40}, keep=2, verified_step=25) == [10]
+    assert steps_to_prune({10, 20, 30, 40}, {10, 20, 30, 40}, keep=2, verified_step=None) == [10, 20]
+    # Already among the newest: nothing more is kept.
+    assert steps_to_prune({10, 20, 30, 40}, {10, 20, 30, 40}, keep=2, verified_step=45) == [10, 20]
