@@ -112,6 +112,9 @@ PATCH_INCIDENT_TELEMETRY = "incident-telemetry"
 # replay after a server restart processed them at an earlier workflow time than the task that
 # recorded them, and a history became nondeterministic).
 PATCH_REPORT_CLOCK = "report-clock"
+# On a failure, the machines still training are told to stop at once, not by a cancellation
+# that waits for their next heartbeat (meanwhile a corrupt job trains on and writes checkpoints).
+PATCH_STOP_AT_ONCE = "stop-at-once"
 CONTROLLER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 
 
@@ -293,6 +296,10 @@ class TrainingJobWorkflow:
         if self.s.pending_update is not None:
             # Nothing runs between attempts: an urgent, due or lazy update takes effect now.
             self._apply_version(self.s.pending_update.event)
+        if self.s.suspect_attempt == self.s.attempt:
+            # The corrupt attempt is over: every step it reached (it may have trained on while
+            # the corruption was diagnosed) may be in a checkpoint.
+            self.s.suspect_until = max(self.s.suspect_until or 0, self.s.ledger.high_water_step)
         self.s.attempt += 1
         self.s.progress_at_attempt_start = self.s.ledger.high_water_step
         resume = await self._latest_checkpoint()
@@ -546,6 +553,16 @@ class TrainingJobWorkflow:
         waiting for every machine's outcome (a dead agent's shows as a heartbeat
         timeout) lets the cause outrank its consequences.
         """
+        if finding is None and workflow.patched(PATCH_STOP_AT_ONCE):
+            still = [name for name, h in handles.items() if not h.done()]
+            run = self.s.running
+            if still and run is not None:
+                await self._on_every_machine(
+                    "stop_ranks",
+                    StopRanksRequest(job_id=self.s.spec.name, attempt=run.attempt),
+                    bool,
+                    only=still,
+                )
         await self._cancel_all(handles)
         # Cancelled machines sent their last progress (memory snapshots) before they ended.
         self._drain_progress()

