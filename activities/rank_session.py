@@ -104,6 +104,10 @@ def _tail(path: Path, n: int = STDERR_TAIL_BYTES) -> str:
         return ""
 
 
+class RestoreUnavailable(RuntimeError):
+    """The checkpoint the workflow chose to restore is not (or no longer) to be had here."""
+
+
 class RankSession:
     def __init__(
         self,
@@ -167,6 +171,7 @@ class RankSession:
         self.health_notes: list[str] = []
         self._we_killed: set[int] = set()
         self.frozen = False  # hung ranks kept alive for their stacks
+        self.started = False  # every rank launched and supervised
 
     @property
     def key(self) -> tuple[str, int]:
@@ -188,6 +193,7 @@ class RankSession:
         self._tasks.append(asyncio.create_task(self._upload_loop(), name="uploads"))
         self._tasks.append(asyncio.create_task(self._progress_loop(), name="progress"))
         self._tasks.append(asyncio.create_task(self._watch(), name="watch"))
+        self.started = True
 
     async def _stage_resume(self) -> None:
         """Make each local rank's shard of the resume checkpoint present on local disk.
@@ -206,12 +212,12 @@ class RankSession:
             if path.exists() and await asyncio.to_thread(sha256_file, path) == shard.sha256:
                 continue
             if not shard.key:
-                raise RuntimeError(
+                raise RestoreUnavailable(
                     f"memory snapshot of step {ref.step} for rank {rank} is gone from this machine"
                 )
             await asyncio.to_thread(self.store.get_file, shard.key, path)
             if await asyncio.to_thread(sha256_file, path) != shard.sha256:
-                raise RuntimeError(f"checkpoint shard {shard.key} does not match its manifest hash")
+                raise RestoreUnavailable(f"checkpoint shard {shard.key} does not match its manifest hash")
 
     def _rank_env(self, local_rank: int, rank: int, report_fd: int) -> dict[str, str]:
         env = inheritable_environ()
@@ -801,7 +807,9 @@ class RankSession:
         """Stop the ranks (the workflow asked, or nobody owns the session any more)."""
         self._killed = True
         await self._terminate()
-        with contextlib.suppress(asyncio.CancelledError):
+        if not self.started:
+            return  # nothing supervises these ranks: no result will come
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(asyncio.shield(self.result), timeout=KILL_GRACE_S * 2)
 
     def orphan(self, timeout_s: float) -> None:

@@ -18,7 +18,7 @@ from temporalio.client import Client
 
 from activities.drills import DrillState
 from activities.health import HealthMonitor
-from activities.rank_session import RankSession
+from activities.rank_session import RankSession, RestoreUnavailable
 from activities.warm_pool import WarmPool
 from trainguard.models import Endpoint, PortRequest, ProgressReport, RunRanksInput, RunRanksResult
 from trainguard.storage import S3Store
@@ -103,6 +103,7 @@ class RankActivities:
                     node=inp.node.name,
                     attempt=inp.attempt,
                     ok=False,
+                    gone=True,
                     message=f"ranks of attempt {inp.attempt} are no longer running on {inp.node.name}",
                 )
             await self._stop_older_attempts(inp.job_id, inp.attempt, inp.chain)
@@ -126,10 +127,14 @@ class RankActivities:
             self.sessions[key] = sess
             try:
                 await sess.start()
-            except BaseException:
-                await sess.kill()
-                del self.sessions[key]
-                raise
+            except RestoreUnavailable as exc:
+                # Not this machine's fault: the workflow restarts from another copy.
+                return RunRanksResult(node=inp.node.name, attempt=inp.attempt, ok=False, message=str(exc))
+            finally:
+                if not sess.started:
+                    # Whatever stopped the start, a session that never ran must not linger.
+                    del self.sessions[key]
+                    await sess.kill()
         token = object()
         sess.adopt(token)
         try:
@@ -140,9 +145,10 @@ class RankActivities:
         except asyncio.CancelledError:
             details = activity.cancellation_details()
             if sess.owner is token:
-                if details is not None and details.not_found:
+                if details is not None and (details.not_found or details.timed_out):
                     # The workflow run that started us is gone (continue-as-new or
-                    # termination): leave the ranks to whoever attaches next.
+                    # termination), or the server gave up on our heartbeats (while it was
+                    # down, say): leave the ranks to whoever attaches next.
                     sess.owner = None
                     sess.orphan(ORPHAN_TIMEOUT_S)
                 else:

@@ -220,6 +220,8 @@ class RunRanksResult(Msg):
     incident: IncidentReport | None = None
     memory: list[ShardInfo] = []  # the newest memory snapshots when the ranks ended
     backups: list[ShardInfo] = []  # other machines' snapshots kept here
+    # attach_only found no such ranks here: the agent restarted since it started them.
+    gone: bool = False
 
 
 class ProgressReport(Msg):

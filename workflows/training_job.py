@@ -20,7 +20,8 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, TimeoutType
+from temporalio.exceptions import TimeoutError as ActivityTimeout
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
@@ -115,6 +116,13 @@ PATCH_REPORT_CLOCK = "report-clock"
 # On a failure, the machines still training are told to stop at once, not by a cancellation
 # that waits for their next heartbeat (meanwhile a corrupt job trains on and writes checkpoints).
 PATCH_STOP_AT_ONCE = "stop-at-once"
+# A machine whose run_ranks missed its heartbeats is asked to re-attach before it counts as lost:
+# when the Temporal server (not the machine) was away, its ranks trained on all along.
+PATCH_REATTACH = "reattach-after-heartbeat-timeout"
+# How long a live agent may take to pick up the re-attach (it polls its queue all the time), and
+# how often one machine may be re-attached in one attempt.
+REATTACH_PICKUP_S = 5.0
+MAX_REATTACH = 3
 CONTROLLER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 
 
@@ -367,22 +375,54 @@ class TrainingJobWorkflow:
             attach_only=attach,
         )
 
+    def _start_ranks(self, index: int, attach: bool, pickup_s: float | None = None) -> Any:
+        """``run_ranks`` on machine ``index``: start its ranks, or attach to the running ones."""
+        node = self.s.nodes[index]
+        inp = self._ranks_input(index, attach)
+        return workflow.start_activity(
+            "run_ranks",
+            inp,
+            task_queue=node.task_queue,
+            schedule_to_start_timeout=timedelta(seconds=pickup_s or self.inp.schedule_to_start_s),
+            start_to_close_timeout=timedelta(days=30),
+            heartbeat_timeout=timedelta(seconds=self.inp.heartbeat_timeout_s),
+            retry_policy=NO_RETRY,
+            cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+            result_type=RunRanksResult,
+            summary=f"{node.name}: ranks {inp.ranks[0]}-{inp.ranks[-1]} (attempt {inp.attempt})",
+        )
+
+    @staticmethod
+    def _heartbeat_lost(h: Any) -> bool:
+        """Whether ``h`` ended because the server heard no heartbeat in time."""
+        if not h.done():
+            return False
+        try:
+            h.result()
+        except ActivityError as err:
+            cause = err.cause
+            return isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.HEARTBEAT
+        return False
+
+    def _reattach(self, handles: dict[str, Any], reattached: dict[str, int]) -> bool:
+        """Ask machines whose heartbeats timed out to re-attach to their ranks; True if any was.
+
+        An agent that is alive picks it up at once and adopts the ranks it kept running; a dead
+        one lets it time out in ``REATTACH_PICKUP_S``, and a restarted one answers that its
+        ranks are gone: both then count as lost."""
+        lost = [name for name, h in handles.items() if self._heartbeat_lost(h)]
+        lost = [name for name in lost if reattached.get(name, 0) < MAX_REATTACH]
+        if not lost or not workflow.patched(PATCH_REATTACH):
+            return False
+        index = {n.name: i for i, n in enumerate(self.s.nodes)}
+        for name in lost:
+            reattached[name] = reattached.get(name, 0) + 1
+            handles[name] = self._start_ranks(index[name], attach=True, pickup_s=REATTACH_PICKUP_S)
+        return True
+
     async def _run_attempt(self, attach: bool) -> _AttemptOutcome:
-        handles: dict[str, Any] = {}
-        for i, node in enumerate(self.s.nodes):
-            inp = self._ranks_input(i, attach)
-            handles[node.name] = workflow.start_activity(
-                "run_ranks",
-                inp,
-                task_queue=node.task_queue,
-                schedule_to_start_timeout=timedelta(seconds=self.inp.schedule_to_start_s),
-                start_to_close_timeout=timedelta(days=30),
-                heartbeat_timeout=timedelta(seconds=self.inp.heartbeat_timeout_s),
-                retry_policy=NO_RETRY,
-                cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
-                result_type=RunRanksResult,
-                summary=f"{node.name}: ranks {inp.ranks[0]}-{inp.ranks[-1]} (attempt {inp.attempt})",
-            )
+        handles = {node.name: self._start_ranks(i, attach) for i, node in enumerate(self.s.nodes)}
+        reattached: dict[str, int] = {}
         seen_done = 0
         while True:
             # Wake on news only: a machine that finished early must not make this spin.
@@ -406,6 +446,9 @@ class TrainingJobWorkflow:
                 return _AttemptOutcome(kind="stopped")
             if self._update_due() and not any(self._failed(h) for h in handles.values()):
                 return await self._stop_for_update(handles)
+            if self.found is None and self._reattach(handles, reattached):
+                seen_done = sum(h.done() for h in handles.values())
+                continue
             if self.found is not None or any(self._failed(h) for h in handles.values()):
                 finding = await self._localize_hang() if self._hung(handles) else None
                 return await self._collect_failure(handles, finding)
@@ -584,7 +627,19 @@ class TrainingJobWorkflow:
                 reports.append(self._machine_lost(name, err))
                 continue
             self._note_memory(r)
-            if r.incident is not None:
+            if r.gone:
+                # Asked to re-attach after missing heartbeats: the agent restarted, its ranks died.
+                reports.append(
+                    IncidentReport(
+                        kind="machine-lost",
+                        node=name,
+                        evidence=f"{name}'s agent restarted: {r.message}",
+                        confidence=1.0,
+                        origin=True,
+                        detected_at=workflow.now(),
+                    )
+                )
+            elif r.incident is not None:
                 reports.append(r.incident)
             elif not r.ok and r.message != "ranks stopped":
                 reports.append(
