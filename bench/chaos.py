@@ -141,6 +141,7 @@ class TrialResult:
     wall_s: float
     verdict: str | None = None
     replays: bool = False  # every run of the job's history replays on today's workflow code
+    incidents: list[str] = field(default_factory=list)  # every incident of the job, as in Struck
 
 
 def chaos_spec(name: str, target_steps: int = TARGET_STEPS, step_sleep_s: float = STEP_SLEEP_S) -> JobSpec:
@@ -209,6 +210,12 @@ def _recovered(st: dict[str, Any], mark: int) -> bool:
     return back and st["phase"] in ("running", "completed")
 
 
+def _describe(incident: dict[str, Any]) -> str:
+    """``kind action [evicted]`` of an incident as the status shows it."""
+    evicted = incident.get("evicted")
+    return f"{incident['kind']} {incident['action']}" + (f" {evicted}" if evicted else "")
+
+
 class ChaosRun:
     """One private stack and its reference hash; strikes jobs with faults, one trial at a time."""
 
@@ -258,10 +265,7 @@ class ChaosRun:
                 job, lambda s, m=mark, h=hit: _recovered(s, m) and s["step"] > h.step, SETTLE_TIMEOUT_S
             )
             if after is not None:
-                hit.incidents = [
-                    f"{i['kind']} {i['action']}" + (f" {i['evicted']}" if i["evicted"] else "")
-                    for i in after["incidents"][mark:]
-                ]
+                hit.incidents = [_describe(i) for i in after["incidents"][mark:]]
                 hit.settled = _recovered(after, mark)
             struck.append(hit)
             await self.mend()
@@ -280,6 +284,7 @@ class ChaosRun:
             attempts=int(final.get("attempt", 0)),
             wall_s=round(time.monotonic() - t0, 1),
             verdict=final.get("verdict"),
+            incidents=[_describe(i) for i in final.get("incidents", [])],
         )
         res.replays = await replays_cleanly(self.tg, name)
         await self.mend()

@@ -119,9 +119,10 @@ PATCH_STOP_AT_ONCE = "stop-at-once"
 # A machine whose run_ranks missed its heartbeats is asked to re-attach before it counts as lost:
 # when the Temporal server (not the machine) was away, its ranks trained on all along.
 PATCH_REATTACH = "reattach-after-heartbeat-timeout"
-# How long a live agent may take to pick up the re-attach (it polls its queue all the time), and
-# how often one machine may be re-attached in one attempt.
-REATTACH_PICKUP_S = 5.0
+# How long a live agent may take to pick up the re-attach (it polls its queue all the time, but
+# after a server outage its pollers come back on a backoff of several seconds), and how often one
+# machine may be re-attached in one attempt.
+REATTACH_PICKUP_S = 20.0
 MAX_REATTACH = 3
 CONTROLLER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 

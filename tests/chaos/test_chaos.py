@@ -89,7 +89,7 @@ async def test_controllers_killed_rolled_and_down_for_a_while(
 ) -> None:
     res = await strike(runner, "controllers", reference)
     # The ranks never noticed: no incident, the first attempt ran to the end.
-    assert res.attempts == 1 and all(f.incidents == [] for f in res.faults), res
+    assert res.attempts == 1 and res.incidents == [], res
 
 
 async def test_controllers_killed_mid_persist_eviction_and_diagnosis(
@@ -113,7 +113,7 @@ async def test_controllers_killed_mid_persist_eviction_and_diagnosis(
 async def test_temporal_and_storage_restarted(runner: ChaosRun, reference: dict[str, Any]) -> None:
     res = await strike(runner, "servers", reference)
     # Neither outage reached the ranks: they trained on, uploads waited for storage.
-    assert res.attempts == 1 and all(f.incidents == [] for f in res.faults), res
+    assert res.attempts == 1 and res.incidents == [], res
     # The machines whose heartbeats timed out during the Temporal outage were re-attached.
     history = await runner.tg.temporal.get_workflow_handle(res.job).fetch_history()
     run_ranks = [
