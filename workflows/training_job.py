@@ -120,7 +120,7 @@ PATCH_STOP_AT_ONCE = "stop-at-once"
 # when the Temporal server (not the machine) was away, its ranks trained on all along.
 PATCH_REATTACH = "reattach-after-heartbeat-timeout"
 # How long a live agent may take to pick up the re-attach (it polls its queue all the time, but
-# after a server outage its pollers come back on a backoff of several seconds), and how often one
+# after a server outage its pollers retry on a backoff of up to 10 s), and how often one
 # machine may be re-attached in one attempt.
 REATTACH_PICKUP_S = 20.0
 MAX_REATTACH = 3
