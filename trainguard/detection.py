@@ -47,7 +47,7 @@ SPIKE_WINDOW = 20
 class ExitInfo(BaseModel):
     model_config = ConfigDict(frozen=True)
 
-    error_class: str  # cuda | nccl | gloo | oom | python | signal | unknown
+    error_class: str  # cuda | nccl | gloo | oom | rendezvous | python | signal | unknown
     summary: str
     user_code: bool = False
     code_location: str | None = None  # "module.py:123"
@@ -56,6 +56,9 @@ class ExitInfo(BaseModel):
 
 _TRACE_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)', re.M)
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Injected)):?\s?(.*)$", re.M)
+
+
+_RENDEZVOUS_ERRORS = {"DistNetworkError", "DistStoreError"}
 
 
 def _last_exception(tail: str) -> tuple[str | None, str]:
@@ -95,6 +98,10 @@ def classify_exit(
         return ExitInfo(error_class="nccl", summary=(msg or "NCCL error")[:300], exception=exc)
     if "gloo" in low or "connection closed by peer" in low or "connection reset by peer" in low:
         return ExitInfo(error_class="gloo", summary=(msg or "collective failed")[:300], exception=exc)
+    if exc in _RENDEZVOUS_ERRORS or "address already in use" in low:
+        # torch.distributed's own store or rendezvous failed (a port taken, a peer's store
+        # gone): the launch failed, not the job's code that called init_process_group.
+        return ExitInfo(error_class="rendezvous", summary=f"{exc}: {msg}"[:300], exception=exc)
     if exc is not None:
         where = _user_frame(stderr_tail, code_dir)
         return ExitInfo(

@@ -125,6 +125,21 @@ def test_classify_user_code_exception_with_location(tmp_path: Path) -> None:
     assert exit_kind(info) == "user-code"
 
 
+def test_a_rendezvous_port_taken_is_a_failed_launch_not_user_code(tmp_path: Path) -> None:
+    code = tmp_path / "job"
+    tail = (
+        "Traceback (most recent call last):\n"
+        f'  File "{code}/train.py", line 323, in main\n'
+        '  File "/x/site-packages/torch/distributed/rendezvous.py", line 9, in _create_c10d_store\n'
+        "torch.distributed.DistNetworkError: The server socket has failed to listen on any local "
+        "network address. port: 40909, useIpv6: false, code: -98, name: EADDRINUSE, message: "
+        "address already in use\n"
+    )
+    info = classify_exit(1, None, tail, code)
+    assert info.error_class == "rendezvous" and not info.user_code
+    assert exit_kind(info) == "crash"
+
+
 def test_classify_oom_and_signal() -> None:
     assert classify_exit(1, None, "torch.OutOfMemoryError: CUDA out of memory.").error_class == "oom"
     info = classify_exit(-9, 9, "")
