@@ -88,6 +88,9 @@ KINDS = (
     "temporal-restart",
     "s3-outage",
 )
+# Faults that stop ranks: the job has not recovered from one until an incident for it is recorded
+# (progress reported just before the strike can carry the step past the struck one first).
+STOPS_RANKS = frozenset({"diagnosis-kill", "eviction-kill", "agent-kill", "machine-lost"})
 NODES = 3  # two for the job, one spare
 CONTROLLERS = 2
 TARGET_STEPS = 80
@@ -262,7 +265,13 @@ class ChaosRun:
                 struck.append(Struck(fault.kind, fault.at_step, -1, note=f"not reached: the job was {ended}"))
                 continue
             after = await until(
-                job, lambda s, m=mark, h=hit: _recovered(s, m) and s["step"] > h.step, SETTLE_TIMEOUT_S
+                job,
+                lambda s, m=mark, h=hit: (
+                    _recovered(s, m)
+                    and s["step"] > h.step
+                    and (h.kind not in STOPS_RANKS or len(s["incidents"]) > m)
+                ),
+                SETTLE_TIMEOUT_S,
             )
             if after is not None:
                 hit.incidents = [_describe(i) for i in after["incidents"][mark:]]
