@@ -17,7 +17,7 @@ from infra.browser import (
     BrowserError,
     BrowserUnavailable,
     Page,
-    find_chromium,
+    ensure_chromium,
     open_job,
     screenshot_job,
     show_workflows,
@@ -25,8 +25,6 @@ from infra.browser import (
 )
 from infra.ports import LOOPBACK
 from infra.processes import pid_alive
-
-needs_chromium = pytest.mark.skipif(find_chromium() is None, reason="chromium is not installed")
 
 DETAILS = "<p><strong>job-a</strong> — phase <code>running</code>, step 7/80</p>\n\n<p>ETTR 0.5</p>"
 
@@ -83,10 +81,17 @@ def ui_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    if find_chromium() is None:
-        pytest.skip("chromium is not installed")
-    with Browser() as b:
+def chromium() -> str:
+    """Installed as the UI test installs it (apt-get, as root), else these tests are skipped."""
+    try:
+        return ensure_chromium()
+    except BrowserUnavailable as exc:
+        pytest.skip(f"no browser: {exc}")
+
+
+@pytest.fixture(scope="module")
+def browser(chromium: str) -> Iterator[Browser]:
+    with Browser(chromium) as b:
         yield b
 
 
@@ -95,7 +100,6 @@ def page(browser: Browser) -> Page:
     return browser.new_page(width=800, height=600)
 
 
-@needs_chromium
 def test_evaluate_wait_and_screenshot(page: Page, ui_url: str, tmp_path: Path) -> None:
     page.goto(f"{ui_url}/anything")
     assert page.evaluate("1 + 2") == 3
@@ -110,7 +114,6 @@ def test_evaluate_wait_and_screenshot(page: Page, ui_url: str, tmp_path: Path) -
     assert shot.read_bytes().startswith(b"\x89PNG")
 
 
-@needs_chromium
 def test_walks_list_to_current_details(page: Page, ui_url: str, tmp_path: Path) -> None:
     assert show_workflows(page, ui_url, "default", 'TgPhase = "completed"') == []
     assert show_workflows(page, ui_url, "default", 'TgPhase = "running"') == ["job-a", "job-b"]
@@ -121,9 +124,8 @@ def test_walks_list_to_current_details(page: Page, ui_url: str, tmp_path: Path) 
     assert (tmp_path / "job.png").read_bytes().startswith(b"\x89PNG")
 
 
-@needs_chromium
-def test_close_stops_the_browser() -> None:
-    b = Browser()
+def test_close_stops_the_browser(chromium: str) -> None:
+    b = Browser(chromium)
     b.start()
     pid = b.pid
     assert pid is not None and pid_alive(pid)
