@@ -47,6 +47,12 @@ with workflow.unsafe.imports_passed_through():
 
 # Continue-as-new well before Temporal's history limits; the state is small.
 MAX_HISTORY_EVENTS = 4000
+# Handlers that change which machines are due for a test, or when, wake the background loop to
+# plan its timer again. Without this, a machine quarantined while no timer ran was never
+# re-tested, and the loop's commands depended on whether a handler ran before its first pass
+# (an update arriving at a worker with the run not cached) or after it (replay): a
+# nondeterminism error.
+PATCH_REPLAN = "pool-replan-on-change"
 # Evictions remembered for retries; a retry comes within minutes, long before this many more.
 MAX_EVICTIONS_KEPT = 64
 
@@ -83,6 +89,10 @@ class NodePoolWorkflow:
                 )
         await workflow.wait_condition(workflow.all_handlers_finished)
         workflow.continue_as_new(PoolState(nodes=self.nodes, config=self.config, evictions=self.evictions))
+
+    def _schedule_changed(self) -> None:
+        if workflow.patched(PATCH_REPLAN):
+            self.replan = True
 
     def _history_full(self) -> bool:
         info = workflow.info()
@@ -184,6 +194,7 @@ class NodePoolWorkflow:
             else:
                 node = old.model_copy(update={"info": info})
             self.nodes[info.name] = node
+            self._schedule_changed()
             return node
 
     @register.validator
@@ -269,6 +280,7 @@ class NodePoolWorkflow:
                 self.nodes[new.info.name] = new.model_copy(
                     update={"state": "active", "job": req.job_id, "since": now}
                 )
+            self._schedule_changed()
             order = [swap[n].info.name if n in swap else n for n in req.current]
             res = EvictResult(
                 replaced=True,
@@ -302,6 +314,7 @@ class NodePoolWorkflow:
                     update={"state": "standby", "reason": "released by an operator", "since": workflow.now()}
                 )
                 self.nodes[name] = n
+                self._schedule_changed()
             return n
 
     @workflow.update
@@ -369,6 +382,7 @@ class NodePoolWorkflow:
             if n is None:
                 raise ApplicationError(f"unknown node {name!r}", type="UnknownNode", non_retryable=True)
             self.nodes[name] = n.model_copy(update={"state": "lost", "since": workflow.now()})
+            self._schedule_changed()
 
     @workflow.query
     def state(self) -> PoolState:

@@ -99,3 +99,26 @@ async def test_a_retried_eviction_is_answered_not_repeated(tg: TrainguardClient)
             await pool_client.evict(tg.temporal, req.model_copy(update={"request_id": "run-1/8"}))
     finally:
         await pool_client.release(tg.temporal, "evict-retry")
+
+
+async def test_a_machine_quarantined_while_no_retest_is_due_is_retested_on_time(tg: TrainguardClient) -> None:
+    # No machine is quarantined, so the pool's loop waits with no timer: the eviction itself must
+    # make it plan the quarantined machine's re-test (else the machine waits for some other event).
+    await tg.configure_pool(PoolConfig(retest_s=1.0))
+    try:
+        pool = await pool_until(tg, lambda p: p.standby == 3)
+        assert not [n for n in pool.nodes.values() if n.state == "quarantined"]
+        held = await pool_client.reserve(tg.temporal, ReserveRequest(job_id="retest", count=1))
+        victim = held.nodes[0].name
+        evicted = await pool_client.evict(
+            tg.temporal, EvictRequest(job_id="retest", nodes=[victim], reason="test", current=[victim])
+        )
+        assert evicted.replaced
+        quarantined = node(await tg.nodes(), victim)
+        assert quarantined.state == "quarantined"
+        # It has no fault: its re-test passes and it is a standby again, with no one's help.
+        pool = await pool_until(tg, lambda p: node(p, victim).state == "standby", timeout_s=60)
+        assert node(pool, victim).tested_at != quarantined.tested_at
+    finally:
+        await pool_client.release(tg.temporal, "retest")
+        await tg.configure_pool(PoolConfig())
