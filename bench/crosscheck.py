@@ -16,7 +16,6 @@ import asyncio
 import json
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,6 @@ from temporalio.worker import Worker  # noqa: E402
 
 from bench.crosscheck_activities import SimController, SimWorld  # noqa: E402
 from infra.stack import SEARCH_ATTRIBUTES, find_binary  # noqa: E402
-from trainguard import ettr  # noqa: E402
 from trainguard.job_state import JobInput  # noqa: E402
 from trainguard.models import CONTROLLER_QUEUE  # noqa: E402
 from trainguard.sim.config import SimConfig  # noqa: E402
