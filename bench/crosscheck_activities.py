@@ -101,6 +101,7 @@ class SimWorld(TrainguardJob):
         self._workers: dict[str, asyncio.Task[None]] = {}
         self.done = asyncio.Event()
         self._clock = asyncio.Lock()
+        self.run_id = ""  # the workflow run whose activities hold time skipping
 
     # -- clock ---------------------------------------------------------------------------------
     async def start_clock(self) -> None:
@@ -393,12 +394,18 @@ def _unlocked(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 
     @functools.wraps(fn)
     async def run(self: Any, *args: Any) -> T:
-        service = self.world.client.test_service
+        world: SimWorld = self.world
+        service = world.client.test_service
+        run_id = activity.info().workflow_run_id
+        world.run_id = run_id
         await service.unlock_time_skipping(UnlockTimeSkippingRequest())
         try:
             return await fn(self, *args)
         finally:
-            await service.lock_time_skipping(LockTimeSkippingRequest())
+            # The server takes its hold back when it accepts the result; a run that continued
+            # as new meanwhile accepts none, so its activities must not take one.
+            if run_id == world.run_id:
+                await service.lock_time_skipping(LockTimeSkippingRequest())
 
     return run
 
