@@ -66,6 +66,8 @@ from trainguard.sim.trace import Trace
 
 # Progress reports while training: often enough for the ledger, rare enough for the history.
 REPORT_EVERY_S = 3600.0
+# How often a stopped machine's run_ranks asks the server whether it was cancelled (real time).
+HEARTBEAT_S = 0.05
 T = TypeVar("T")
 
 
@@ -140,6 +142,8 @@ class SimWorld(TrainguardJob):
                 task_queue=self.node(name).task_queue,
                 activities=agent.activities(),
                 max_concurrent_activity_task_polls=1,
+                max_heartbeat_throttle_interval=timedelta(seconds=HEARTBEAT_S),
+                default_heartbeat_throttle_interval=timedelta(seconds=HEARTBEAT_S),
             )
             self._workers[name] = asyncio.create_task(worker.run())
 
@@ -196,9 +200,14 @@ class SimWorld(TrainguardJob):
             self._all_joined.set()
         assert self._ended is not None
         results = await asyncio.shield(self._ended)
-        return results.get(inp.node.name) or RunRanksResult(
-            node=inp.node.name, attempt=inp.attempt, ok=False, message="ranks stopped"
-        )
+        mine = results.get(inp.node.name)
+        if mine is not None:
+            return mine
+        # Stopped: the workflow cancels this activity next. Ending it first instead races the
+        # cancellation, which the test server rejects (ACTIVITY_UNKNOWN) and the job stalls.
+        while True:
+            activity.heartbeat()
+            await asyncio.sleep(HEARTBEAT_S)
 
     def end_attempt(self, results: dict[str, RunRanksResult] | None = None) -> None:
         if self._ended is not None and not self._ended.done():
