@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from temporalio.api.enums.v1 import IndexedValueType  # noqa: E402
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest  # noqa: E402
+from temporalio.client import WorkflowFailureError  # noqa: E402
 from temporalio.contrib.pydantic import pydantic_data_converter  # noqa: E402
 from temporalio.testing import WorkflowEnvironment  # noqa: E402
 from temporalio.worker import Worker  # noqa: E402
@@ -82,6 +83,9 @@ async def run_workflow(world: SimWorld, spec: JobSpec) -> dict[str, Any]:
             # Not handle.result() alone: waiting on it lets the server skip time by itself.
             with env.auto_time_skipping_disabled():
                 return await handle.result()  # the final status
+        except WorkflowFailureError:
+            # Stopped with a verdict (the simulator has a person resubmit; the workflow ends there).
+            return await handle.query(TrainingJobWorkflow.status)
         finally:
             await world.stop_agents()
 

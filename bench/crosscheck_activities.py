@@ -98,7 +98,7 @@ class SimWorld(TrainguardJob):
         self._all_joined = asyncio.Event()
         self._attempt: int | None = None
         self._ended: asyncio.Future[dict[str, RunRanksResult]] | None = None
-        self._driver: asyncio.Task[None] | None = None
+        self._driver: asyncio.Task[None] | None = None  # held: the loop keeps weak references only
         self._verdicts: dict[tuple[Any, ...], bool] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self.done = asyncio.Event()
@@ -250,7 +250,7 @@ class SimWorld(TrainguardJob):
         self.occ, self.stopping = None, False
         # Skipping time before every machine picked up its ranks would time the stragglers out.
         await self._all_joined.wait()
-        await self.advance(self.owed_s + self.startup_s)
+        await self.advance(min(self.owed_s + self.startup_s, self.tl.horizon_s - self.tl.t))
         self.owed_s = 0.0
         self.startup_s = self.cfg.restart_s
         if self.tl.t >= self.tl.horizon_s:
@@ -289,7 +289,7 @@ class SimWorld(TrainguardJob):
         """The fault is detected after its kind's latency; its machine reports it."""
         cfg, v = self.cfg, occ.variant
         fault_at = self.now
-        detection = cfg.detection_for(v.kind)
+        detection = min(cfg.detection_for(v.kind), self.tl.horizon_s - self.tl.t)
         if v.kind == "slow":
             # A slow machine slows the job down until the fail-slow rounds name it.
             self.tl.run_slowly("detection", detection, 1 / cfg.detection.slow_factor)
