@@ -8,8 +8,9 @@ one :class:`SimWorld`: the simulator's own job under trainguard
 (which machines and code versions are bad, what a test finds, the standby pool),
 never for a decision. The workflow decides; the world answers.
 
-Time is the time-skipping server's clock. Every activity releases its hold on time
-skipping while it runs, so the clock moves only when :meth:`SimWorld.advance`
+Time is the time-skipping server's clock. The server holds time still while any
+activity is under way; ``run_ranks`` (under way for a whole attempt) releases that
+hold, the others end at once, so the clock moves only when :meth:`SimWorld.advance`
 sleeps on it: training until the trace's next event, a fault's detection latency,
 and each diagnosis stage's duration from :class:`trainguard.sim.config.SimConfig`.
 A stage's duration is paid before the next attempt starts rather than while its
@@ -96,7 +97,7 @@ class SimWorld(TrainguardJob):
         self._stuck: list[str] = []
         self._joined: set[str] = set()
         self._all_joined = asyncio.Event()
-        self._attempt: int | None = None
+        self.attempt: int | None = None  # the attempt whose ranks run (or last ran)
         self._ended: asyncio.Future[dict[str, RunRanksResult]] | None = None
         self._driver: asyncio.Task[None] | None = None  # held: the loop keeps weak references only
         self._verdicts: dict[tuple[Any, ...], bool] = {}
@@ -190,8 +191,8 @@ class SimWorld(TrainguardJob):
     async def run_ranks(self, inp: RunRanksInput) -> RunRanksResult:
         if inp.dry_run:
             return await self._replay_ranks(inp)
-        if inp.attempt != self._attempt:
-            self._attempt = inp.attempt
+        if inp.attempt != self.attempt:
+            self.attempt = inp.attempt
             self._ended = asyncio.get_running_loop().create_future()
             self._joined, self._all_joined = set(), asyncio.Event()
             self._driver = asyncio.create_task(self._drive(inp))
@@ -239,7 +240,7 @@ class SimWorld(TrainguardJob):
     async def _drive(self, inp: RunRanksInput) -> None:
         """The attempt's timeline: start-up, training to the trace's next event, and its end."""
         try:
-            await self._attempt_timeline(inp)
+            await self.attempt_timeline(inp)
         except HorizonReached:
             self._finish(inp)
 
@@ -450,7 +451,7 @@ class SimAgent:
     @activity.defn(name="stop_ranks")
     async def stop_ranks(self, req: StopRanksRequest) -> bool:
         world = self.world
-        if req.attempt == world._attempt and not req.job_id.endswith(".replay"):
+        if req.attempt == world.attempt and not req.job_id.endswith(".replay"):
             if world.occ is not None:
                 world.charge("stop", world.cfg.stop_s)
             world.end_attempt()
