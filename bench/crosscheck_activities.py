@@ -240,7 +240,7 @@ class SimWorld(TrainguardJob):
     async def _drive(self, inp: RunRanksInput) -> None:
         """The attempt's timeline: start-up, training to the trace's next event, and its end."""
         try:
-            await self.attempt_timeline(inp)
+            await self._attempt_timeline(inp)
         except HorizonReached:
             self._finish(inp)
 
