@@ -119,6 +119,10 @@ PATCH_STOP_AT_ONCE = "stop-at-once"
 # A machine whose run_ranks missed its heartbeats is asked to re-attach before it counts as lost:
 # when the Temporal server (not the machine) was away, its ranks trained on all along.
 PATCH_REATTACH = "reattach-after-heartbeat-timeout"
+# A long job continues as new between attempts once its history is large: the next attempt
+# then starts in a fresh run instead of re-attaching to ranks that a mid-attempt
+# continue-as-new leaves running (weeks of incidents grow a history past the server's limits).
+PATCH_CAN_BETWEEN_ATTEMPTS = "continue-as-new-between-attempts"
 # How long a live agent may take to pick up the re-attach (it polls its queue all the time, but
 # after a server outage its pollers retry on a backoff of up to 10 s), and how often one
 # machine may be re-attached in one attempt.
@@ -237,6 +241,8 @@ class TrainingJobWorkflow:
             return await self._finish("stopped")
         while True:
             attach = self.s.running is not None
+            if not attach and self._history_full() and workflow.patched(PATCH_CAN_BETWEEN_ATTEMPTS):
+                await self._continue_as_new()
             if not attach:
                 try:
                     await self._begin_attempt()
