@@ -123,6 +123,9 @@ PATCH_REATTACH = "reattach-after-heartbeat-timeout"
 # then starts in a fresh run instead of re-attaching to ranks that a mid-attempt
 # continue-as-new leaves running (weeks of incidents grow a history past the server's limits).
 PATCH_CAN_BETWEEN_ATTEMPTS = "continue-as-new-between-attempts"
+# A memory copy of the same step as the newest S3 checkpoint is restored from memory, not
+# downloaded (a persist that committed just before the failure made the two equal).
+PATCH_MEMORY_ON_TIE = "memory-on-tie"
 # How long a live agent may take to pick up the re-attach (it polls its queue all the time, but
 # after a server outage its pollers retry on a backoff of up to 10 s), and how often one
 # machine may be re-attached in one attempt.
@@ -327,9 +330,13 @@ class TrainingJobWorkflow:
             self.s.backups,
         )
         peers: dict[int, tuple[int, str]] = {}
-        if in_memory is not None and (resume is None or in_memory[0].step > resume.step):
-            # The machines still hold a newer step in memory (their own or a peer's backup) than
-            # S3 has: no download, less recompute.
+        if in_memory is not None and (
+            resume is None
+            or in_memory[0].step > resume.step
+            or (in_memory[0].step == resume.step and workflow.patched(PATCH_MEMORY_ON_TIE))
+        ):
+            # The machines still hold a step in memory (their own or a peer's backup) at least as
+            # new as S3's: no download, and less recompute when it is newer.
             resume, peers = in_memory
         if resume is not None:
             tier = ("peer" if peers else "memory") if checkpoints.is_memory(resume) else "s3"
