@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from infra.browser import BrowserUnavailable, ensure_chromium
 from infra.local import bring_down, bring_up, node_names, restore_pool
 from infra.stack import Stack, StackConfig, client_env
 from tests.integration.helpers import REPO, example_spec, run_to_end
@@ -63,3 +64,12 @@ async def healthy_pool(tg: TrainguardClient, stack_dir: Path) -> AsyncIterator[N
     """After a test: every agent running, no fault standing, no machine quarantined."""
     yield
     await restore_pool(tg, stack_dir, node_names(NODES, 0), REPO)
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Debian's Chromium, installed with apt-get when missing and root; else the test is skipped."""
+    try:
+        return ensure_chromium()
+    except BrowserUnavailable as exc:
+        pytest.skip(f"no browser: {exc}")

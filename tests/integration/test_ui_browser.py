@@ -22,8 +22,6 @@ import pytest
 from infra.browser import (
     Browser,
     BrowserError,
-    BrowserUnavailable,
-    ensure_chromium,
     open_job,
     screenshot_job,
     show_workflows,
@@ -37,14 +35,6 @@ from trainguard.settings import Settings
 pytestmark = pytest.mark.integration
 
 JOB = "ui-job"
-
-
-@pytest.fixture(scope="module")
-def chromium() -> str:
-    try:
-        return ensure_chromium()
-    except BrowserUnavailable as exc:
-        pytest.skip(f"no browser for the UI test: {exc}")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from infra.browser import (
     BrowserError,
     BrowserUnavailable,
     Page,
-    ensure_chromium,
     open_job,
     screenshot_job,
     show_workflows,
@@ -78,15 +77,6 @@ def ui_url() -> Iterator[str]:
     yield f"http://{LOOPBACK}:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
-
-
-@pytest.fixture(scope="module")
-def chromium() -> str:
-    """Installed as the UI test installs it (apt-get, as root), else these tests are skipped."""
-    try:
-        return ensure_chromium()
-    except BrowserUnavailable as exc:
-        pytest.skip(f"no browser: {exc}")
 
 
 @pytest.fixture(scope="module")
