@@ -52,6 +52,7 @@ from trainguard.models import (
     RunRanksResult,
     ShardInfo,
 )
+from trainguard.reporting import report_interval
 from trainguard.runtime.env import (
     RankEnv,
     backup_shard_name,
@@ -172,6 +173,7 @@ class RankSession:
         self._we_killed: set[int] = set()
         self.frozen = False  # hung ranks kept alive for their stacks
         self.started = False  # every rank launched and supervised
+        self._first_step_sent = False  # a report carrying first_step_at reached the workflow
 
     @property
     def key(self) -> tuple[str, int]:
@@ -531,27 +533,34 @@ class RankSession:
         await self._flush_progress()
 
     async def _progress_loop(self) -> None:
-        interval = self.spec.detection.progress_interval_s
+        detection = self.spec.detection
         last_sent = 0.0
         while True:
             await self._progress_dirty.wait()
-            wait = interval - (time.monotonic() - last_sent)
+            # The attempt's first step is news for every machine; the rest waits for the
+            # machine's routine interval (trainguard.reporting), re-checked at the fast rate.
+            news = self.first_step_at is not None and not self._first_step_sent
+            due = report_interval(detection, self.inp.node_index, news)
+            wait = due - (time.monotonic() - last_sent)
             if wait > 0:
-                await asyncio.sleep(wait)
+                await asyncio.sleep(min(wait, detection.progress_interval_s))
+                continue
             self._progress_dirty.clear()
-            await self._flush_progress()
+            if await self._flush_progress():
+                self._first_step_sent = self._first_step_sent or news
             last_sent = time.monotonic()
 
-    async def _flush_progress(self) -> None:
+    async def _flush_progress(self) -> bool:
         report = self.progress_report()
         try:
             await self.send_progress(report)
         except Exception as exc:  # the workflow may be between runs; the next flush carries it
             log.info("progress signal failed: %s", exc)
             self._progress_dirty.set()
-            return
+            return False
         sent = set(report.shards)
         self.unsent = [s for s in self.unsent if s not in sent]
+        return report.first_step_at is not None
 
     # -- lifecycle ---------------------------------------------------------------
     # -- detection ------------------------------------------------------------------

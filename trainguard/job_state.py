@@ -33,6 +33,8 @@ class Incident(BaseModel):
     detection_s: float | None = None
     # Detection to the final decision (diagnosis included).
     decision_s: float | None = None
+    # When the policy took its first decision (the control plane's reaction time ends here).
+    decided_at: datetime | None = None
     suspects: list[str] = []
     evicted: list[str] = []
     # When the pool had swapped standbys in for the evicted machines.

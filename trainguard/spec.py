@@ -149,6 +149,14 @@ class DetectionSpec(_Frozen):
     progress_interval_s: float = Field(
         5.0, gt=0, le=3600, description="how often progress reaches the workflow"
     )
+    peer_report_interval_s: float | None = Field(
+        None,
+        gt=0,
+        le=86400,
+        description="how often machines other than the job's first send their routine reports (compute "
+        "times, replica hashes, snapshots, uploaded shards); unset: progress_interval_s. Large jobs raise it "
+        "(see trainguard.reporting)",
+    )
     hang_floor_s: float = Field(5.0, ge=0.5, le=86400, description="minimum no-progress time before a hang")
     hang_factor: float = Field(10.0, gt=1, le=1000, description="hang threshold in median step times")
     spike_factor: float = Field(5.0, gt=1, le=1000, description="loss / grad-norm spike vs rolling median")

@@ -1073,6 +1073,7 @@ class TrainingJobWorkflow:
         )
         diagnosing_since = workflow.now()
         decisions = [decide(facts, self.s.history, cfg)]
+        incident.decided_at = diagnosing_since
         follow = await self._diagnose(decisions[0], outcome, run.attempt if run else self.s.attempt)
         if follow is not None:
             decisions.append(follow)

@@ -80,6 +80,7 @@ def test_example_spec_is_valid() -> None:
         ({"checkpoint": {"extra": 1}}, "checkpoint.extra"),
         ({"detection": {"progress_interval_s": float("nan")}}, "detection.progress_interval_s"),
         ({"detection": {"hang_floor_s": float("inf")}}, "detection.hang_floor_s"),
+        ({"detection": {"peer_report_interval_s": 0}}, "detection.peer_report_interval_s"),
         ({"detection": {"evict_confidence": 2}}, "detection.evict_confidence"),
         ({"detection": {"hang_seconds": 3}}, "detection.hang_seconds"),
         ({"checkpoint": {"every_steps": 0}}, "checkpoint.every_steps"),

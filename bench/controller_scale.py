@@ -1,0 +1,359 @@
+"""Control-plane scale: one controller worker, hundreds of simulated machines, dozens of jobs.
+
+Brings up a private Temporal dev server, one controller worker (the real
+TrainingJobWorkflow and NodePoolWorkflow, the real pool activities, a simulated
+object store) and simulated node agents without torch
+(``bench/controller_scale_sim.py``), submits the jobs, lets them train and fail
+for ``--minutes``, stops them, and reads what happened from Temporal itself:
+
+- decision latency: an incident reported by a machine (its ``detected_at``) to the
+  policy's first decision in the workflow (``decided_at``), p50 and p99;
+- Temporal actions per job-hour, counted from the job histories (workflow starts,
+  activities scheduled and retried, timers, signals, search-attribute upserts,
+  markers, updates): in steady state (spans with no incident under way) and overall;
+- history events per job-day and the longest single run (continue-as-new keeps
+  each run under the job's ``max_history_events``).
+
+The jobs run with a production reporting profile (``trainguard.reporting``: the
+first machine reports every ``--progress-interval-s``, the others every
+``--peer-report-interval-s``; search attributes change at most every
+``--search-attribute-interval-s``): a local drill's 5 s reports from every machine
+would cost a 1,000-machine job 200 signals a second.
+
+    python bench/controller_scale.py [--machines 500 --jobs 50 --nodes-per-job 8 --minutes 15] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from temporalio.api.enums.v1 import EventType  # noqa: E402
+from temporalio.client import Client  # noqa: E402
+
+from bench.controller_scale_sim import machine_name  # noqa: E402
+from bench.private_stack import connect, log  # noqa: E402
+from infra.local import bring_down, process_env  # noqa: E402
+from infra.stack import Stack, StackConfig  # noqa: E402
+from trainguard.client import TrainguardClient  # noqa: E402
+from trainguard.job_state import TERMINAL  # noqa: E402
+from trainguard.models import PoolConfig  # noqa: E402
+from trainguard.spec import CheckpointSpec, DetectionSpec, JobSpec, Topology  # noqa: E402
+
+# History events that are Temporal actions (what a Temporal Cloud namespace bills).
+ACTION_EVENTS = frozenset(
+    {
+        EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED,
+        EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED,
+        EventType.EVENT_TYPE_TIMER_STARTED,
+        EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED,
+        EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES,
+        EventType.EVENT_TYPE_WORKFLOW_PROPERTIES_MODIFIED,
+        EventType.EVENT_TYPE_MARKER_RECORDED,
+        EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED,
+        EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED,
+        EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED,
+        EventType.EVENT_TYPE_REQUEST_CANCEL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED,
+    }
+)
+AGENT_PROCESSES = 2  # simulated machines are spread over this many processes
+READY_TIMEOUT_S = 300.0
+END_TIMEOUT_S = 300.0
+POLL_S = 1.0
+
+
+def job_spec(name: str, nodes: int, step_time_s: float, args: argparse.Namespace) -> JobSpec:
+    every = max(1, round(args.persist_every_s / step_time_s))
+    return JobSpec(
+        name=name,
+        entrypoint=["python", "train.py"],
+        nodes=nodes,
+        ranks_per_node=args.gpus_per_machine,
+        # Tensor parallel inside a machine, data parallel across machines.
+        topology=Topology(tp=args.gpus_per_machine, dp=nodes),
+        target_steps=1_000_000_000,  # trains until the bench stops it
+        checkpoint=CheckpointSpec(every_steps=every),
+        detection=DetectionSpec(
+            progress_interval_s=args.progress_interval_s, peer_report_interval_s=args.peer_report_interval_s
+        ),
+    )
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+async def wait_for(what: str, check: Callable[[], Any], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        await asyncio.sleep(POLL_S)
+
+
+async def job_histories(client: Client, job_id: str) -> list[list[Any]]:
+    """Every run's events of ``job_id`` (continue-as-new makes several runs), oldest first."""
+    runs = [wf async for wf in client.list_workflows(f"WorkflowId = '{job_id}'")]
+    out = []
+    for wf in sorted(runs, key=lambda w: w.start_time):
+        history = await client.get_workflow_handle(job_id, run_id=wf.run_id).fetch_history()
+        out.append(list(history.events))
+    return out
+
+
+def is_action(event: Any) -> bool:
+    if event.event_type in ACTION_EVENTS:
+        return True
+    # A retried activity is started again: every attempt after the first is an action too.
+    return (
+        event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED
+        and event.activity_task_started_event_attributes.attempt > 1
+    )
+
+
+def unsteady_spans(status: dict[str, Any], settle_s: float) -> list[tuple[datetime, datetime]]:
+    """From each incident's report until ``settle_s`` after the job trained again."""
+    spans = []
+    for inc in status.get("incidents", []):
+        start = datetime.fromisoformat(inc["detected_at"])
+        end = datetime.fromisoformat(inc["recovered_at"]) if inc.get("recovered_at") else None
+        spans.append(
+            (start, (end or datetime.max.replace(tzinfo=start.tzinfo)) + timedelta(seconds=settle_s))
+        )
+    return spans
+
+
+def analyse_job(runs: list[list[Any]], status: dict[str, Any], settle_s: float) -> dict[str, Any]:
+    events = [e for run in runs for e in run]
+    times = [e.event_time.ToDatetime().replace(tzinfo=None) for e in events]
+    start, end = min(times), max(times)
+    spans = [(a.replace(tzinfo=None), b.replace(tzinfo=None)) for a, b in unsteady_spans(status, settle_s)]
+    # Steady state begins once the first attempt trains and its first reports are in.
+    first_step = status["progress"][0][0] if status.get("progress") else None
+    steady_from = start + timedelta(seconds=settle_s)
+    if first_step:
+        steady_from = max(
+            steady_from, datetime.fromisoformat(first_step).replace(tzinfo=None) + timedelta(seconds=settle_s)
+        )
+    steady_to = end - timedelta(seconds=settle_s)  # the stop and its release
+
+    def steady(t: datetime) -> bool:
+        return steady_from <= t <= steady_to and not any(a <= t <= b for a, b in spans)
+
+    # Steady seconds: the window less the incident spans inside it (merged, clipped).
+    steady_s = 0.0
+    cursor = steady_from
+    for a, b in sorted(spans):
+        a, b = max(a, steady_from), min(b, steady_to)
+        if b <= cursor:
+            continue
+        if a > cursor:
+            steady_s += (a - cursor).total_seconds()
+        cursor = max(cursor, b)
+    if steady_to > cursor:
+        steady_s += (steady_to - cursor).total_seconds()
+    actions = [t for e, t in zip(events, times, strict=True) if is_action(e)]
+    return {
+        "events": len(events),
+        "runs": len(runs),
+        "longest_run": max(len(r) for r in runs),
+        "span_s": (end - start).total_seconds(),
+        "actions": len(actions),
+        "steady_actions": sum(steady(t) for t in actions),
+        "steady_s": steady_s,
+    }
+
+
+async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
+    t0 = time.monotonic()
+    stack = Stack.load_or_create(state_dir, StackConfig.for_tests)
+    stack.start_servers()
+    env = process_env(stack.config)
+    py = sys.executable
+    stack.start_process("controller", [py, "-m", "bench.controller_scale_sim", "controller"], env, cwd=REPO)
+    per = -(-args.machines // AGENT_PROCESSES)
+    for p in range(AGENT_PROCESSES):
+        first = 1 + p * per
+        count = min(per, args.machines - p * per)
+        if count <= 0:
+            continue
+        argv = [
+            py,
+            "-m",
+            "bench.controller_scale_sim",
+            "agents",
+            "--first",
+            str(first),
+            "--count",
+            str(count),
+            "--mtbf-s",
+            str(args.mtbf_s),
+            "--step-time-s",
+            str(args.step_time_s),
+            "--seed",
+            str(args.seed),
+        ]
+        stack.start_process(f"agents-{p + 1}", argv, env, cwd=REPO)
+    client = await connect(state_dir)
+    names = {machine_name(i) for i in range(1, args.machines + 1)}
+
+    async def pool_ready() -> bool:
+        try:
+            pool = await client.nodes()
+        except Exception:
+            return False
+        standby = sum(n.state == "standby" for n in pool.nodes.values())
+        return names <= set(pool.nodes) and standby == args.machines
+
+    await client.configure_pool(PoolConfig(min_standby=args.standby_per_job))
+    await wait_for(f"{args.machines} machines on standby", pool_ready, READY_TIMEOUT_S)
+    log(f"{args.machines} simulated machines on standby after {time.monotonic() - t0:.0f} s")
+    jobs = [f"scale-{j:03d}" for j in range(1, args.jobs + 1)]
+    for job in jobs:
+        spec = job_spec(job, args.nodes_per_job, args.step_time_s, args)
+        await client.submit(spec, search_attribute_interval_s=args.search_attribute_interval_s)
+    started = time.monotonic()
+    log(f"{args.jobs} jobs submitted; training for {args.minutes:g} min")
+    while (left := args.minutes * 60 - (time.monotonic() - started)) > 0:
+        await asyncio.sleep(min(60.0, left))
+        statuses = await asyncio.gather(*(client.job(j).status() for j in jobs), return_exceptions=True)
+        ok = [s for s in statuses if isinstance(s, dict)]
+        log(
+            f"  {(time.monotonic() - started) / 60:4.1f} min: incidents "
+            f"{sum(len(s.get('incidents', [])) for s in ok)}, phases "
+            f"{sorted({s.get('phase') for s in ok})}"
+        )
+    for job in jobs:
+        await client.job(job).stop("controller-scale bench over")
+
+    async def all_ended() -> bool:
+        statuses = await asyncio.gather(*(client.job(j).status() for j in jobs))
+        return all(s.get("phase") in TERMINAL for s in statuses)
+
+    await wait_for("the jobs to stop", all_ended, END_TIMEOUT_S)
+    return await collect(client, jobs, args)
+
+
+async def collect(client: TrainguardClient, jobs: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    settle_s = args.progress_interval_s
+    latencies: list[float] = []
+    per_job = []
+    incidents = evictions = 0
+    for job in jobs:
+        status = await client.job(job).status()
+        for inc in status.get("incidents", []):
+            incidents += 1
+            evictions += len(inc.get("evicted", []))
+            if inc.get("decided_at"):
+                decided = datetime.fromisoformat(inc["decided_at"])
+                latencies.append((decided - datetime.fromisoformat(inc["detected_at"])).total_seconds())
+        per_job.append(analyse_job(await job_histories(client.temporal, job), status, settle_s))
+    job_hours = sum(j["span_s"] for j in per_job) / 3600
+    steady_hours = sum(j["steady_s"] for j in per_job) / 3600
+    events = sum(j["events"] for j in per_job)
+    return {
+        "machines": args.machines,
+        "jobs": args.jobs,
+        "nodes_per_job": args.nodes_per_job,
+        "minutes": args.minutes,
+        "incidents": incidents,
+        "evictions": evictions,
+        "decision_p50_s": _round(statistics.median(latencies) if latencies else None),
+        "decision_p99_s": _round(percentile(latencies, 0.99)),
+        "decision_max_s": _round(max(latencies, default=None)),
+        "actions_per_job_hour": _round(sum(j["steady_actions"] for j in per_job) / steady_hours, 1)
+        if steady_hours
+        else None,
+        "actions_per_job_hour_with_failures": _round(sum(j["actions"] for j in per_job) / job_hours, 1),
+        "history_events_per_job_day": round(events / job_hours * 24),
+        "max_history_events": max(j["longest_run"] for j in per_job),
+        "continued_as_new": sum(j["runs"] - 1 for j in per_job),
+        "profile": {
+            "progress_interval_s": args.progress_interval_s,
+            "peer_report_interval_s": args.peer_report_interval_s,
+            "search_attribute_interval_s": args.search_attribute_interval_s,
+            "persist_every_s": args.persist_every_s,
+            "step_time_s": args.step_time_s,
+            "mtbf_per_job_s": args.mtbf_s,
+        },
+    }
+
+
+def _round(v: float | None, digits: int = 3) -> float | None:
+    return None if v is None else round(v, digits)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--machines", type=int, default=500)
+    p.add_argument("--jobs", type=int, default=50)
+    p.add_argument("--nodes-per-job", type=int, default=8)
+    p.add_argument("--gpus-per-machine", type=int, default=8)
+    p.add_argument("--minutes", type=float, default=15.0, help="training time after the jobs started")
+    p.add_argument("--mtbf-s", type=float, default=900.0, help="mean seconds between one job's incidents")
+    p.add_argument("--step-time-s", type=float, default=2.0)
+    p.add_argument("--persist-every-s", type=float, default=900.0, help="S3 checkpoint interval")
+    p.add_argument("--progress-interval-s", type=float, default=120.0, help="the job's first machine")
+    p.add_argument("--peer-report-interval-s", type=float, default=600.0, help="the other machines")
+    p.add_argument("--search-attribute-interval-s", type=float, default=300.0)
+    p.add_argument("--standby-per-job", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    problems = []
+    if args.machines < 1:
+        problems.append("--machines: must be at least 1")
+    if args.jobs < 1:
+        problems.append("--jobs: must be at least 1")
+    if args.nodes_per_job < 1 or args.jobs * args.nodes_per_job > args.machines:
+        problems.append("--nodes-per-job: jobs x nodes per job must not exceed --machines")
+    for name in (
+        "minutes",
+        "mtbf_s",
+        "step_time_s",
+        "persist_every_s",
+        "progress_interval_s",
+        "peer_report_interval_s",
+    ):
+        if getattr(args, name) <= 0:
+            problems.append(f"--{name.replace('_', '-')}: must be positive")
+    if problems:
+        print(f"error: {problems[0]}", file=sys.stderr)
+        sys.exit(2)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    state_dir = Path(tempfile.mkdtemp(prefix="tg-scale-"))
+    t0 = time.monotonic()
+    try:
+        result = asyncio.run(run(args, state_dir))
+    finally:
+        bring_down(state_dir)
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:36} {v}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,451 @@
+"""Lightweight simulated machines and controller for ``bench/controller_scale.py``.
+
+Every activity is registered under the name the real workers register it with
+(``workers/node_agent.py``, ``workers/controller.py``), so TrainingJobWorkflow and
+NodePoolWorkflow run unchanged on the real Temporal dev server and the real pool
+activities talk to the real pool. Simulated, because the control plane is what is
+measured: the training (no torch, no rank processes) and the object store.
+
+A simulated machine trains a step every ``step_time_s`` of wall time, reports
+progress the way an agent's RankSession does (at the spec's ``progress_interval_s``,
+uploaded shards riding on the next report), "uploads" its shards every
+``checkpoint.every_steps`` and fails at a random moment: each machine of a job fails
+at rate 1 / (``--mtbf-s`` x machines in the job), so a job has one incident per
+``--mtbf-s`` on average. The failing machine reports the incident the way a real one
+does (a failed ``run_ranks`` with an IncidentReport); ``--evict-share`` of them are
+lost GPUs (evicted at once), the rest crashes (reattempted, diagnosed when repeated).
+
+    python -m bench.controller_scale_sim agents --first 1 --count 250 --mtbf-s 600 --seed 0
+    python -m bench.controller_scale_sim controller
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import time
+from datetime import UTC, datetime, timedelta
+
+from temporalio import activity
+from temporalio.client import Client
+from temporalio.service import RPCError, RPCStatusCode
+from temporalio.worker import Worker
+
+from activities.pool import PoolActivities
+from trainguard import pool_client
+from trainguard.job_state import IncidentTelemetryInput
+from trainguard.models import (
+    CONTROLLER_QUEUE,
+    CheckpointRef,
+    CheckResult,
+    ClearFaultsRequest,
+    CommitCheckpointInput,
+    DiagnosticRequest,
+    Endpoint,
+    IncidentReport,
+    InjectRequest,
+    InjectResult,
+    LatestCheckpointInput,
+    LocalizeStacksInput,
+    NodeInfo,
+    PairTestRequest,
+    PortRequest,
+    ProgressReport,
+    RunRanksInput,
+    RunRanksResult,
+    ShardInfo,
+    StackDump,
+    StackFinding,
+    StackRequest,
+    StopRanksRequest,
+    node_queue,
+)
+from trainguard.reporting import report_interval
+from trainguard.settings import Settings
+from trainguard.temporal import connect
+from workers.common import run_until_signalled, setup_logging
+from workflows.node_pool import NodePoolWorkflow
+from workflows.training_job import TrainingJobWorkflow
+
+log = logging.getLogger("controller_scale")
+
+STARTUP_S = 1.0  # launch to first step: warm standbys
+HEARTBEAT_EVERY_S = 5.0  # the SDK sends at most one per 0.8 x the heartbeat timeout
+ORPHAN_S = 120.0  # ranks whose activity was cancelled without a stop wait this long for an attach
+FAKE_SHA = "0" * 64
+
+
+def machine_name(i: int) -> str:
+    return f"sim-{i:04d}"
+
+
+class Session:
+    """One attempt's ranks on one simulated machine: steps, reports, and maybe a fault."""
+
+    def __init__(self, machine: SimMachine, inp: RunRanksInput, fail_in_s: float, evict: bool) -> None:
+        self.m, self.inp = machine, inp
+        self.result: asyncio.Future[RunRanksResult] = asyncio.get_running_loop().create_future()
+        self.fail_in_s, self.evict = fail_in_s, evict
+        self.first_step_at: datetime | None = None
+        self.step = inp.resume.step if inp.resume else 0
+        self.persisted = self.step
+        self.unsent: list[ShardInfo] = []
+        self.task = asyncio.create_task(self._run())
+        self.orphaned: asyncio.TimerHandle | None = None
+
+    def end(self, result: RunRanksResult) -> None:
+        if not self.result.done():
+            self.result.set_result(result)
+        self.task.cancel()
+
+    def stop(self) -> None:
+        self.end(
+            RunRanksResult(
+                node=self.inp.node.name, attempt=self.inp.attempt, ok=False, message="ranks stopped"
+            )
+        )
+
+    async def _run(self) -> None:
+        inp, spec = self.inp, self.inp.spec
+        step_time = self.m.step_time_s
+        started = time.monotonic()
+        await asyncio.sleep(STARTUP_S)
+        t0 = time.monotonic()
+        self.first_step_at = datetime.now(UTC)
+        start_step = self.step
+        fail_at = started + self.fail_in_s
+        fast = spec.detection.progress_interval_s
+        last_sent, first_sent = -math.inf, False
+        while True:
+            now = time.monotonic()
+            self.step = start_step + int((now - t0) / step_time)
+            every = spec.checkpoint.every_steps
+            newest = self.step - self.step % every
+            if newest > self.persisted:
+                self.persisted = newest
+                self.unsent = [
+                    ShardInfo(
+                        rank=r,
+                        step=newest,
+                        key=f"sim/{inp.job_id}/{newest}/{r}",
+                        size=1 << 20,
+                        sha256=FAKE_SHA,
+                    )
+                    for r in inp.ranks
+                ]
+            if self.step >= spec.target_steps:
+                self.end(
+                    RunRanksResult(
+                        node=inp.node.name,
+                        attempt=inp.attempt,
+                        ok=True,
+                        last_step=spec.target_steps,
+                        final_hashes={r: "sha256:" + FAKE_SHA for r in inp.ranks},
+                    )
+                )
+                return
+            if now >= fail_at:
+                self.end(self._failure())
+                return
+            # When to report: the agent's own rule (the first step is news for every machine).
+            if now - last_sent >= report_interval(spec.detection, inp.node_index, news=not first_sent):
+                first_sent = await self._report() or first_sent
+                last_sent = time.monotonic()
+            await asyncio.sleep(max(0.0, min(fast, fail_at - time.monotonic())))
+
+    def _failure(self) -> RunRanksResult:
+        inp, name = self.inp, self.inp.node.name
+        now = datetime.now(UTC)
+        if self.evict:
+            incident = IncidentReport(
+                kind="gpu-lost",
+                node=name,
+                evidence=f"simulated: GPU 0 fell off the bus on {name}",
+                confidence=1.0,
+                origin=True,
+                detected_at=now,
+                step=self.step,
+            )
+        else:
+            incident = IncidentReport(
+                kind="crash",
+                node=name,
+                evidence=f"simulated: rank exited with SIGSEGV on {name}",
+                confidence=0.5,
+                origin=True,
+                detected_at=now,
+                error_class="SIGSEGV",
+                step=self.step,
+            )
+        self.m.incidents += 1
+        return RunRanksResult(
+            node=name, attempt=inp.attempt, ok=False, last_step=self.step, incident=incident
+        )
+
+    async def _report(self) -> bool:
+        inp = self.inp
+        report = ProgressReport(
+            node=inp.node.name,
+            attempt=inp.attempt,
+            step=self.step,
+            loss=2.0 / (1 + self.step) ** 0.1,
+            step_time_s=self.m.step_time_s,
+            first_step_at=self.first_step_at,
+            at=datetime.now(UTC),
+            shards=list(self.unsent),
+            compute_s=self.m.step_time_s * 0.8,
+        )
+        try:
+            await self.m.client.get_workflow_handle(inp.workflow_id).signal("progress", report)
+        except RPCError as exc:  # the workflow may be between runs; the next report carries it
+            log.info("progress of %s failed: %s", inp.node.name, exc)
+            return False
+        self.m.reports += 1
+        self.unsent = []
+        return True
+
+
+class SimMachine:
+    """A node agent's activities, answered at once by a machine that trains nothing."""
+
+    def __init__(
+        self,
+        client: Client,
+        name: str,
+        rng: random.Random,
+        mtbf_s: float,
+        evict_share: float,
+        step_time_s: float,
+    ) -> None:
+        self.client, self.name, self.rng = client, name, rng
+        self.mtbf_s, self.evict_share, self.step_time_s = mtbf_s, evict_share, step_time_s
+        self.sessions: dict[tuple[str, int], Session] = {}
+        self.reports = 0
+        self.incidents = 0
+
+    @property
+    def info(self) -> NodeInfo:
+        return NodeInfo(name=self.name, task_queue=node_queue(self.name), host="127.0.0.1", gpus=8)
+
+    def activities(self) -> list[object]:
+        return [
+            self.run_ranks,
+            self.pick_master_port,
+            self.stop_ranks,
+            self.dump_stacks,
+            self.self_test,
+            self.alignment_test,
+            self.collective_test,
+            self.pair_test,
+            self.inject_fault,
+            self.clear_faults,
+        ]
+
+    @activity.defn(name="run_ranks")
+    async def run_ranks(self, inp: RunRanksInput) -> RunRanksResult:
+        key = (inp.job_id, inp.attempt)
+        if inp.dry_run:
+            return RunRanksResult(node=self.name, attempt=inp.attempt, ok=True)
+        session = self.sessions.get(key)
+        if session is None:
+            if inp.attach_only:
+                return RunRanksResult(
+                    node=self.name, attempt=inp.attempt, ok=False, gone=True, message="no ranks"
+                )
+            rate = 1.0 / (self.mtbf_s * inp.spec.nodes) if self.mtbf_s > 0 else 0.0
+            fail_in = self.rng.expovariate(rate) if rate > 0 else math.inf
+            session = Session(self, inp, fail_in, self.rng.random() < self.evict_share)
+            self.sessions = {k: s for k, s in self.sessions.items() if not s.result.done()}
+            self.sessions[key] = session
+        elif session.orphaned is not None:
+            session.orphaned.cancel()
+            session.orphaned = None
+        try:
+            while True:
+                activity.heartbeat()
+                with contextlib.suppress(TimeoutError):
+                    return await asyncio.wait_for(asyncio.shield(session.result), HEARTBEAT_EVERY_S)
+        except asyncio.CancelledError:
+            if not session.result.done():
+                # Cancelled without a stop (the workflow continued as new): wait for the attach.
+                session.orphaned = asyncio.get_running_loop().call_later(ORPHAN_S, session.stop)
+            raise
+
+    @activity.defn(name="stop_ranks")
+    async def stop_ranks(self, req: StopRanksRequest) -> bool:
+        session = self.sessions.get((req.job_id, req.attempt))
+        if session is None or session.result.done():
+            return False
+        session.stop()
+        return True
+
+    @activity.defn(name="pick_master_port")
+    async def pick_master_port(self, req: PortRequest) -> Endpoint:
+        return Endpoint(host="127.0.0.1", port=20000 + req.attempt % 10000)
+
+    @activity.defn(name="dump_stacks")
+    async def dump_stacks(self, req: StackRequest) -> StackDump:
+        return StackDump(node=self.name, error="simulated machine: no stacks")
+
+    def _passed(self, evidence: str) -> CheckResult:
+        return CheckResult(
+            node=self.name, passed=True, evidence=evidence, digest="agree", reference="agree", elapsed_s=0.1
+        )
+
+    @activity.defn(name="self_test")
+    async def self_test(self, req: DiagnosticRequest) -> CheckResult:
+        return self._passed("simulated self-test")
+
+    @activity.defn(name="alignment_test")
+    async def alignment_test(self, req: DiagnosticRequest) -> CheckResult:
+        return self._passed("simulated alignment test")
+
+    @activity.defn(name="collective_test")
+    async def collective_test(self, req: DiagnosticRequest) -> CheckResult:
+        return self._passed("simulated collective test")
+
+    @activity.defn(name="pair_test")
+    async def pair_test(self, req: PairTestRequest) -> CheckResult:
+        return self._passed("simulated pair test")
+
+    @activity.defn(name="inject_fault")
+    async def inject_fault(self, req: InjectRequest) -> InjectResult:
+        return InjectResult(node=self.name, fault=req.fault, fault_id="sim", injected_at=datetime.now(UTC))
+
+    @activity.defn(name="clear_faults")
+    async def clear_faults(self, req: ClearFaultsRequest) -> int:
+        return 0
+
+
+async def register(client: Client, info: NodeInfo, rng: random.Random) -> None:
+    """Join the pool; hundreds of agents at once meet the server's limit on in-flight updates
+    per workflow (RESOURCE_EXHAUSTED), so back off with jitter and try again."""
+    delay = 0.2
+    while True:
+        try:
+            await pool_client.register(client, info)
+            return
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.RESOURCE_EXHAUSTED:
+                raise
+        await asyncio.sleep(delay * (0.5 + rng.random()))
+        delay = min(delay * 2, 5.0)
+
+
+async def run_agents(
+    first: int, count: int, mtbf_s: float, evict_share: float, step_time_s: float, seed: int
+) -> None:
+    client = await connect(Settings.load())
+    machines = [
+        SimMachine(client, machine_name(i), random.Random(f"{seed}/{i}"), mtbf_s, evict_share, step_time_s)
+        for i in range(first, first + count)
+    ]
+    workers = [
+        Worker(
+            client,
+            task_queue=m.info.task_queue,
+            activities=m.activities(),
+            identity=f"sim-agent-{m.name}",
+            max_concurrent_activity_task_polls=1,
+            graceful_shutdown_timeout=timedelta(seconds=1),
+        )
+        for m in machines
+    ]
+    runs = [asyncio.create_task(w.run()) for w in workers]
+    await asyncio.gather(*(register(client, m.info, m.rng) for m in machines))
+    log.info("%d simulated machines registered", count)
+    try:
+        await asyncio.gather(*runs)
+    finally:
+        log.info(
+            "reports sent %d, incidents %d",
+            sum(m.reports for m in machines),
+            sum(m.incidents for m in machines),
+        )
+
+
+class SimController:
+    """Controller activities whose store is this process's memory (the pool ones are real)."""
+
+    def __init__(self) -> None:
+        self.committed: dict[str, list[CheckpointRef]] = {}
+
+    def activities(self, client: Client) -> list[object]:
+        pool = PoolActivities(client)
+        return [
+            pool.reserve_nodes,
+            pool.release_nodes,
+            pool.evict_nodes,
+            self.latest_checkpoint,
+            self.commit_checkpoint,
+            self.localize_stacks,
+            self.record_incident,
+        ]
+
+    @activity.defn(name="latest_checkpoint")
+    async def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
+        refs = [
+            r for r in self.committed.get(inp.job_id, []) if inp.max_step is None or r.step <= inp.max_step
+        ]
+        return refs[-1] if refs else None
+
+    @activity.defn(name="commit_checkpoint")
+    async def commit_checkpoint(self, inp: CommitCheckpointInput) -> CheckpointRef:
+        ref = CheckpointRef(step=inp.step, uri=f"sim://{inp.job_id}/{inp.step}", shards=inp.shards)
+        kept = [r for r in self.committed.get(inp.job_id, []) if r.step < inp.step][-(inp.keep - 1) :]
+        self.committed[inp.job_id] = [*kept, ref] if inp.keep > 1 else [ref]
+        return ref
+
+    @activity.defn(name="localize_stacks")
+    async def localize_stacks(self, inp: LocalizeStacksInput) -> StackFinding:
+        return StackFinding(machines=[], evidence="simulated machines: no stacks")
+
+    @activity.defn(name="record_incident")
+    async def record_incident(self, inp: IncidentTelemetryInput) -> bool:
+        return True
+
+
+async def run_controller() -> None:
+    client = await connect(Settings.load())
+    worker = Worker(
+        client,
+        task_queue=CONTROLLER_QUEUE,
+        workflows=[TrainingJobWorkflow, NodePoolWorkflow],
+        activities=SimController().activities(client),
+        identity="sim-controller",
+        graceful_shutdown_timeout=timedelta(seconds=1),
+    )
+    await run_until_signalled(worker)
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="role", required=True)
+    agents = sub.add_parser("agents", help="simulated node agents")
+    agents.add_argument("--first", type=int, required=True)
+    agents.add_argument("--count", type=int, required=True)
+    agents.add_argument("--mtbf-s", type=float, required=True, help="mean seconds between a job's incidents")
+    agents.add_argument(
+        "--evict-share", type=float, default=0.4, help="share of incidents that are lost GPUs"
+    )
+    agents.add_argument("--step-time-s", type=float, default=2.0)
+    agents.add_argument("--seed", type=int, default=0)
+    sub.add_parser("controller", help="one controller worker (real workflows, simulated store)")
+    args = parser.parse_args()
+    setup_logging(f"sim-{args.role}")
+    if args.role == "agents":
+        asyncio.run(
+            run_agents(args.first, args.count, args.mtbf_s, args.evict_share, args.step_time_s, args.seed)
+        )
+    else:
+        asyncio.run(run_controller())
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,47 @@
+"""The control-plane bench on a small scale: real workflows on the real dev server with
+simulated machines (``bench/controller_scale.py``), and its numbers read from Temporal."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench" / "controller_scale.py"
+
+
+def test_controller_scale_measures_decisions_actions_and_history() -> None:
+    argv = [
+        sys.executable, str(BENCH), "--machines", "12", "--jobs", "2", "--nodes-per-job", "4",
+        "--minutes", "1.5", "--mtbf-s", "30", "--progress-interval-s", "5", "--peer-report-interval-s", "20",
+        "--search-attribute-interval-s", "10", "--json",
+    ]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert (out["machines"], out["jobs"]) == (12, 2)
+    # Machines failed and every incident was decided on by the policy, quickly on this scale.
+    assert out["incidents"] >= 1, out
+    assert out["decision_p50_s"] is not None and 0 <= out["decision_p50_s"] <= out["decision_p99_s"], out
+    assert out["decision_p99_s"] < 30, out
+    # Actions were counted from the histories. Steady state: the first machine's 5 s reports are
+    # 720 an hour, the three peers' 20 s ones 540, search attributes at most 360; every machine
+    # at 5 s would be 2,880 reports.
+    steady = out["actions_per_job_hour"]
+    assert steady is not None and 500 < steady < 2500, out
+    assert out["actions_per_job_hour_with_failures"] > 0, out
+    assert out["max_history_events"] > 0 and out["history_events_per_job_day"] > 0, out
+
+
+def test_controller_scale_refuses_bad_input_naming_the_flag() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--jobs", "3", "--machines", "10", "--nodes-per-job", "4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert proc.returncode == 2
+    assert "--nodes-per-job" in proc.stderr and proc.stdout == ""

@@ -1,0 +1,88 @@
+"""How often a machine reports: the job's first machine at the progress rate, the others at theirs."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from types import SimpleNamespace
+from typing import Any
+
+from activities import rank_session
+from activities.rank_session import RankSession
+from trainguard.reporting import report_interval
+from trainguard.spec import DetectionSpec
+
+
+def test_without_a_peer_interval_every_machine_reports_at_the_progress_rate() -> None:
+    det = DetectionSpec(progress_interval_s=5.0)
+    assert [report_interval(det, i, news=False) for i in range(4)] == [5.0] * 4
+
+
+def test_the_first_machine_reports_the_job_and_the_others_report_less_often() -> None:
+    det = DetectionSpec(progress_interval_s=60.0, peer_report_interval_s=600.0)
+    assert report_interval(det, 0, news=False) == 60.0
+    assert report_interval(det, 1, news=False) == 600.0
+    assert report_interval(det, 7, news=False) == 600.0
+
+
+def test_news_goes_at_the_progress_rate_from_every_machine() -> None:
+    det = DetectionSpec(progress_interval_s=60.0, peer_report_interval_s=600.0)
+    assert report_interval(det, 5, news=True) == 60.0
+
+
+def test_a_peer_interval_below_the_progress_interval_never_reports_faster() -> None:
+    det = DetectionSpec(progress_interval_s=60.0, peer_report_interval_s=10.0)
+    assert report_interval(det, 3, news=False) == 60.0
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def monotonic(self) -> float:
+        return self.t
+
+
+async def _send_times(monkeypatch: Any, node_index: int, sends: int) -> list[float]:
+    """When an agent's RankSession sends its reports, on a fake clock, ranks always stepping."""
+    clock = _Clock()
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds: float) -> None:
+        clock.t += seconds
+        await real_sleep(0)
+
+    monkeypatch.setattr(rank_session, "time", clock)
+    monkeypatch.setattr(rank_session, "asyncio", SimpleNamespace(sleep=sleep))
+    session: Any = RankSession.__new__(RankSession)
+    session.spec = SimpleNamespace(
+        detection=DetectionSpec(progress_interval_s=60.0, peer_report_interval_s=600.0)
+    )
+    session.inp = SimpleNamespace(node_index=node_index)
+    session.first_step_at = datetime.now(UTC)
+    session._first_step_sent = False
+    session._progress_dirty = asyncio.Event()
+    session._progress_dirty.set()
+    sent: list[float] = []
+    done = asyncio.Event()
+
+    async def flush() -> bool:
+        sent.append(clock.t)
+        session._progress_dirty.set()  # the ranks stepped again meanwhile
+        if len(sent) >= sends:
+            done.set()
+        return True
+
+    session._flush_progress = flush
+    loop = asyncio.create_task(session._progress_loop())
+    await done.wait()
+    loop.cancel()
+    return sent
+
+
+async def test_an_agent_reports_at_its_machines_interval(monkeypatch: Any) -> None:
+    peer = await _send_times(monkeypatch, node_index=3, sends=4)
+    # The first step goes at once, then one routine report every peer interval.
+    assert peer == [1000.0, 1600.0, 2200.0, 2800.0]
+    first = await _send_times(monkeypatch, node_index=0, sends=4)
+    assert first == [1000.0, 1060.0, 1120.0, 1180.0]
