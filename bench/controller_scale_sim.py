@@ -32,7 +32,7 @@ from datetime import UTC, datetime, timedelta
 
 from temporalio import activity
 from temporalio.client import Client
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from activities.pool import PoolActivities
@@ -321,21 +321,6 @@ class SimMachine:
         return 0
 
 
-async def register(client: Client, info: NodeInfo, rng: random.Random) -> None:
-    """Join the pool; hundreds of agents at once meet the server's limit on in-flight updates
-    per workflow (RESOURCE_EXHAUSTED), so back off with jitter and try again."""
-    delay = 0.2
-    while True:
-        try:
-            await pool_client.register(client, info)
-            return
-        except RPCError as exc:
-            if exc.status != RPCStatusCode.RESOURCE_EXHAUSTED:
-                raise
-        await asyncio.sleep(delay * (0.5 + rng.random()))
-        delay = min(delay * 2, 5.0)
-
-
 async def run_agents(
     first: int, count: int, mtbf_s: float, evict_share: float, step_time_s: float, seed: int
 ) -> None:
@@ -356,7 +341,7 @@ async def run_agents(
         for m in machines
     ]
     runs = [asyncio.create_task(w.run()) for w in workers]
-    await asyncio.gather(*(register(client, m.info, m.rng) for m in machines))
+    await asyncio.gather(*(pool_client.register(client, m.info) for m in machines))
     log.info("%d simulated machines registered", count)
     try:
         await asyncio.gather(*runs)

@@ -6,10 +6,13 @@ controller) creates the pool and nobody has to start it by hand.
 
 from __future__ import annotations
 
+import asyncio
+import random
 from typing import Any, TypeVar
 
 from temporalio.client import Client, WithStartWorkflowOperation
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.service import RPCError, RPCStatusCode
 
 from trainguard.models import (
     CONTROLLER_QUEUE,
@@ -45,8 +48,18 @@ async def _update(
     )
 
 
-async def register(client: Client, info: NodeInfo) -> PoolNode:
-    return await _update(client, "register", info, PoolNode)
+async def register(client: Client, info: NodeInfo, max_delay_s: float = 5.0) -> PoolNode:
+    """Join the pool. Hundreds of agents starting at once meet the server's limit on in-flight
+    updates per workflow (RESOURCE_EXHAUSTED): back off with jitter and try again."""
+    delay = 0.2
+    while True:
+        try:
+            return await _update(client, "register", info, PoolNode)
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.RESOURCE_EXHAUSTED:
+                raise
+        await asyncio.sleep(delay * (0.5 + random.random()))
+        delay = min(delay * 2, max_delay_s)
 
 
 async def deregister(client: Client, name: str) -> None:
