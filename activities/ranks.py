@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
+from collections import OrderedDict
 from datetime import timedelta
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from trainguard.storage import S3Store
 HEARTBEAT_EVERY = timedelta(seconds=2)
 # How long ranks keep running with no activity attached (covers continue-as-new).
 ORPHAN_TIMEOUT_S = 120.0
+STOPPED_KEPT = 256  # stops remembered for attempts not running here
 
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -83,6 +85,8 @@ class RankActivities:
         self.code_dir = code_dir
         self.host = host
         self.sessions: dict[tuple[str, int], RankSession] = {}
+        # Attempts told to stop before (or while) their ranks started here: (job, attempt, chain).
+        self.stopped: OrderedDict[tuple[str, int, str], None] = OrderedDict()
 
     def rank_pids(self) -> dict[int, int]:
         """Rank -> pid of every rank this agent runs now (for the host probe)."""
@@ -100,6 +104,16 @@ class RankActivities:
             {f"{job} attempt {attempt}" for (job, attempt), s in self.sessions.items() if not s.done}
         )
         return f"ranks of {', '.join(jobs)} still run" if jobs else None
+
+    def mark_stopped(self, job_id: str, attempt: int, chain: str) -> None:
+        """A stop came for an attempt whose ranks are not (yet) running here: a run_ranks that
+        arrives later (its task was still queued) must not start them and run until cancelled."""
+        self.stopped[(job_id, attempt, chain)] = None
+        while len(self.stopped) > STOPPED_KEPT:
+            self.stopped.popitem(last=False)
+
+    def _stopped_result(self, inp: RunRanksInput) -> RunRanksResult:
+        return RunRanksResult(node=inp.node.name, attempt=inp.attempt, ok=False, message="ranks stopped")
 
     async def _signal(self, workflow_id: str, report: ProgressReport) -> None:
         await self.client.get_workflow_handle(workflow_id).signal("progress", report)
@@ -132,6 +146,8 @@ class RankActivities:
                     gone=True,
                     message=f"ranks of attempt {inp.attempt} are no longer running on {inp.node.name}",
                 )
+            if (inp.job_id, inp.attempt, inp.chain) in self.stopped:
+                return self._stopped_result(inp)
             await self._stop_older_attempts(inp.job_id, inp.attempt, inp.chain)
 
             async def send(report: ProgressReport) -> None:
@@ -161,6 +177,8 @@ class RankActivities:
                     # Whatever stopped the start, a session that never ran must not linger.
                     del self.sessions[key]
                     await sess.kill()
+            if (inp.job_id, inp.attempt, inp.chain) in self.stopped:
+                await sess.kill()  # told to stop while its ranks were starting
         token = object()
         sess.adopt(token)
         try:

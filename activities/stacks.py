@@ -97,6 +97,8 @@ class StackActivities:
         """Stop what is left of an attempt's ranks here (after their stacks were taken)."""
         assert self.ranks is not None
         sess = self.ranks.sessions.get((req.job_id, req.attempt))
+        if sess is None or not sess.started:
+            self.ranks.mark_stopped(req.job_id, req.attempt, req.chain)
         if sess is None or not sess.live_pids():
             return False
         await sess.kill()

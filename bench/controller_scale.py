@@ -29,12 +29,13 @@ import argparse
 import asyncio
 import json
 import math
+import signal
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +140,9 @@ def unsteady_spans(status: dict[str, Any], settle_s: float) -> list[tuple[dateti
     return spans
 
 
-def analyse_job(runs: list[list[Any]], status: dict[str, Any], settle_s: float) -> dict[str, Any]:
+def analyse_job(
+    runs: list[list[Any]], status: dict[str, Any], settle_s: float, stopped_at: datetime
+) -> dict[str, Any]:
     events = [e for run in runs for e in run]
     times = [e.event_time.ToDatetime().replace(tzinfo=None) for e in events]
     start, end = min(times), max(times)
@@ -151,7 +154,7 @@ def analyse_job(runs: list[list[Any]], status: dict[str, Any], settle_s: float) 
         steady_from = max(
             steady_from, datetime.fromisoformat(first_step).replace(tzinfo=None) + timedelta(seconds=settle_s)
         )
-    steady_to = end - timedelta(seconds=settle_s)  # the stop and its release
+    steady_to = min(end, stopped_at.replace(tzinfo=None))  # the stop and its release are not
 
     def steady(t: datetime) -> bool:
         return steady_from <= t <= steady_to and not any(a <= t <= b for a, b in spans)
@@ -239,6 +242,7 @@ async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
             f"{sum(len(s.get('incidents', [])) for s in ok)}, phases "
             f"{sorted({s.get('phase') for s in ok})}"
         )
+    stopped_at = datetime.now(UTC)
     for job in jobs:
         await client.job(job).stop("controller-scale bench over")
 
@@ -247,12 +251,15 @@ async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
         return all(s.get("phase") in TERMINAL for s in statuses)
 
     await wait_for("the jobs to stop", all_ended, END_TIMEOUT_S)
-    return await collect(client, jobs, args)
+    return await collect(client, jobs, args, stopped_at)
 
 
-async def collect(client: TrainguardClient, jobs: list[str], args: argparse.Namespace) -> dict[str, Any]:
+async def collect(
+    client: TrainguardClient, jobs: list[str], args: argparse.Namespace, stopped_at: datetime
+) -> dict[str, Any]:
     settle_s = args.progress_interval_s
     latencies: list[float] = []
+    slowest: list[tuple[float, str]] = []
     per_job = []
     incidents = evictions = 0
     for job in jobs:
@@ -262,8 +269,10 @@ async def collect(client: TrainguardClient, jobs: list[str], args: argparse.Name
             evictions += len(inc.get("evicted", []))
             if inc.get("decided_at"):
                 decided = datetime.fromisoformat(inc["decided_at"])
-                latencies.append((decided - datetime.fromisoformat(inc["detected_at"])).total_seconds())
-        per_job.append(analyse_job(await job_histories(client.temporal, job), status, settle_s))
+                latency = (decided - datetime.fromisoformat(inc["detected_at"])).total_seconds()
+                latencies.append(latency)
+                slowest.append((latency, f"{job} {inc['id']} {inc['kind']} -> {inc['action']}"))
+        per_job.append(analyse_job(await job_histories(client.temporal, job), status, settle_s, stopped_at))
     job_hours = sum(j["span_s"] for j in per_job) / 3600
     steady_hours = sum(j["steady_s"] for j in per_job) / 3600
     events = sum(j["events"] for j in per_job)
@@ -277,6 +286,7 @@ async def collect(client: TrainguardClient, jobs: list[str], args: argparse.Name
         "decision_p50_s": _round(statistics.median(latencies) if latencies else None),
         "decision_p99_s": _round(percentile(latencies, 0.99)),
         "decision_max_s": _round(max(latencies, default=None)),
+        "slowest_decisions": [f"{t:.3f} s: {what}" for t, what in sorted(slowest, reverse=True)[:3]],
         "actions_per_job_hour": _round(sum(j["steady_actions"] for j in per_job) / steady_hours, 1)
         if steady_hours
         else None,
@@ -341,6 +351,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # SIGTERM tears the private stack down too (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     state_dir = Path(tempfile.mkdtemp(prefix="tg-scale-"))
     t0 = time.monotonic()
     try:

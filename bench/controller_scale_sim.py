@@ -77,6 +77,7 @@ STARTUP_S = 1.0  # launch to first step: warm standbys
 HEARTBEAT_EVERY_S = 5.0  # the SDK sends at most one per 0.8 x the heartbeat timeout
 ORPHAN_S = 120.0  # ranks whose activity was cancelled without a stop wait this long for an attach
 FAKE_SHA = "0" * 64
+REGISTER_AT_ONCE = 4
 
 
 def machine_name(i: int) -> str:
@@ -224,6 +225,7 @@ class SimMachine:
         self.client, self.name, self.rng = client, name, rng
         self.mtbf_s, self.evict_share, self.step_time_s = mtbf_s, evict_share, step_time_s
         self.sessions: dict[tuple[str, int], Session] = {}
+        self.stopped: set[tuple[str, int, str]] = set()
         self.reports = 0
         self.incidents = 0
 
@@ -251,6 +253,9 @@ class SimMachine:
         if inp.dry_run:
             return RunRanksResult(node=self.name, attempt=inp.attempt, ok=True)
         session = self.sessions.get(key)
+        if session is None and (inp.job_id, inp.attempt, inp.chain) in self.stopped:
+            # Stopped before its task reached us, as the real agent does (activities/ranks.py).
+            return RunRanksResult(node=self.name, attempt=inp.attempt, ok=False, message="ranks stopped")
         if session is None:
             if inp.attach_only:
                 return RunRanksResult(
@@ -278,6 +283,8 @@ class SimMachine:
     @activity.defn(name="stop_ranks")
     async def stop_ranks(self, req: StopRanksRequest) -> bool:
         session = self.sessions.get((req.job_id, req.attempt))
+        if session is None:
+            self.stopped.add((req.job_id, req.attempt, req.chain))
         if session is None or session.result.done():
             return False
         session.stop()
@@ -341,7 +348,14 @@ async def run_agents(
         for m in machines
     ]
     runs = [asyncio.create_task(w.run()) for w in workers]
-    await asyncio.gather(*(pool_client.register(client, m.info) for m in machines))
+    # A few at a time: every registration is an update of the one pool workflow.
+    gate = asyncio.Semaphore(REGISTER_AT_ONCE)
+
+    async def join(m: SimMachine) -> None:
+        async with gate:
+            await pool_client.register(client, m.info)
+
+    await asyncio.gather(*(join(m) for m in machines))
     log.info("%d simulated machines registered", count)
     try:
         await asyncio.gather(*runs)

@@ -312,6 +312,9 @@ class StackFinding(Msg):
 class StopRanksRequest(Msg):
     job_id: str
     attempt: int
+    # The job run (RunRanksInput.chain): a stop that arrives before its attempt's ranks is kept
+    # for them, and must not stop a later run's attempt of the same number.
+    chain: str = ""
 
 
 class DiagnosticRequest(Msg):

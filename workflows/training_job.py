@@ -494,14 +494,18 @@ class TrainingJobWorkflow:
         self.s.running = None
         return _AttemptOutcome(kind="update")
 
+    def _stop_request(self, attempt: int, job_id: str | None = None) -> StopRanksRequest:
+        # The run's chain: a machine that gets the stop before the attempt's run_ranks refuses it then.
+        return StopRanksRequest(
+            job_id=job_id or self.s.spec.name, attempt=attempt, chain=workflow.info().first_execution_run_id
+        )
+
     async def _stop_ranks_now(self, handles: dict[str, Any]) -> None:
         """Stop the attempt's ranks on purpose (user stop, code update), keeping what they saved."""
         run = self.s.running
         assert run is not None
         # Directly: a cancellation reaches the agents only with their next heartbeat, seconds later.
-        await self._on_every_machine(
-            "stop_ranks", StopRanksRequest(job_id=self.s.spec.name, attempt=run.attempt), bool
-        )
+        await self._on_every_machine("stop_ranks", self._stop_request(run.attempt), bool)
         await self._cancel_all(handles)
         for h in handles.values():
             # Machines whose ranks stop_ranks ended returned a result: it names their snapshots.
@@ -616,7 +620,7 @@ class TrainingJobWorkflow:
             if still and run is not None:
                 await self._on_every_machine(
                     "stop_ranks",
-                    StopRanksRequest(job_id=self.s.spec.name, attempt=run.attempt),
+                    self._stop_request(run.attempt),
                     bool,
                     only=still,
                 )
@@ -627,9 +631,7 @@ class TrainingJobWorkflow:
             # Ranks kept for their stacks are stopped now.
             run = self.s.running
             assert run is not None
-            await self._on_every_machine(
-                "stop_ranks", StopRanksRequest(job_id=self.s.spec.name, attempt=run.attempt), bool
-            )
+            await self._on_every_machine("stop_ranks", self._stop_request(run.attempt), bool)
         reports: list[IncidentReport] = [self.found] if self.found else []
         self.found = None
         for name, h in handles.items():
@@ -1298,9 +1300,7 @@ class TrainingJobWorkflow:
         ]
         results = await asyncio.gather(*runs, return_exceptions=True)
         # Ranks kept alive after a hang (for their stacks) are not needed here.
-        await self._on_every_machine(
-            "stop_ranks", StopRanksRequest(job_id=job_id, attempt=tag), bool, only=machines
-        )
+        await self._on_every_machine("stop_ranks", self._stop_request(tag, job_id), bool, only=machines)
         bad = []
         for node, r in zip(nodes, results, strict=True):
             if isinstance(r, BaseException):

@@ -1,0 +1,52 @@
+"""A stop that reaches a machine before its attempt's run_ranks (still queued) is kept: the late
+run_ranks then ends at once instead of starting ranks that only a cancellation would stop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from activities.ranks import STOPPED_KEPT, RankActivities
+from activities.stacks import StackActivities
+from trainguard.models import Endpoint, NodeInfo, RunRanksInput, StopRanksRequest
+from trainguard.spec import parse_spec
+
+
+def _agent(tmp_path: Path) -> RankActivities:
+    none: Any = None  # nothing below reaches the client, the store or the health monitor
+    return RankActivities(none, none, tmp_path, tmp_path, "127.0.0.1", none, none)
+
+
+def _inp(attempt: int, chain: str) -> RunRanksInput:
+    spec = parse_spec({"name": "job", "entrypoint": ["python", "train.py"], "nodes": 1, "target_steps": 5})
+    return RunRanksInput(
+        job_id="job",
+        workflow_id="job",
+        chain=chain,
+        attempt=attempt,
+        node=NodeInfo(name="node-1", task_queue="node-node-1"),
+        node_index=0,
+        ranks=[0],
+        spec=spec,
+        master=Endpoint(host="127.0.0.1", port=29500),
+        ckpt_prefix="checkpoints/job",
+    )
+
+
+async def test_a_stop_before_the_ranks_start_makes_their_run_end_at_once(tmp_path: Path) -> None:
+    agent = _agent(tmp_path)
+    stacks = StackActivities(agent.store, agent)
+    assert await stacks.stop_ranks(StopRanksRequest(job_id="job", attempt=2, chain="run-a")) is False
+    result = await agent.run_ranks(_inp(2, "run-a"))
+    assert (result.ok, result.message) == (False, "ranks stopped")  # what the workflow reads as stopped
+    assert agent.sessions == {}  # nothing was started
+    # The same attempt number of a later run of the job is not stopped by it.
+    assert ("job", 2, "run-b") not in agent.stopped
+
+
+def test_the_agent_remembers_a_bounded_number_of_stops(tmp_path: Path) -> None:
+    agent = _agent(tmp_path)
+    for attempt in range(STOPPED_KEPT + 10):
+        agent.mark_stopped("job", attempt, "run-a")
+    assert len(agent.stopped) == STOPPED_KEPT
+    assert ("job", 0, "run-a") not in agent.stopped and ("job", STOPPED_KEPT + 9, "run-a") in agent.stopped
