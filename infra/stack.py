@@ -93,6 +93,9 @@ class StackConfig(BaseModel):
     # 0 disables the listener; kept explicit so two stacks never share 8181 / 9101.
     iceberg_port: int
     lance_port: int
+    # Temporal dynamic config (KEY -> JSON value), e.g. one partition per task queue for a bench
+    # with hundreds of per-machine queues on the dev server's SQLite.
+    temporal_dynamic_config: dict[str, str] = {}
     access_key: str = Field(default_factory=_access_key)
     secret_key: SecretStr = Field(default_factory=_secret_key)
 
@@ -257,6 +260,8 @@ def temporal_argv(config: StackConfig, binary: str | None = None) -> list[str]:
         argv += ["--ui-port", str(config.temporal_ui_port), "--ui-disable-news-fetch"]
     for name, kind in SEARCH_ATTRIBUTES.items():
         argv += ["--search-attribute", f"{name}={kind}"]
+    for key, value in config.temporal_dynamic_config.items():
+        argv += ["--dynamic-config-value", f"{key}={value}"]
     return argv
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from temporalio.client import Client, WithStartWorkflowOperation
@@ -31,6 +32,7 @@ from trainguard.models import (
 )
 
 T = TypeVar("T")
+POOL_TASK_TIMEOUT = timedelta(seconds=60)
 
 
 async def _update(
@@ -42,6 +44,9 @@ async def _update(
         id=POOL_WORKFLOW_ID,
         task_queue=CONTROLLER_QUEUE,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        # Hundreds of machines make a long history: on a busy controller its replay can take more
+        # than the default 10 s, and a task that times out then only times out again.
+        task_timeout=POOL_TASK_TIMEOUT,
     )
     return await client.execute_update_with_start_workflow(
         name, arg, start_workflow_operation=op, id=update_id, result_type=result_type
