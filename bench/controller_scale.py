@@ -235,7 +235,11 @@ async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
     jobs = [f"scale-{j:03d}" for j in range(1, args.jobs + 1)]
     for job in jobs:
         spec = job_spec(job, args.nodes_per_job, args.step_time_s, args)
-        await client.submit(spec, search_attribute_interval_s=args.search_attribute_interval_s)
+        await client.submit(
+            spec,
+            search_attribute_interval_s=args.search_attribute_interval_s,
+            max_history_events=args.max_history_events,
+        )
     started = time.monotonic()
     log(f"{args.jobs} jobs submitted; training for {args.minutes:g} min")
     while (left := args.minutes * 60 - (time.monotonic() - started)) > 0:
@@ -309,6 +313,7 @@ async def collect(
             "persist_every_s": args.persist_every_s,
             "step_time_s": args.step_time_s,
             "mtbf_per_job_s": args.mtbf_s,
+            "max_history_events": args.max_history_events,
         },
     }
 
@@ -331,12 +336,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-report-interval-s", type=float, default=600.0, help="the other machines")
     p.add_argument("--search-attribute-interval-s", type=float, default=300.0)
     p.add_argument("--standby-per-job", type=int, default=1)
+    p.add_argument(
+        "--max-history-events", type=int, default=5000, help="a job continues as new past this many events"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     problems = []
     if args.machines < 1:
         problems.append("--machines: must be at least 1")
+    if args.max_history_events < 100:
+        problems.append("--max-history-events: must be at least 100")
     if args.jobs < 1:
         problems.append("--jobs: must be at least 1")
     if args.nodes_per_job < 1 or args.jobs * args.nodes_per_job > args.machines:

@@ -16,7 +16,7 @@ def test_controller_scale_measures_decisions_actions_and_history() -> None:
     argv = [
         sys.executable, str(BENCH), "--machines", "12", "--jobs", "2", "--nodes-per-job", "4",
         "--minutes", "1.5", "--mtbf-s", "30", "--progress-interval-s", "5", "--peer-report-interval-s", "20",
-        "--search-attribute-interval-s", "10", "--json",
+        "--search-attribute-interval-s", "10", "--max-history-events", "150", "--json",
     ]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=400, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -32,7 +32,9 @@ def test_controller_scale_measures_decisions_actions_and_history() -> None:
     steady = out["actions_per_job_hour"]
     assert steady is not None and 500 < steady < 2500, out
     assert out["actions_per_job_hour_with_failures"] > 0, out
-    assert out["max_history_events"] > 0 and out["history_events_per_job_day"] > 0, out
+    # Histories stay bounded: past 150 events a job continues as new (once its commits are in).
+    assert out["continued_as_new"] >= 1, out
+    assert 0 < out["max_history_events"] < 300 and out["history_events_per_job_day"] > 0, out
 
 
 def test_controller_scale_refuses_bad_input_naming_the_flag() -> None:
