@@ -55,13 +55,15 @@ async def _update(
 
 async def register(client: Client, info: NodeInfo, max_delay_s: float = 5.0) -> PoolNode:
     """Join the pool. Hundreds of agents starting at once meet the server's limit on in-flight
-    updates per workflow (RESOURCE_EXHAUSTED): back off with jitter and try again."""
+    updates per workflow (RESOURCE_EXHAUSTED) or have their update aborted (UNAVAILABLE): back
+    off with jitter and try again."""
     delay = 0.2
     while True:
         try:
             return await _update(client, "register", info, PoolNode)
         except RPCError as exc:
-            if exc.status != RPCStatusCode.RESOURCE_EXHAUSTED:
+            # Too many updates in flight, or the server aborted ours while it was busy: both pass.
+            if exc.status not in (RPCStatusCode.RESOURCE_EXHAUSTED, RPCStatusCode.UNAVAILABLE):
                 raise
         await asyncio.sleep(delay * (0.5 + random.random()))
         delay = min(delay * 2, max_delay_s)
