@@ -166,13 +166,17 @@ class JobHandle:
                 raise UnknownJob(self.job_id) from None
             # Queries need a controller; a finished job's final status is its result.
             if await self._describe_status() == ExecStatus.COMPLETED:
-                return await self._wf.result(result_type=dict)
+                return await self._final_status()
             raise ControllerUnavailable(self.job_id, exc) from None
         except WorkflowQueryFailedError:
             # A finished job needs no replay to answer: its result is its final status.
             if await self._describe_status() == ExecStatus.COMPLETED:
-                return await self._wf.result(result_type=dict)
+                return await self._final_status()
             raise
+
+    async def _final_status(self) -> dict[str, Any]:
+        # The result type belongs to the handle (WorkflowHandle.result takes none).
+        return await self.client.get_workflow_handle(self.job_id, result_type=dict).result()
 
     async def incidents(self) -> list[dict[str, Any]]:
         return list((await self.status())["incidents"])
