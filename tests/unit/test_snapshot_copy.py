@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import io
+import threading
+from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
+from trainguard.runtime.context import Context
+from trainguard.runtime.env import RankEnv
 from trainguard.runtime.state import SnapshotBuffers, detached_copy, param_hash
+from trainguard.spec import Topology
 
 
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -67,3 +74,78 @@ def test_buffers_are_reused_and_follow_the_state() -> None:
     assert param_hash(restored) == param_hash(model)
     grown = bufs.copy({"model": model.state_dict(), "extra": torch.ones(7)})
     assert torch.equal(grown["extra"], torch.ones(7))  # a new layout gets new buffers
+
+
+def test_deferred_tensors_are_filled_only_when_asked() -> None:
+    model, _ = _trained()
+    extra = torch.zeros(3)
+    owned = {p.data_ptr() for p in model.parameters()}
+    snap, rest = SnapshotBuffers().copy_deferred(
+        {"model": model.state_dict(), "extra": extra}, lambda t: t.data_ptr() in owned
+    )
+    extra += 1  # not deferred: the copy already holds the old value
+    assert torch.equal(snap["extra"], torch.zeros(3))
+    rest()
+    assert torch.equal(snap["model"]["0.weight"], model.state_dict()["0.weight"])
+
+
+def _context(tmp_path: Path) -> Context:
+    env = RankEnv(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        master_addr="127.0.0.1",
+        master_port=1,
+        topology=Topology(),
+        target_steps=10,
+        ckpt_dir=str(tmp_path),
+        ckpt_every=1,
+    )
+    return Context(env)
+
+
+def test_the_next_optimizer_step_waits_for_the_snapshot_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snapshot thread copies parameters and optimizer state while the next step computes;
+    here it is held back until training reaches the fence, so a fence that did not wait would
+    let the optimizer change them first."""
+    ctx = _context(tmp_path)
+    model, opt = _trained()  # after the context: its optimizer step is seen
+    at_fence = threading.Event()
+    fence = ctx._fence
+
+    def fence_reached() -> None:
+        at_fence.set()
+        fence()
+
+    monkeypatch.setattr(ctx, "_fence", fence_reached)
+    deferred = SnapshotBuffers.copy_deferred
+
+    def held_back(self: SnapshotBuffers, state: Any, defer: Any) -> tuple[Any, Any]:
+        snap, rest = deferred(self, state, defer)
+
+        def late() -> None:
+            assert at_fence.wait(timeout=30), "training never reached the fence"
+            rest()
+
+        return snap, late
+
+    monkeypatch.setattr(SnapshotBuffers, "copy_deferred", held_back)
+    extra = torch.zeros(2)
+    before = param_hash(model)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "extra": extra}
+    path = ctx.save_checkpoint(1, state)
+    extra += 1  # copied at once, not by the snapshot thread
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    assert param_hash(model) != before
+    ctx.wait_snapshot()
+    saved = torch.load(path, weights_only=False)
+    restored, _ = _trained()
+    restored.load_state_dict(saved["model"])
+    assert param_hash(restored) == before
+    assert torch.equal(saved["extra"], torch.zeros(2))
+    assert ctx._fence_wait_s > 0  # charged to the next snapshot's blocking time
+    ctx.finish(param_hash(model))

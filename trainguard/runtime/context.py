@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainguard.runtime import backup, faults
 from trainguard.runtime.env import RankEnv, backup_shard_name, shard_name
@@ -63,6 +65,13 @@ class Context:
         self._snapshot: threading.Thread | None = None
         self._buffers = SnapshotBuffers()
         self._snapshot_error: BaseException | None = None
+        # Parameters and optimizer state are copied by the snapshot thread while the next step
+        # computes; every optimizer step first waits for that copy (the fence), since it is
+        # what changes them in place. Set when the snapshot in flight holds its copy.
+        self._copied: threading.Event | None = None
+        self._fence_wait_s = 0.0  # waited at fences since the last snapshot: blocking too
+        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._fence_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
         self._send_lock = threading.Lock()
 
     # -- process groups -------------------------------------------------------
@@ -102,6 +111,7 @@ class Context:
         data-parallel replicas can be compared (silent corruption makes them differ).
         """
         self._drilled_step = step
+        self._fence()  # drills may change parameters in place
         every = self.env.hash_every
         if every and step > 1 and (step - 1) % every == 0:
             # Parameters as the previous step left them: exactly what its checkpoint holds.
@@ -183,21 +193,55 @@ class Context:
         return step % self.env.ckpt_every == 0 or step == self.target_steps
 
     def save_checkpoint(self, step: int, state: dict[str, Any], started: float | None = None) -> Path:
-        """Snapshot ``step``: training is blocked only while ``state`` is copied (and while the
-        previous snapshot, if still in flight, finishes). Serializing, hashing, writing to the
-        memory tier and the peer backup run on a background thread, which tells the agent when
-        the shard is whole. Returns where the shard will be."""
+        """Snapshot ``step``. Training waits only for the previous snapshot, if it is still being
+        written, and for the copy of what the optimizer does not own (buffers, RNG, extras):
+        the parameters and optimizer state are copied by the snapshot thread while the next
+        step computes, and the next optimizer step waits for that copy. Serializing, hashing,
+        writing to the memory tier and the peer backup run on that thread too, which tells the
+        agent when the shard is whole. Returns where the shard will be."""
         t0 = time.monotonic() if started is None else started
         self.wait_snapshot()
-        copied = {"step": step, **self._buffers.copy(state)}
-        blocked = time.monotonic() - t0
+        owned = self._optimizer_tensors()
+        snap, copy_rest = self._buffers.copy_deferred(
+            state, lambda t: not t.is_cuda and t.data_ptr() in owned
+        )
+        copied = {"step": step, **snap}
+        blocked = time.monotonic() - t0 + self._fence_wait_s
+        self._fence_wait_s = 0.0
         path = self._shard_path(step)
+        self._copied = threading.Event()
         # Daemon: a rank that dies mid-snapshot (its peer gone) must still exit.
         self._snapshot = threading.Thread(
-            target=self._write_snapshot, args=(step, copied, path, blocked), daemon=True
+            target=self._write_snapshot,
+            args=(step, copied, path, blocked, copy_rest, self._copied),
+            daemon=True,
         )
         self._snapshot.start()
         return path
+
+    def _optimizer_tensors(self) -> set[int]:
+        """Storage addresses of the parameters and state of every optimizer seen stepping:
+        only an optimizer step changes them, so the fence makes a deferred copy of them safe."""
+        owned: set[int] = set()
+        for opt in list(self._optimizers):
+            for group in opt.param_groups:
+                owned.update(p.data_ptr() for p in group["params"])
+            for st in opt.state.values():
+                owned.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+        owned.discard(0)  # empty tensors
+        return owned
+
+    def _before_optimizer_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._optimizers.add(opt)
+        self._fence()
+
+    def _fence(self) -> None:
+        """Wait until the snapshot in flight has copied the parameters and optimizer state."""
+        copied = self._copied
+        if copied is not None and not copied.is_set():
+            t0 = time.monotonic()
+            copied.wait()
+            self._fence_wait_s += time.monotonic() - t0
 
     def wait_snapshot(self) -> None:
         """Block until the snapshot in flight is written and backed up; re-raise its failure."""
@@ -208,8 +252,20 @@ class Context:
             err, self._snapshot_error = self._snapshot_error, None
             raise RuntimeError("the previous checkpoint snapshot failed") from err
 
-    def _write_snapshot(self, step: int, state: dict[str, Any], path: Path, blocked: float) -> None:
+    def _write_snapshot(
+        self,
+        step: int,
+        state: dict[str, Any],
+        path: Path,
+        blocked: float,
+        copy_rest: Callable[[], None],
+        copied: threading.Event,
+    ) -> None:
         try:
+            try:
+                copy_rest()
+            finally:
+                copied.set()  # a failed copy must not hold training at the fence
             buf = io.BytesIO()
             torch.save(state, buf)
             data = buf.getvalue()
@@ -242,6 +298,7 @@ class Context:
     def finish(self, param_hash: str) -> None:
         """Declare this rank done with the hash of its final parameters."""
         self.wait_snapshot()
+        self._fence_hook.remove()
         self._send({"t": "final", "step": self.target_steps, "param_hash": param_hash})
         if dist.is_initialized():
             dist.barrier()

@@ -52,11 +52,15 @@ def _map(obj: Any, tensor_fn: Callable[[torch.Tensor], Any]) -> Any:
         for k, v in obj.items():
             out[k] = _map(v, tensor_fn)
         if hasattr(obj, "_metadata"):  # state_dict versions, read back by load_state_dict
-            out._metadata = copy.deepcopy(obj._metadata)  # type: ignore[attr-defined]
+            md = obj._metadata  # type: ignore[attr-defined]
+            # {module: {"version": n, ...}}: plain values, so one level of copying is a deep copy.
+            out._metadata = md.__class__((k, dict(v)) for k, v in md.items())  # type: ignore[attr-defined]
         return out
     if isinstance(obj, list):
         return [_map(v, tensor_fn) for v in obj]
-    if isinstance(obj, tuple) and type(obj) is tuple:
+    if type(obj) is tuple:
+        if all(type(v) in _IMMUTABLE for v in obj):  # the Python RNG state: 625 ints
+            return obj
         return tuple(_map(v, tensor_fn) for v in obj)
     return copy.deepcopy(obj)
 
@@ -69,7 +73,7 @@ def detached_copy(obj: Any) -> Any:
 class SnapshotBuffers:
     """CPU buffers a rank's snapshots are copied into, reused from one snapshot to the next.
 
-    The copy is the only part of a snapshot training waits for, so it is one batched
+    The copy is the part of a snapshot training may wait for, so it is one batched
     ``_foreach_copy_`` into buffers allocated once (pinned when there is a GPU), not a
     Python-level clone per tensor: each of those would give up and re-take the GIL that
     the background writer of the previous snapshot may be holding. Callers must not copy
@@ -78,20 +82,51 @@ class SnapshotBuffers:
 
     def __init__(self) -> None:
         self._bufs: list[torch.Tensor] = []
-        self._layout: list[tuple[tuple[int, ...], torch.dtype]] = []
 
     def copy(self, state: Any) -> Any:
-        tensors: list[torch.Tensor] = []
-        _map(state, tensors.append)
-        srcs = [t.detach() for t in tensors]
-        layout = [(tuple(t.shape), t.dtype) for t in srcs]
-        if layout != self._layout:
-            pin = torch.cuda.is_available()
-            self._bufs = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for t in srcs]
-            self._layout = layout
-        if srcs:
-            torch._foreach_copy_(self._bufs, srcs, non_blocking=True)
-            if any(t.is_cuda for t in srcs):
-                torch.cuda.synchronize()
-        it = iter(self._bufs)
-        return _map(state, lambda _t: next(it))
+        """``state`` with every tensor replaced by its buffer, filled now."""
+        out, rest = self.copy_deferred(state, None)
+        rest()
+        return out
+
+    def copy_deferred(
+        self, state: Any, defer: Callable[[torch.Tensor], bool] | None
+    ) -> tuple[Any, Callable[[], None]]:
+        """Like :meth:`copy`, but the tensors ``defer`` picks are filled only when the returned
+        function is called (by the snapshot thread, while the next step computes)."""
+        # One pass over the state: each tensor is swapped for its buffer (reused when its shape
+        # and dtype still fit); then one batched copy for each group.
+        bufs: list[torch.Tensor] = self._bufs
+        now: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        later: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        count = 0
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            nonlocal count
+            src = t.detach()
+            if count == len(bufs):
+                bufs.append(_buffer_for(src))
+            elif bufs[count].shape != src.shape or bufs[count].dtype != src.dtype:
+                bufs[count] = _buffer_for(src)
+            dst = bufs[count]
+            count += 1
+            group = later if defer is not None and defer(src) else now
+            group[0].append(dst)
+            group[1].append(src)
+            return dst
+
+        out = _map(state, take)
+        del bufs[count:]
+        _copy_into(*now)
+        return out, lambda: _copy_into(*later)
+
+
+def _copy_into(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    if srcs:
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        if any(t.is_cuda for t in srcs):
+            torch.cuda.synchronize()
+
+
+def _buffer_for(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
