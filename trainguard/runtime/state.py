@@ -103,11 +103,13 @@ class SnapshotBuffers:
 
         def take(t: torch.Tensor) -> torch.Tensor:
             nonlocal count
-            src = t.detach()
+            src = t.detach() if t.requires_grad else t  # state dicts hold detached tensors already
             if count == len(bufs):
                 bufs.append(_buffer_for(src))
-            elif bufs[count].shape != src.shape or bufs[count].dtype != src.dtype:
-                bufs[count] = _buffer_for(src)
+            else:
+                dst = bufs[count]
+                if dst.dtype != src.dtype or dst.shape != src.shape:
+                    bufs[count] = _buffer_for(src)
             dst = bufs[count]
             count += 1
             group = later if defer is not None and defer(src) else now
