@@ -106,10 +106,8 @@ class SnapshotBuffers:
             src = t.detach() if t.requires_grad else t  # state dicts hold detached tensors already
             if count == len(bufs):
                 bufs.append(_buffer_for(src))
-            else:
-                dst = bufs[count]
-                if dst.dtype != src.dtype or dst.shape != src.shape:
-                    bufs[count] = _buffer_for(src)
+            elif bufs[count].dtype != src.dtype or bufs[count].shape != src.shape:
+                bufs[count] = _buffer_for(src)
             dst = bufs[count]
             count += 1
             group = later if defer is not None and defer(src) else now
