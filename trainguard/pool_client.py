@@ -2,12 +2,19 @@
 
 Every call is an update-with-start, so whichever process comes first (agent or
 controller) creates the pool and nobody has to start it by hand.
+
+All of a machine's pool work runs through one workflow, and the server lets at most
+10 updates wait on a workflow at once (more are refused with RESOURCE_EXHAUSTED; a
+busy server aborts some with UNAVAILABLE). A controller serving 50 jobs that reserve
+or release together would send 50: each process queues its own updates in a lane a
+few wide, and the idempotent calls retry the refusals with jittered backoff.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import weakref
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -33,11 +40,28 @@ from trainguard.models import (
 
 T = TypeVar("T")
 POOL_TASK_TIMEOUT = timedelta(seconds=60)
+LANE_WIDTH = 3  # pool updates one process keeps in flight
+_lanes: weakref.WeakKeyDictionary[Client, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+_PASSING = (RPCStatusCode.RESOURCE_EXHAUSTED, RPCStatusCode.UNAVAILABLE)
+
+
+def _lane(client: Client) -> asyncio.Semaphore:
+    lane = _lanes.get(client)
+    if lane is None:
+        lane = _lanes[client] = asyncio.Semaphore(LANE_WIDTH)
+    return lane
 
 
 async def _update(
-    client: Client, name: str, arg: Any, result_type: type[T], update_id: str | None = None
+    client: Client,
+    name: str,
+    arg: Any,
+    result_type: type[T],
+    update_id: str | None = None,
+    max_delay_s: float = 5.0,
 ) -> T:
+    """An idempotent pool update: queued in this process's lane, retried while the server
+    refuses or aborts it for being busy (the caller's own timeout bounds the wait)."""
     op = WithStartWorkflowOperation(
         "NodePoolWorkflow",
         None,
@@ -48,25 +72,23 @@ async def _update(
         # than the default 10 s, and a task that times out then only times out again.
         task_timeout=POOL_TASK_TIMEOUT,
     )
-    return await client.execute_update_with_start_workflow(
-        name, arg, start_workflow_operation=op, id=update_id, result_type=result_type
-    )
-
-
-async def register(client: Client, info: NodeInfo, max_delay_s: float = 5.0) -> PoolNode:
-    """Join the pool. Hundreds of agents starting at once meet the server's limit on in-flight
-    updates per workflow (RESOURCE_EXHAUSTED) or have their update aborted (UNAVAILABLE): back
-    off with jitter and try again."""
     delay = 0.2
     while True:
         try:
-            return await _update(client, "register", info, PoolNode)
+            async with _lane(client):
+                return await client.execute_update_with_start_workflow(
+                    name, arg, start_workflow_operation=op, id=update_id, result_type=result_type
+                )
         except RPCError as exc:
-            # Too many updates in flight, or the server aborted ours while it was busy: both pass.
-            if exc.status not in (RPCStatusCode.RESOURCE_EXHAUSTED, RPCStatusCode.UNAVAILABLE):
+            if exc.status not in _PASSING:
                 raise
         await asyncio.sleep(delay * (0.5 + random.random()))
         delay = min(delay * 2, max_delay_s)
+
+
+async def register(client: Client, info: NodeInfo, max_delay_s: float = 5.0) -> PoolNode:
+    """Join the pool; hundreds of agents starting at once back off and try again."""
+    return await _update(client, "register", info, PoolNode, max_delay_s=max_delay_s)
 
 
 async def deregister(client: Client, name: str) -> None:

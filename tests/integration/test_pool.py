@@ -122,3 +122,27 @@ async def test_a_machine_quarantined_while_no_retest_is_due_is_retested_on_time(
     finally:
         await pool_client.release(tg.temporal, "retest")
         await tg.configure_pool(PoolConfig())
+
+
+async def test_a_burst_of_pool_calls_from_one_process_all_land(
+    tg: TrainguardClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 40 jobs ending at once on one controller: the server takes 10 updates in flight per
+    # workflow and refuses the rest; the process's lane queues them instead.
+    client = tg.temporal
+    inner = client.execute_update_with_start_workflow
+    in_flight, most = 0, 0
+
+    async def counted(*args: object, **kwargs: object) -> object:
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        try:
+            return await inner(*args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            in_flight -= 1
+
+    monkeypatch.setattr(client, "execute_update_with_start_workflow", counted)
+    released = await asyncio.gather(*(pool_client.release(client, f"burst-{i}") for i in range(40)))
+    assert released == [0] * 40
+    assert 1 < most <= pool_client.LANE_WIDTH

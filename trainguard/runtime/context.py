@@ -8,7 +8,6 @@ later, real-time checks. A report never blocks on the network.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
 import os
@@ -30,7 +29,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainguard.runtime import backup, faults
 from trainguard.runtime.env import RankEnv, backup_shard_name, shard_name
-from trainguard.runtime.state import SnapshotBuffers, param_hash
+from trainguard.runtime.snapshots import Snapshot, SnapshotPipeline
+from trainguard.runtime.state import param_hash
 from trainguard.topology import GroupKind, all_groups, coords
 
 
@@ -62,13 +62,10 @@ class Context:
         # Backups travel on their own gloo group, from the snapshot thread, so they never
         # interleave with the training thread's collectives on the job's groups.
         self._backup_group: dist.ProcessGroup | None = None
-        self._snapshot: threading.Thread | None = None
-        self._buffers = SnapshotBuffers()
-        self._snapshot_error: BaseException | None = None
-        # Parameters and optimizer state are copied by the snapshot thread while the next step
+        self._snapshots = SnapshotPipeline(self._store_snapshot)
+        # Parameters and optimizer state are copied off the training thread while the next step
         # computes; every optimizer step first waits for that copy (the fence), since it is
-        # what changes them in place. Set when the snapshot in flight holds its copy.
-        self._copied: threading.Event | None = None
+        # what changes them in place.
         self._fence_wait_s = 0.0  # waited at fences since the last snapshot: blocking too
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._fence_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
@@ -193,30 +190,21 @@ class Context:
         return step % self.env.ckpt_every == 0 or step == self.target_steps
 
     def save_checkpoint(self, step: int, state: dict[str, Any], started: float | None = None) -> Path:
-        """Snapshot ``step``. Training waits only for the previous snapshot, if it is still being
-        written, and for the copy of what the optimizer does not own (buffers, RNG, extras):
-        the parameters and optimizer state are copied by the snapshot thread while the next
-        step computes, and the next optimizer step waits for that copy. Serializing, hashing,
-        writing to the memory tier and the peer backup run on that thread too, which tells the
-        agent when the shard is whole. Returns where the shard will be."""
+        """Snapshot ``step``. Training waits only for the copy of what the optimizer does not own
+        (buffers, RNG, extras), and for a free buffer set when the two snapshots before are
+        still being written: the parameters and optimizer state are copied off the training
+        thread while the next step computes, and the next optimizer step waits for that copy.
+        Serializing, hashing, writing to the memory tier and the peer backup follow in the
+        background (``trainguard.runtime.snapshots``), which tells the agent when the shard is
+        whole. Returns where the shard will be."""
         t0 = time.monotonic() if started is None else started
-        self.wait_snapshot()
+        buffers = self._snapshots.buffers()
         owned = self._optimizer_tensors()
-        snap, copy_rest = self._buffers.copy_deferred(
-            state, lambda t: not t.is_cuda and t.data_ptr() in owned
-        )
-        copied = {"step": step, **snap}
+        snap, copy_rest = buffers.copy_deferred(state, lambda t: not t.is_cuda and t.data_ptr() in owned)
         blocked = time.monotonic() - t0 + self._fence_wait_s
         self._fence_wait_s = 0.0
         path = self._shard_path(step)
-        self._copied = threading.Event()
-        # Daemon: a rank that dies mid-snapshot (its peer gone) must still exit.
-        self._snapshot = threading.Thread(
-            target=self._write_snapshot,
-            args=(step, copied, path, blocked, copy_rest, self._copied),
-            daemon=True,
-        )
-        self._snapshot.start()
+        self._snapshots.submit(step, {"step": step, **snap}, path, blocked, copy_rest)
         return path
 
     def _optimizer_tensors(self) -> set[int]:
@@ -236,57 +224,33 @@ class Context:
         self._fence()
 
     def _fence(self) -> None:
-        """Wait until the snapshot in flight has copied the parameters and optimizer state."""
-        copied = self._copied
-        if copied is not None and not copied.is_set():
-            t0 = time.monotonic()
-            copied.wait()
-            self._fence_wait_s += time.monotonic() - t0
+        """Wait until the newest snapshot has copied the parameters and optimizer state."""
+        self._fence_wait_s += self._snapshots.fence()
 
     def wait_snapshot(self) -> None:
-        """Block until the snapshot in flight is written and backed up; re-raise its failure."""
-        if self._snapshot is not None:
-            self._snapshot.join()
-            self._snapshot = None
-        if self._snapshot_error is not None:
-            err, self._snapshot_error = self._snapshot_error, None
-            raise RuntimeError("the previous checkpoint snapshot failed") from err
+        """Block until every snapshot handed over is written and backed up; re-raise a failure."""
+        self._snapshots.drain()
 
-    def _write_snapshot(
-        self,
-        step: int,
-        state: dict[str, Any],
-        path: Path,
-        blocked: float,
-        copy_rest: Callable[[], None],
-        copied: threading.Event,
-    ) -> None:
-        try:
-            try:
-                copy_rest()
-            finally:
-                copied.set()  # a failed copy must not hold training at the fence
-            buf = io.BytesIO()
-            torch.save(state, buf)
-            data = buf.getvalue()
-            # Hashed here, where the bytes already are: the agent need not read the file again.
-            digest = hashlib.sha256(data).hexdigest()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            # No fsync: this is the memory tier (tmpfs); os.replace makes it whole or absent.
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-            if self._backups is not None:
-                got = backup.exchange(
-                    self.rank, self._backups, data, self._backup_paths(step), self._backup_group
+    def _store_snapshot(self, snap: Snapshot, data: bytes) -> None:
+        """The writer thread's part: memory tier, peer backup, then the record for the agent."""
+        # Hashed here, where the bytes already are: the agent need not read the file again.
+        digest = hashlib.sha256(data).hexdigest()
+        path = snap.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        # No fsync: this is the memory tier (tmpfs); os.replace makes it whole or absent.
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        if self._backups is not None:
+            got = backup.exchange(
+                self.rank, self._backups, data, self._backup_paths(snap.step), self._backup_group
+            )
+            for of_rank, (size, sha) in got.items():
+                self._send(
+                    {"t": "backup", "step": snap.step, "of_rank": of_rank, "bytes": size, "sha256": sha}
                 )
-                for of_rank, (size, sha) in got.items():
-                    rec = {"t": "backup", "step": step, "of_rank": of_rank, "bytes": size, "sha256": sha}
-                    self._send(rec)
-            record = {"t": "ckpt", "step": step, "path": str(path), "bytes": len(data), "sha256": digest}
-            self._send({**record, "save_s": blocked})
-        except BaseException as exc:  # surfaced on the training thread by wait_snapshot
-            self._snapshot_error = exc
+        record = {"t": "ckpt", "step": snap.step, "path": str(path), "bytes": len(data), "sha256": digest}
+        self._send({**record, "save_s": snap.blocked_s})
 
     def maybe_save(self, step: int, state_fn: Callable[[], dict[str, Any]]) -> Path | None:
         """Save when the job's checkpoint interval (or the last step) says so."""

@@ -38,28 +38,32 @@ def param_hash(model: torch.nn.Module) -> str:
 
 
 _IMMUTABLE = frozenset({int, float, bool, str, bytes, type(None)})
+_immutable = _IMMUTABLE.__contains__
 
 
 def _map(obj: Any, tensor_fn: Callable[[torch.Tensor], Any]) -> Any:
     """``obj`` rebuilt with ``tensor_fn`` applied to each tensor, in a fixed order, and every
-    other leaf deep-copied (containers keep their type and a state dict its ``_metadata``)."""
-    if type(obj) in _IMMUTABLE:  # first: the RNG states are hundreds of ints, and a Tensor check is slow
+    other leaf deep-copied (containers keep their type and a state dict its ``_metadata``).
+    Leaves are handled inline, not by a call each: a snapshot walks this on the training thread."""
+    t = type(obj)
+    if t in _IMMUTABLE:
         return obj
-    if isinstance(obj, torch.Tensor):
+    if t is torch.Tensor or isinstance(obj, torch.Tensor):
         return tensor_fn(obj)
     if isinstance(obj, dict):
-        out = obj.__class__() if type(obj) in (dict, OrderedDict) else {}
+        out = obj.__class__() if t is dict or t is OrderedDict else {}
         for k, v in obj.items():
-            out[k] = _map(v, tensor_fn)
-        if hasattr(obj, "_metadata"):  # state_dict versions, read back by load_state_dict
-            md = obj._metadata  # type: ignore[attr-defined]
+            vt = type(v)
+            out[k] = v if vt in _IMMUTABLE else tensor_fn(v) if vt is torch.Tensor else _map(v, tensor_fn)
+        md = getattr(obj, "_metadata", None)
+        if md is not None:  # state_dict versions, read back by load_state_dict
             # {module: {"version": n, ...}}: plain values, so one level of copying is a deep copy.
             out._metadata = md.__class__((k, dict(v)) for k, v in md.items())  # type: ignore[attr-defined]
         return out
     if isinstance(obj, list):
         return [_map(v, tensor_fn) for v in obj]
-    if type(obj) is tuple:
-        if all(type(v) in _IMMUTABLE for v in obj):  # the Python RNG state: 625 ints
+    if t is tuple:
+        if all(map(_immutable, map(type, obj))):  # the Python RNG state: 625 ints
             return obj
         return tuple(_map(v, tensor_fn) for v in obj)
     return copy.deepcopy(obj)
@@ -104,11 +108,13 @@ class SnapshotBuffers:
         def take(t: torch.Tensor) -> torch.Tensor:
             nonlocal count
             src = t.detach() if t.requires_grad else t  # state dicts hold detached tensors already
-            if count == len(bufs):
-                bufs.append(_buffer_for(src))
-            elif bufs[count].dtype != src.dtype or bufs[count].shape != src.shape:
-                bufs[count] = _buffer_for(src)
-            dst = bufs[count]
+            if count < len(bufs):
+                dst = bufs[count]
+                if dst.dtype != src.dtype or dst.shape != src.shape:
+                    dst = bufs[count] = _buffer_for(src)
+            else:
+                dst = _buffer_for(src)
+                bufs.append(dst)
             count += 1
             group = later if defer is not None and defer(src) else now
             group[0].append(dst)

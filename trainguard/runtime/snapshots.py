@@ -1,0 +1,147 @@
+"""A rank's memory snapshots, finished off the training thread, up to two in flight.
+
+Training hands snapshot N over and goes on. It waits only
+- at the hand-over, while both buffer sets still hold snapshots not yet stored
+  (N-1 and N-2: the writer is more than a step behind), and
+- at the next optimizer step (the fence), until N's deferred copy is done.
+
+A copier thread fills the tensors whose copy was deferred and serializes the snapshot;
+a writer thread stores the bytes (hash, memory tier, peer backup), one snapshot at a
+time and in step order: the backup exchange is a collective that every rank must enter
+for the same step. With one thread doing both, the fence would wait behind the previous
+snapshot's backup exchange. A buffer set is reused only once its snapshot is stored,
+which bounds the memory in flight to DEPTH states and their bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainguard.runtime.state import SnapshotBuffers
+
+DEPTH = 2  # buffer sets: the CPU memory a rank's snapshots take is DEPTH times its state
+
+
+@dataclass
+class Snapshot:
+    step: int
+    state: Any  # the buffers' view of the state, complete once ``copied`` is set
+    path: Path
+    blocked_s: float  # how long training waited for this snapshot
+    copy_rest: Callable[[], None]
+    slot: int
+    copied: threading.Event = field(default_factory=threading.Event)
+
+
+class SnapshotPipeline:
+    """Copies, serializes and stores snapshots in order; ``store(snapshot, bytes)`` runs on
+    the writer thread. A failure is raised on the training thread at the next hand-over
+    (or :meth:`drain`); snapshots handed over after it are dropped until then."""
+
+    def __init__(self, store: Callable[[Snapshot, bytes], None], depth: int = DEPTH) -> None:
+        self._store = store
+        self._slots = [SnapshotBuffers() for _ in range(depth)]
+        self._free = [threading.Event() for _ in range(depth)]
+        for ev in self._free:
+            ev.set()
+        self._next = 0
+        self._latest: Snapshot | None = None
+        self._copy_q: queue.SimpleQueue[Snapshot] = queue.SimpleQueue()
+        self._write_q: queue.SimpleQueue[tuple[Snapshot, bytes]] = queue.SimpleQueue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._error: BaseException | None = None
+        self._started = False
+
+    def buffers(self) -> SnapshotBuffers:
+        """The buffer set the next snapshot copies into; waits while it is still in use.
+        Raises the failure of an earlier snapshot."""
+        self._free[self._next].wait()
+        self.raise_failure()
+        return self._slots[self._next]
+
+    def submit(
+        self, step: int, state: Any, path: Path, blocked_s: float, copy_rest: Callable[[], None]
+    ) -> None:
+        """Hand over the snapshot just copied into :meth:`buffers`."""
+        slot = self._next
+        self._free[slot].clear()
+        self._next = (slot + 1) % len(self._slots)
+        snap = Snapshot(step, state, path, blocked_s, copy_rest, slot)
+        with self._idle:
+            self._pending += 1
+        self._latest = snap
+        if not self._started:
+            # Daemons: a rank that dies mid-snapshot (its peer gone) must still exit.
+            threading.Thread(target=self._copier, name="snapshot-copy", daemon=True).start()
+            threading.Thread(target=self._writer, name="snapshot-write", daemon=True).start()
+            self._started = True
+        self._copy_q.put(snap)
+
+    def fence(self) -> float:
+        """Wait until the newest snapshot holds its copy; returns the seconds waited."""
+        snap = self._latest
+        if snap is None or snap.copied.is_set():
+            return 0.0
+        t0 = time.monotonic()
+        snap.copied.wait()
+        return time.monotonic() - t0
+
+    def drain(self) -> None:
+        """Wait until every snapshot handed over is stored (or dropped); raise a failure."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+        self.raise_failure()
+
+    def raise_failure(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("the previous checkpoint snapshot failed") from err
+
+    def _copier(self) -> None:
+        while True:
+            snap = self._copy_q.get()
+            data: bytes | None = None
+            try:
+                if self._error is None:
+                    try:
+                        snap.copy_rest()
+                    finally:
+                        snap.copied.set()  # a failed copy must not hold training at the fence
+                    buf = io.BytesIO()
+                    torch.save(snap.state, buf)
+                    data = buf.getvalue()
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                snap.copied.set()
+            if data is None:
+                self._done(snap)
+            else:
+                self._write_q.put((snap, data))
+
+    def _writer(self) -> None:
+        while True:
+            snap, data = self._write_q.get()
+            try:
+                if self._error is None:
+                    self._store(snap, data)
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                self._done(snap)
+
+    def _done(self, snap: Snapshot) -> None:
+        self._free[snap.slot].set()
+        with self._idle:
+            self._pending -= 1
+            self._idle.notify_all()
