@@ -61,7 +61,7 @@ from trainguard.runtime.env import (
     shard_name,
     step_dir_name,
 )
-from trainguard.runtime.warm import activatable
+from trainguard.runtime.warm import activatable, env_activatable
 from trainguard.storage import S3Store, sha256_file
 
 log = logging.getLogger(__name__)
@@ -255,7 +255,14 @@ class RankSession:
     async def _spawn(self, local_rank: int, rank: int) -> None:
         argv = resolve_argv(self.spec.entrypoint)
         out_path, err_path = self.log_dir / f"rank-{rank:05d}.out", self.log_dir / f"rank-{rank:05d}.err"
-        warm = self.warm.take() if self.warm and argv[0] == sys.executable and activatable(argv[1:]) else None
+        warm = (
+            self.warm.take()
+            if self.warm
+            and argv[0] == sys.executable
+            and activatable(argv[1:])
+            and env_activatable(self.spec.env, self.warm.env)
+            else None
+        )
         if warm is not None:
             try:
                 env = self._rank_env(local_rank, rank, warm.report_w)

@@ -52,6 +52,12 @@ class WarmPool:
         # importing torch would compete with them for the CPU.
         self.refill_delay_s = refill_delay_s
 
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment warm processes start with (a rank's job may not change its import-time part)."""
+        # Never the agent's credentials: the rank's code could read them in /proc/self/environ.
+        return {**inheritable_environ(), "PYTHONUNBUFFERED": "1"}
+
     def start(self) -> None:
         self._refill(0.0)
 
@@ -73,8 +79,7 @@ class WarmPool:
                 stdout=out,
                 stderr=out,
                 pass_fds=(w_fd,),
-                # Never the agent's credentials: the rank's code could read them in /proc/self/environ.
-                env={**inheritable_environ(), "PYTHONUNBUFFERED": "1"},
+                env=self.env,
                 start_new_session=True,
                 preexec_fn=self.preexec,
             )

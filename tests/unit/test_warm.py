@@ -9,13 +9,16 @@ from pathlib import Path
 import pytest
 
 from activities.warm_pool import WarmPool
-from trainguard.runtime.warm import activatable
+from trainguard.runtime.warm import activatable, env_activatable
 
 SCRIPT = """
 import os, sys
 os.write(int(os.environ["TG_REPORT_FD"]), b'{"t": "hello"}\\n')
 print("argv", sys.argv[1:], "cwd", os.path.basename(os.getcwd()), "job", os.environ["JOB_VAR"])
 print("warm-only", os.environ.get("WARM_ONLY"), file=sys.stderr)
+# Imported while waiting: torch imports torch._dynamo (seconds) lazily on a first step.
+early = ("torch._dynamo", "trainguard.runtime.context")
+print("preloaded", sorted(m for m in early if m in sys.modules), file=sys.stderr)
 sys.exit(3)
 """
 
@@ -36,6 +39,22 @@ def test_only_what_runs_exactly_as_cold_is_activatable(argv: list[str], ok: bool
     assert activatable(argv) is ok
 
 
+@pytest.mark.parametrize(
+    ("job_env", "ok"),
+    [
+        ({"GPT_SEQ_LEN": "32", "NCCL_DEBUG": "INFO"}, True),  # read after activation
+        ({"OMP_NUM_THREADS": "4"}, True),  # applied at activation
+        ({"PYTHONUNBUFFERED": "1"}, True),  # as the warm process has it
+        ({"TORCH_LOGS": "+dynamo"}, False),
+        ({"TORCHINDUCTOR_CACHE_DIR": "/x"}, False),
+        ({"PYTHONHASHSEED": "0"}, False),
+        ({"LD_PRELOAD": "/lib/x.so"}, False),
+    ],
+)
+def test_a_job_setting_what_torch_reads_at_import_starts_cold(job_env: dict[str, str], ok: bool) -> None:
+    assert env_activatable(job_env, {"PATH": "/bin", "PYTHONUNBUFFERED": "1"}) is ok
+
+
 async def test_an_activated_process_is_the_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "job.py").write_text(SCRIPT)
@@ -53,7 +72,10 @@ async def test_an_activated_process_is_the_rank(tmp_path: Path, monkeypatch: pyt
         os.close(w.report_w)
         assert await asyncio.wait_for(w.proc.wait(), 60) == 3
         assert out.read_text().strip() == "argv ['--lr', '0.1'] cwd code job j1"
-        assert err.read_text().strip() == "warm-only None"
+        assert err.read_text().splitlines() == [
+            "warm-only None",
+            "preloaded ['torch._dynamo', 'trainguard.runtime.context']",
+        ]
         assert os.read(w.report_r, 100) == b'{"t": "hello"}\n'
         os.close(w.report_r)
         # A replacement is on its way.

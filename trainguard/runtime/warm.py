@@ -11,7 +11,9 @@ would have been, with the rank's environment, working directory and log files.
 Activation line: ``{"argv": [...], "env": {...}, "cwd": "...", "stdout": path,
 "stderr": path}``; ``argv`` is the entrypoint after the interpreter. Anything
 that cannot be reproduced exactly (interpreter flags other than -u, -B, -s, -E)
-is refused by :func:`activatable` and the agent starts the rank cold.
+is refused by :func:`activatable` and the agent starts the rank cold, as is a
+job whose environment sets a variable read when the interpreter or torch starts
+(:func:`env_activatable`).
 """
 
 from __future__ import annotations
@@ -22,9 +24,17 @@ import json
 import os
 import runpy
 import sys
+from collections.abc import Mapping
 
 # Flags a warm process honours: unbuffered output (already set), no bytecode, no user site.
 HARMLESS_FLAGS = ("-u", "-B", "-s", "-E")
+# What a rank imports before its first step. torch._dynamo alone is 1.7 s on a 2-core machine:
+# torch imports it lazily on the first torch.use_deterministic_algorithms, torch.compile or
+# compiled optimizer step, which would put it on the restart's critical path.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "trainguard.runtime.context")
+# Read when the interpreter starts or torch is imported: a warm process has read the agent's.
+# OMP_NUM_THREADS is the exception that ``become`` applies after the fact.
+IMPORT_TIME_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "LD_", "MKL_", "KMP_", "OMP_")
 
 
 def activatable(argv: list[str]) -> bool:
@@ -37,6 +47,16 @@ def activatable(argv: list[str]) -> bool:
     if argv[i] == "-m":
         return i + 1 < len(argv)
     return not argv[i].startswith("-")
+
+
+def env_activatable(job_env: Mapping[str, str], warm_env: Mapping[str, str]) -> bool:
+    """Whether a warm process started with ``warm_env`` runs a rank whose job sets ``job_env``
+    exactly as a cold start would: no import-time variable of the job's differs."""
+    return all(
+        warm_env.get(k) == v
+        for k, v in job_env.items()
+        if k.startswith(IMPORT_TIME_PREFIXES) and k != "OMP_NUM_THREADS"
+    )
 
 
 def _redirect(fd: int, path: str) -> None:
@@ -75,7 +95,7 @@ def become(act: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preload", default="torch,torch.distributed", help="modules to import while waiting")
+    p.add_argument("--preload", default=",".join(PRELOAD), help="modules to import while waiting")
     args = p.parse_args()
     # Nothing of the launcher's own path may leak into the rank's imports.
     if sys.path and sys.path[0] in ("", os.getcwd()):
