@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,12 @@ class WarmProc:
     proc: asyncio.subprocess.Process
     report_r: int  # the agent's end of the report pipe
     report_w: int  # the number the rank writes to (inherited at start)
+
+    def preloaded(self) -> bool:
+        """Whether the process announced the end of its preload (READY_LINE, left in the pipe
+        for the rank's reader, which ignores it)."""
+        readable, _, _ = select.select([self.report_r], [], [], 0)
+        return bool(readable)
 
     async def activate(
         self, argv: list[str], env: dict[str, str], cwd: str, stdout: Path, stderr: Path
@@ -75,6 +82,8 @@ class WarmPool:
                 sys.executable,
                 "-m",
                 "trainguard.runtime.warm",
+                "--ready-fd",
+                str(w_fd),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=out,
                 stderr=out,
@@ -102,15 +111,15 @@ class WarmPool:
                 return
 
     def take(self) -> WarmProc | None:
-        """A ready process (its replacement follows after ``refill_delay_s``), or None: start
-        the rank cold."""
-        taken = None
-        while self.ready and taken is None:
-            w = self.ready.pop(0)
-            if w.proc.returncode is None:
-                taken = w
-            else:
-                self._close(w)  # died while waiting
+        """A process that has finished its preload if there is one, else the oldest still
+        importing (sooner ready than a cold start); None: start the rank cold. Its replacement
+        follows after ``refill_delay_s``."""
+        for w in [w for w in self.ready if w.proc.returncode is not None]:
+            self.ready.remove(w)
+            self._close(w)  # died while waiting
+        taken = next((w for w in self.ready if w.preloaded()), self.ready[0] if self.ready else None)
+        if taken is not None:
+            self.ready.remove(taken)
         self._refill(self.refill_delay_s)
         return taken
 

@@ -131,14 +131,16 @@ def is_action(event: Any) -> bool:
 
 
 def unsteady_spans(status: dict[str, Any], settle_s: float) -> list[tuple[datetime, datetime]]:
-    """From each incident's report until ``settle_s`` after the job trained again."""
+    """From each incident's report until ``settle_s`` after the job trained again (to the end of
+    time for one it never recovered from: a job that gave up)."""
     spans = []
     for inc in status.get("incidents", []):
         start = datetime.fromisoformat(inc["detected_at"])
-        end = datetime.fromisoformat(inc["recovered_at"]) if inc.get("recovered_at") else None
-        spans.append(
-            (start, (end or datetime.max.replace(tzinfo=start.tzinfo)) + timedelta(seconds=settle_s))
-        )
+        if inc.get("recovered_at"):
+            end = datetime.fromisoformat(inc["recovered_at"]) + timedelta(seconds=settle_s)
+        else:
+            end = datetime.max.replace(tzinfo=start.tzinfo)
+        spans.append((start, end))
     return spans
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from activities.warm_pool import WarmPool
-from trainguard.runtime.warm import activatable, env_activatable
+from activities.warm_pool import WarmPool, WarmProc
+from trainguard.runtime.warm import READY_LINE, activatable, env_activatable
 
 SCRIPT = """
 import os, sys
@@ -76,10 +76,28 @@ async def test_an_activated_process_is_the_rank(tmp_path: Path, monkeypatch: pyt
             "warm-only None",
             "preloaded ['torch._dynamo', 'trainguard.runtime.context']",
         ]
-        assert os.read(w.report_r, 100) == b'{"t": "hello"}\n'
+        # The preload's announcement, then the rank's own report.
+        assert os.read(w.report_r, 100) == READY_LINE + b'{"t": "hello"}\n'
         os.close(w.report_r)
         # A replacement is on its way.
         while not pool.ready:
             await asyncio.sleep(0.05)
     finally:
         await pool.stop()
+
+
+class _Alive:
+    returncode = None
+
+
+def test_a_preloaded_process_is_handed_out_before_one_still_importing(tmp_path: Path) -> None:
+    pool = WarmPool(0, tmp_path, lambda: None)  # size 0: take() starts no replacement
+    pipes = [os.pipe(), os.pipe()]
+    importing, preloaded = (WarmProc(_Alive(), r, w) for r, w in pipes)  # type: ignore[arg-type]
+    os.write(preloaded.report_w, READY_LINE)
+    pool.ready = [importing, preloaded]
+    assert pool.take() is preloaded
+    assert pool.take() is importing  # still sooner than a cold start
+    assert pool.take() is None
+    for fd in (fd for pair in pipes for fd in pair):
+        os.close(fd)

@@ -49,6 +49,11 @@ def activatable(argv: list[str]) -> bool:
     return not argv[i].startswith("-")
 
 
+# Written to the report pipe once the preload is done: the agent hands out preloaded processes
+# first. The rank's own reports follow on the same pipe; the agent ignores this record there.
+READY_LINE = b'{"t": "warm"}\n'
+
+
 def env_activatable(job_env: Mapping[str, str], warm_env: Mapping[str, str]) -> bool:
     """Whether a warm process started with ``warm_env`` runs a rank whose job sets ``job_env``
     exactly as a cold start would: no import-time variable of the job's differs."""
@@ -96,12 +101,15 @@ def become(act: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preload", default=",".join(PRELOAD), help="modules to import while waiting")
+    p.add_argument("--ready-fd", type=int, help="report pipe to announce the end of the preload on")
     args = p.parse_args()
     # Nothing of the launcher's own path may leak into the rank's imports.
     if sys.path and sys.path[0] in ("", os.getcwd()):
         sys.path.pop(0)
     for mod in filter(None, args.preload.split(",")):
         importlib.import_module(mod)
+    if args.ready_fd is not None:
+        os.write(args.ready_fd, READY_LINE)
     line = sys.stdin.readline()
     if not line:
         sys.exit(0)  # the agent retired this process without using it
