@@ -127,8 +127,7 @@ PATCH_CAN_BETWEEN_ATTEMPTS = "continue-as-new-between-attempts"
 # downloaded (a persist that committed just before the failure made the two equal).
 PATCH_MEMORY_ON_TIE = "memory-on-tie"
 # A code update restarts without waiting for the S3 commits in flight, as a failure does: the
-# next attempt restores from memory, and with a persist every few seconds one was usually
-# under way (2 s of a 3.6 s hot update).
+# next attempt restores from memory, and with a persist every few seconds one is often under way.
 PATCH_UPDATE_AT_ONCE = "update-without-commit-wait"
 # How long a live agent may take to pick up the re-attach (it polls its queue all the time, but
 # after a server outage its pollers retry on a backoff of up to 10 s), and how often one

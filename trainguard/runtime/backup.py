@@ -33,7 +33,8 @@ def _send_bytes(data: bytes, peer: int) -> None:
     dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), peer)
 
 
-def _write(path: Path, data: bytes) -> None:
+def write_whole(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all. No fsync: snapshots live in tmpfs."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_bytes(data)
@@ -65,7 +66,7 @@ def exchange(
     out = {}
     for q in sources:
         got = bufs[q].numpy().tobytes()
-        _write(backup_path[q], got)
+        write_whole(backup_path[q], got)
         out[q] = (len(got), hashlib.sha256(got).hexdigest())
     return out
 
@@ -86,4 +87,4 @@ def restore(rank: int, peers: dict[int, tuple[int, str]], held: dict[int, Path],
             data = buf.numpy().tobytes()
             if hashlib.sha256(data).hexdigest() != sha:
                 raise RuntimeError(f"backup of rank {dst} from rank {src} does not match its hash")
-            _write(shard, data)
+            write_whole(shard, data)

@@ -236,11 +236,7 @@ class Context:
         # Hashed here, where the bytes already are: the agent need not read the file again.
         digest = hashlib.sha256(data).hexdigest()
         path = snap.path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        # No fsync: this is the memory tier (tmpfs); os.replace makes it whole or absent.
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        backup.write_whole(path, data)
         if self._backups is not None:
             got = backup.exchange(
                 self.rank, self._backups, data, self._backup_paths(snap.step), self._backup_group

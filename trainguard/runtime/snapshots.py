@@ -116,14 +116,14 @@ class SnapshotPipeline:
                     try:
                         snap.copy_rest()
                     finally:
-                        snap.copied.set()  # a failed copy must not hold training at the fence
+                        snap.copied.set()  # before serializing: the fence waits for the copy only
                     buf = io.BytesIO()
                     torch.save(snap.state, buf)
                     data = buf.getvalue()
             except BaseException as exc:
                 self._error = exc
             finally:
-                snap.copied.set()
+                snap.copied.set()  # dropped or failed: nothing may hold training at the fence
             if data is None:
                 self._done(snap)
             else:
