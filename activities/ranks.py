@@ -9,8 +9,6 @@ because the workflow run is gone (continue-as-new) only detaches, see
 from __future__ import annotations
 
 import asyncio
-import random
-import socket
 from collections import OrderedDict
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +20,7 @@ from activities.drills import DrillState
 from activities.health import HealthMonitor
 from activities.rank_session import RankSession, RestoreUnavailable
 from activities.warm_pool import WarmPool
+from infra.ports import free_port
 from trainguard.models import Endpoint, PortRequest, ProgressReport, RunRanksInput, RunRanksResult
 from trainguard.storage import S3Store
 
@@ -29,33 +28,6 @@ HEARTBEAT_EVERY = timedelta(seconds=2)
 # How long ranks keep running with no activity attached (covers continue-as-new).
 ORPHAN_TIMEOUT_S = 120.0
 STOPPED_KEPT = 256  # stops remembered for attempts not running here
-
-
-EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-# Below the kernel's ephemeral range: a port found free there stays free until rank 0
-# binds it, because no outgoing connection is ever given one (a port from bind(0) can be
-# taken by any connect() on the machine in the seconds before the ranks start).
-RENDEZVOUS_PORTS_FROM = 20000
-
-
-def rendezvous_port(host: str, tries: int = 64) -> int:
-    """A port free on ``host`` now, outside the ephemeral range where the kernel allows it."""
-    try:
-        low = int(EPHEMERAL_RANGE.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 0
-    if low - RENDEZVOUS_PORTS_FROM >= 1000:
-        for _ in range(tries):
-            port = random.randrange(RENDEZVOUS_PORTS_FROM, low)
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue
-                return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class RankActivities:
@@ -129,7 +101,7 @@ class RankActivities:
     @activity.defn
     async def pick_master_port(self, req: PortRequest) -> Endpoint:
         """A free port on this machine for rank 0's rendezvous store."""
-        return Endpoint(host=self.host, port=rendezvous_port(self.host))
+        return Endpoint(host=self.host, port=free_port(self.host))
 
     @activity.defn
     async def run_ranks(self, inp: RunRanksInput) -> RunRanksResult:

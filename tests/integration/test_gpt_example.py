@@ -14,7 +14,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from infra.ports import free_port
 from trainguard.runtime.env import RankEnv, parse_step_dir
 from trainguard.spec import Topology
 from trainguard.topology import coords
@@ -41,12 +41,6 @@ KNOBS = {"GPT_SEQ_LEN": "32", "GPT_MICRO_BATCH_SIZE": "4", "GPT_MICRO_BATCHES": 
 TIMEOUT_S = 120.0
 
 Record = dict[str, Any]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
