@@ -275,9 +275,12 @@ async def collect(
     latencies: list[float] = []
     slowest: list[tuple[float, str]] = []
     per_job = []
+    not_stopped: list[str] = []
     incidents = evictions = 0
     for job in jobs:
         status = await client.job(job).status()
+        if status.get("phase") != "stopped":  # every job runs until the bench stops it
+            not_stopped.append(f"{job} {status.get('phase')}: {status.get('verdict')}")
         for inc in status.get("incidents", []):
             incidents += 1
             evictions += len(inc.get("evicted", []))
@@ -308,6 +311,7 @@ async def collect(
         "history_events_per_job_day": round(events / job_hours * 24),
         "max_history_events": max(j["longest_run"] for j in per_job),
         "continued_as_new": sum(j["runs"] - 1 for j in per_job),
+        "jobs_not_stopped": not_stopped,
         "profile": {
             "progress_interval_s": args.progress_interval_s,
             "peer_report_interval_s": args.peer_report_interval_s,
