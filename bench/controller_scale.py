@@ -120,6 +120,36 @@ async def job_histories(client: Client, job_id: str) -> list[list[Any]]:
     return out
 
 
+def timeline(runs: list[list[Any]], start: datetime, end: datetime, limit: int = 40) -> list[str]:
+    """The job's history events from ``start`` to ``end``, in seconds after ``start``: where a
+    slow decision's time went (activity types named)."""
+    scheduled: dict[int, str] = {}
+    out = []
+    for e in (e for run in runs for e in run):
+        attrs = e.activity_task_scheduled_event_attributes
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            scheduled[e.event_id] = attrs.activity_type.name
+        t = e.event_time.ToDatetime().replace(tzinfo=UTC)
+        if start <= t <= end and len(out) < limit:
+            name = EventType.Name(e.event_type).removeprefix("EVENT_TYPE_").lower()
+            ref = next(
+                (
+                    getattr(e, f).scheduled_event_id
+                    for f in (
+                        "activity_task_started_event_attributes",
+                        "activity_task_completed_event_attributes",
+                        "activity_task_failed_event_attributes",
+                        "activity_task_canceled_event_attributes",
+                    )
+                    if e.HasField(f)
+                ),
+                0,
+            )
+            what = scheduled.get(e.event_id) or scheduled.get(ref, "")
+            out.append(f"{(t - start).total_seconds():+.3f} {name} {what}".rstrip())
+    return out
+
+
 def is_action(event: Any) -> bool:
     if event.event_type in ACTION_EVENTS:
         return True
@@ -274,6 +304,7 @@ async def collect(
     settle_s = args.progress_interval_s
     latencies: list[float] = []
     slowest: list[tuple[float, str]] = []
+    slowest_timeline: tuple[float, list[str]] = (-1.0, [])
     per_job = []
     not_stopped: list[str] = []
     incidents = evictions = 0
@@ -289,7 +320,14 @@ async def collect(
                 latency = (decided - datetime.fromisoformat(inc["detected_at"])).total_seconds()
                 latencies.append(latency)
                 slowest.append((latency, f"{job} {inc['id']} {inc['kind']} -> {inc['action']}"))
-        per_job.append(analyse_job(await job_histories(client.temporal, job), status, settle_s, stopped_at))
+        runs = await job_histories(client.temporal, job)
+        for inc in status.get("incidents", []):
+            if inc.get("decided_at"):
+                detected, decided = (datetime.fromisoformat(inc[k]) for k in ("detected_at", "decided_at"))
+                if (latency := (decided - detected).total_seconds()) > slowest_timeline[0]:
+                    head = f"{job} {inc['id']}: detected by the machine at +0.000, decided at +{latency:.3f}"
+                    slowest_timeline = (latency, [head, *timeline(runs, detected, decided)])
+        per_job.append(analyse_job(runs, status, settle_s, stopped_at))
     job_hours = sum(j["span_s"] for j in per_job) / 3600
     steady_hours = sum(j["steady_s"] for j in per_job) / 3600
     events = sum(j["events"] for j in per_job)
@@ -304,6 +342,7 @@ async def collect(
         "decision_p99_s": _round(percentile(latencies, 0.99)),
         "decision_max_s": _round(max(latencies, default=None)),
         "slowest_decisions": [f"{t:.3f} s: {what}" for t, what in sorted(slowest, reverse=True)[:3]],
+        "slowest_decision_history": slowest_timeline[1],
         "actions_per_job_hour": _round(sum(j["steady_actions"] for j in per_job) / steady_hours, 1)
         if steady_hours
         else None,

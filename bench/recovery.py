@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -41,42 +42,73 @@ sys.path.insert(0, str(REPO))
 
 from bench.private_stack import connect, run_bench  # noqa: E402
 from infra.local import node_names, restore_pool  # noqa: E402
+from infra.processes import pid_alive  # noqa: E402
 from tests.integration.helpers import example_spec, wait_until  # noqa: E402
 from trainguard.cli import exit_now  # noqa: E402
 from trainguard.client import JobHandle, TrainguardClient  # noqa: E402
 from trainguard.job_state import TERMINAL  # noqa: E402
+from trainguard.runtime.warm import ACTIVATED, PRELOADED  # noqa: E402
 from trainguard.settings import Settings  # noqa: E402
 from trainguard.spec import CheckpointSpec, JobSpec  # noqa: E402
 from trainguard.storage import S3Store  # noqa: E402
 
 NODES = 3
-# Between trials: the agent refills its warm processes 15 s after a restart used them.
-SETTLE_S = 25.0
+WARM_RANKS = 2  # warm rank processes per machine, as many as it runs ranks
+# Between trials, once every machine's warm processes are ready again: the ranks of the
+# last recovery past their own start.
+SETTLE_S = 5.0
 MIB = 1 << 20
+WARM_EVENT = re.compile(rf"warm rank process (\d+): ({PRELOADED}|{ACTIVATED})")
 
 
 def _t(iso: str) -> datetime:
     return datetime.fromisoformat(iso)
 
 
-async def _ready(job: JobHandle, settle_s: float) -> dict[str, Any]:
-    """Running for a while since the last recovery: the warm processes a restart used are
-    replaced after the agent's refill delay, so a trial never starts on an emptied pool."""
+def warm_waiting(state_dir: Path) -> dict[str, int]:
+    """Per machine, its warm processes alive, preloaded and not yet used (from its warm.log)."""
+    out = {}
+    for f in sorted((state_dir / "nodes").glob("*/warm/warm.log")):
+        ready: set[int] = set()
+        used: set[int] = set()
+        for m in WARM_EVENT.finditer(f.read_text(errors="replace")):
+            (ready if m[2] == PRELOADED else used).add(int(m[1]))
+        out[f.parent.parent.name] = sum(pid_alive(pid) for pid in ready - used)
+    return out
+
+
+async def _pools_full(state_dir: Path, timeout_s: float = 300.0) -> None:
+    """Until every machine's warm pool is full and preloaded: the agent refills it after a
+    delay, with processes that import for seconds, which would compete with the next trial."""
+    deadline = time.monotonic() + timeout_s
+    while not (
+        len(waiting := warm_waiting(state_dir)) == NODES and all(n >= WARM_RANKS for n in waiting.values())
+    ):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"warm pools not full after {timeout_s:.0f} s: {waiting}")
+        await asyncio.sleep(0.5)  # log files: nothing to await
+
+
+async def _ready(job: JobHandle, settle_s: float, warm_dir: Path | None) -> dict[str, Any]:
+    """Running for a while since the last recovery and, with warm processes (``warm_dir``:
+    the stack), every pool full again, so a trial never starts on an emptied pool."""
     await wait_until(
         job,
         lambda s: s["phase"] == "running" and s["step"] >= (s["resumed_from_step"] or 0) + 15,
         timeout_s=300,
     )
+    if warm_dir is not None:
+        await _pools_full(warm_dir)
     await asyncio.sleep(settle_s)  # pacing between trials, not synchronisation
     return await job.status()
 
 
 async def _incident(
-    tg: TrainguardClient, job: JobHandle, state_dir: Path, count: int | None, settle_s: float
+    tg: TrainguardClient, job: JobHandle, state_dir: Path, count: int | None, settle_s: float, warm: bool
 ) -> tuple[float, int, str]:
     """Crash rank 1 (``count`` times: the machine is evicted after its first-reattempt); returns
     fault to the first step of the attempt that stuck, the steps lost, and the restore tier."""
-    st = await _ready(job, settle_s)
+    st = await _ready(job, settle_s, state_dir if warm else None)
     before = len(st["incidents"])
     await tg.inject(st["nodes"]["0"], "crash", rank=1, count=count)
 
@@ -93,9 +125,9 @@ async def _incident(
     return down, max(i["lost_steps"] for i in new), new[-1]["restored_from"]
 
 
-async def _hot_update(job: JobHandle, version: str, settle_s: float) -> tuple[float, int]:
+async def _hot_update(job: JobHandle, version: str, settle_s: float, state_dir: Path) -> tuple[float, int]:
     """Request to the first step on the new version, and the steps it computed again."""
-    st = await _ready(job, settle_s)
+    st = await _ready(job, settle_s, state_dir)
     t0 = datetime.now(UTC)
     await job.update_code(version, urgent=True, env={"GPT_RELEASE": version}, why="bench")
     reached = st["step"]
@@ -148,6 +180,7 @@ def _spec(name: str, target_steps: int) -> JobSpec:
 
 async def run_warm(state_dir: Path, trials: int, log: Any) -> dict[str, Any]:
     tg = await connect(state_dir)
+    await _pools_full(state_dir)  # their imports would slow the fault-free steps
     steady = await tg.submit(_spec("bench-steady", target_steps=150))
     st = await wait_until(steady, lambda s: s["phase"] in TERMINAL, timeout_s=600)
     steps = st["step"] - 1  # the first step's time is startup
@@ -158,16 +191,16 @@ async def run_warm(state_dir: Path, trials: int, log: Any) -> dict[str, Any]:
     job = await tg.submit(_spec("bench-recovery", target_steps=1_000_000))
     crash, evict, update, lost = [], [], [], []
     for i in range(trials):
-        down, lost_c, tier = await _incident(tg, job, state_dir, count=None, settle_s=SETTLE_S)
+        down, lost_c, tier = await _incident(tg, job, state_dir, count=None, settle_s=SETTLE_S, warm=True)
         crash.append(down)
         lost.append(lost_c)
         log(f"crash, same machines, warm ({tier}): {down} s, lost {lost_c}")
-        secs, lost_u = await _hot_update(job, f"v{i + 2}", settle_s=SETTLE_S)
+        secs, lost_u = await _hot_update(job, f"v{i + 2}", SETTLE_S, state_dir)
         update.append(secs)
         lost.append(lost_u)
         log(f"urgent hot update: {secs:.2f} s, lost {lost_u}")
     for _ in range(max(1, trials // 2)):
-        down, lost_c, tier = await _incident(tg, job, state_dir, count=5, settle_s=SETTLE_S)
+        down, lost_c, tier = await _incident(tg, job, state_dir, count=5, settle_s=SETTLE_S, warm=True)
         evict.append(down)
         lost.append(lost_c)
         log(f"crash that recurs, evicted ({tier}): {down} s, lost {lost_c}")
@@ -193,7 +226,7 @@ async def run_cold(state_dir: Path, trials: int, log: Any) -> dict[str, Any]:
     job = await tg.submit(_spec("bench-recovery-cold", target_steps=1_000_000))
     crash, lost = [], []
     for _ in range(trials):
-        down, lost_c, tier = await _incident(tg, job, state_dir, count=None, settle_s=0.0)
+        down, lost_c, tier = await _incident(tg, job, state_dir, count=None, settle_s=0.0, warm=False)
         crash.append(down)
         lost.append(lost_c)
         log(f"crash, same machines, cold ({tier}): {down} s, lost {lost_c}")
@@ -202,7 +235,9 @@ async def run_cold(state_dir: Path, trials: int, log: Any) -> dict[str, Any]:
 
 
 def measure(trials: int) -> dict[str, Any]:
-    warm = run_bench("tg-bench-recovery-", NODES, lambda d, log: run_warm(d, trials, log), warm_ranks=2)
+    warm = run_bench(
+        "tg-bench-recovery-", NODES, lambda d, log: run_warm(d, trials, log), warm_ranks=WARM_RANKS
+    )
     cold = run_bench("tg-bench-recovery-cold-", NODES, lambda d, log: run_cold(d, trials, log))
     lost = warm.pop("lost_steps") + cold.pop("lost_steps")
     return {

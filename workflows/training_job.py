@@ -129,6 +129,10 @@ PATCH_MEMORY_ON_TIE = "memory-on-tie"
 # A code update restarts without waiting for the S3 commits in flight, as a failure does: the
 # next attempt restores from memory, and with a persist every few seconds one is often under way.
 PATCH_UPDATE_AT_ONCE = "update-without-commit-wait"
+# The step the machines' ranks had finished when the attempt ended (in their run_ranks results)
+# counts as progress before the failure is judged: a large job reports its step every few
+# minutes, and recoveries that trained between two reports looked like a crash loop.
+PATCH_STEPS_FROM_RESULTS = "steps-from-results"
 # How long a live agent may take to pick up the re-attach (it polls its queue all the time, but
 # after a server outage its pollers retry on a backoff of up to 10 s), and how often one
 # machine may be re-attached in one attempt.
@@ -740,29 +744,38 @@ class TrainingJobWorkflow:
                 self.s.ledger = ettr.add_badput(
                     self.s.ledger, "startup", (r.first_step_at - run.started_at).total_seconds()
                 )
-        if r.step > self.s.step and r.step_time_s is not None:
-            self.s.ledger = ettr.record_steps(
-                self.s.ledger, workflow.now(), self.s.step, r.step, r.step_time_s
-            )
-        if r.step > self.s.step:
-            self.s.progress_series = progress_series.record(
-                self.s.progress_series,
-                workflow.now(),
-                r.step,
-                self.s.ledger.productive_s,
-                origin=(self.s.ledger.started_at, self.s.step) if self.s.ledger.started_at else None,
-            )
-            self.s.step = r.step
-        if self.s.history.recoveries_without_progress and self.s.ledger.high_water_step > (
-            self.s.progress_at_attempt_start
-        ):
-            self.s.history = mark_progress(self.s.history)  # the last recovery worked
+        self._advance(r.step, r.step_time_s)
         if r.loss is not None:
             self.s.loss = r.loss
         if r.step_time_s is not None:
             self.s.step_time_s = r.step_time_s
         self.s.updated_at = workflow.now()
         self._upsert_progress(r.at)
+
+    def _advance(self, step: int, step_time_s: float | None) -> None:
+        """The job has finished ``step``: productive time, the progress series, the streak."""
+        if step > self.s.step and step_time_s is not None:
+            self.s.ledger = ettr.record_steps(self.s.ledger, workflow.now(), self.s.step, step, step_time_s)
+        if step > self.s.step:
+            self.s.progress_series = progress_series.record(
+                self.s.progress_series,
+                workflow.now(),
+                step,
+                self.s.ledger.productive_s,
+                origin=(self.s.ledger.started_at, self.s.step) if self.s.ledger.started_at else None,
+            )
+            self.s.step = step
+        if self.s.history.recoveries_without_progress and self.s.ledger.high_water_step > (
+            self.s.progress_at_attempt_start
+        ):
+            self.s.history = mark_progress(self.s.history)  # the last recovery worked
+
+    def _note_last_steps(self, results: list[RunRanksResult]) -> None:
+        """The step every machine that answered had finished when the attempt ended (reports
+        may be minutes old), at the last step time reported."""
+        steps = [r.last_step for r in results if r.last_step > 0]
+        if steps:
+            self._advance(min(steps), self.s.step_time_s)
 
     def _note_ckpt_block(self, r: ProgressReport) -> None:
         """The job waits for its slowest machine: badput grows with the largest machine's total."""
@@ -1026,6 +1039,8 @@ class TrainingJobWorkflow:
         when recoveries stop making progress."""
         primary = outcome.primary
         assert primary is not None
+        if workflow.patched(PATCH_STEPS_FROM_RESULTS):
+            self._note_last_steps(outcome.results)
         run = self.s.running
         self.s.running = None
         if (

@@ -3,7 +3,7 @@
 Submit ``examples/gpt/job.yaml`` to trainguard (2 machines x 2 ranks, pp=2 x
 dp=2), or run it without trainguard: ``TG_PP=2 torchrun --nproc-per-node 4
 examples/gpt/train.py``. It is meant to be copied: everything trainguard needs from a
-training script is ``tg.init()``, ``ctx.report()``, ``ctx.maybe_save()``,
+training script is ``tg.init()``, ``ctx.track()``, ``ctx.report()``, ``ctx.maybe_save()``,
 ``ctx.load_checkpoint()`` and ``ctx.finish()``; ``ctx.before_sync()`` adds
 per-rank gradient checks and lets fault drills act inside the step.
 
@@ -59,7 +59,6 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -337,15 +336,13 @@ def main() -> None:
         print(f"gpt: {cfg}; stage 0 has {n_params} parameters", flush=True)
         print(f"gpt: corpus {corpus.numel()} bytes, sha256:{digest}", flush=True)
 
+    ctx.track(model, opt)  # snapshots hold the model, the optimizer and the RNGs
     state = ctx.load_checkpoint()
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         tg.restore_rng(state["rng"])  # last: building the model above drew from the RNG
         print(f"rank {ctx.rank}: resumed from step {state['step']}", file=sys.stderr, flush=True)
-
-    def checkpoint() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": tg.rng_state()}
 
     for step in range(ctx.start_step, ctx.target_steps + 1):
         inputs, targets = get_batch(corpus, step, ctx.coords.dp, cfg)
@@ -355,7 +352,7 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         ctx.report(step, loss=loss, grad_norm=grad_norm)
-        ctx.maybe_save(step, checkpoint)  # the runtime adds the step to the saved dict
+        ctx.maybe_save(step)  # the runtime adds the step to the saved dict
         if cfg.step_sleep_s > 0:
             time.sleep(cfg.step_sleep_s)
         if cfg.bug_at_step and step >= cfg.bug_at_step:

@@ -12,7 +12,8 @@ import torch
 
 from trainguard.runtime.context import Context
 from trainguard.runtime.env import RankEnv
-from trainguard.runtime.state import SnapshotBuffers, detached_copy, param_hash
+from trainguard.runtime.state import SnapshotBuffers, detached_copy, param_hash, rng_state
+from trainguard.runtime.tracked import TrackedState
 from trainguard.spec import Topology
 
 
@@ -148,4 +149,110 @@ def test_the_next_optimizer_step_waits_for_the_snapshot_copy(
     assert param_hash(restored) == before
     assert torch.equal(saved["extra"], torch.zeros(2))
     assert ctx._fence_wait_s > 0  # charged to the next snapshot's blocking time
+    ctx.finish(param_hash(model))
+
+
+# -- a tracked model and optimizer (Context.track) ------------------------------------------
+
+
+def _with_buffers() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(5, 4)).sum().backward()  # train mode: BatchNorm updates its buffers
+    opt.step()
+
+
+def test_a_tracked_snapshot_is_the_state_at_the_hand_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copier takes the state dicts only while the next step computes (held back here
+    until training reaches the fence); what the forward, a scheduler and the RNG change in
+    the meantime must not reach the snapshot."""
+    ctx = _context(tmp_path)
+    model, opt = _with_buffers()
+    ctx.track(model, opt)
+    at_fence = threading.Event()
+    fence = ctx._fence
+
+    def fence_reached() -> None:
+        at_fence.set()
+        fence()
+
+    monkeypatch.setattr(ctx, "_fence", fence_reached)
+    rest = TrackedState.rest
+
+    def held_back(self: TrackedState, now: dict[str, Any], later: SnapshotBuffers) -> Any:
+        complete = rest(self, now, later)
+
+        def late() -> dict[str, Any]:
+            assert at_fence.wait(timeout=30), "training never reached the fence"
+            return complete()
+
+        return late
+
+    monkeypatch.setattr(TrackedState, "rest", held_back)
+    expected = detached_copy({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state()})
+    before = param_hash(model)
+    path = ctx.maybe_save(1, lambda: {"data_position": torch.tensor([7])})
+    assert path is not None
+    opt.param_groups[0]["lr"] = 0.5  # a scheduler setting the next step's rate
+    torch.rand(3)
+    _step(model, opt)
+    assert param_hash(model) != before
+    ctx.wait_snapshot()
+    saved = torch.load(path, weights_only=False)
+    assert list(saved) == ["step", "model", "optimizer", "rng", "data_position"]
+    assert saved["step"] == 1
+    assert list(saved["model"]) == list(expected["model"])
+    assert saved["model"]._metadata == expected["model"]._metadata
+    for key, value in expected["model"].items():
+        assert torch.equal(saved["model"][key], value), key
+    assert saved["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
+    for p, st in expected["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(saved["optimizer"]["state"][p][k], v), (p, k)
+    assert saved["rng"]["python"] == expected["rng"]["python"]
+    assert torch.equal(saved["rng"]["torch"], expected["rng"]["torch"])
+    assert torch.equal(saved["data_position"], torch.tensor([7]))
+    restored, restored_opt = _with_buffers()
+    restored.load_state_dict(saved["model"])
+    restored_opt.load_state_dict(saved["optimizer"])
+    assert param_hash(restored) == before
+    ctx.finish(param_hash(model))
+
+
+def test_a_replaced_buffer_is_the_one_saved(tmp_path: Path) -> None:
+    """Buffers are looked up by name at each snapshot: one a module replaces is still seen."""
+    ctx = _context(tmp_path)
+    model, opt = _with_buffers()
+    ctx.track(model, opt)
+    model[1].running_mean = torch.full((3,), 4.0)
+    path = ctx.save_checkpoint(1)
+    model[1].running_mean = torch.zeros(3)
+    ctx.wait_snapshot()
+    assert torch.equal(torch.load(path, weights_only=False)["model"]["1.running_mean"], torch.full((3,), 4.0))
+    ctx.finish(param_hash(model))
+
+
+def test_tracked_and_untracked_saves_refuse_what_they_cannot_save(tmp_path: Path) -> None:
+    ctx = _context(tmp_path)
+    with pytest.raises(ValueError, match="track"):
+        ctx.save_checkpoint(1)  # nothing tracked, no state
+    model, opt = _with_buffers()
+    ctx.track(model, opt)
+    with pytest.raises(ValueError, match=r"\['rng'\]"):
+        ctx.save_checkpoint(1, {"rng": 1})
+    renamed = torch.nn.BatchNorm1d(3)
+    renamed._register_state_dict_hook(
+        lambda m, sd, prefix, local: type(sd)((k.replace("running", "avg"), v) for k, v in sd.items())
+    )
+    with pytest.raises(ValueError, match="running_mean"):
+        ctx.track(renamed, opt)
     ctx.finish(param_hash(model))

@@ -40,9 +40,8 @@ def _hand_over(p: SnapshotPipeline, step: int, t: torch.Tensor, timeout: float =
     done = threading.Event()
 
     def run() -> None:
-        bufs = p.buffers()
-        snap, rest = bufs.copy_deferred({"w": t}, lambda _: True)
-        p.submit(step, snap, Path(f"/unused/{step}"), 0.0, rest)
+        snap, rest = p.buffers().now.copy_deferred({"w": t}, lambda _: True)
+        p.submit(step, Path(f"/unused/{step}"), 0.0, lambda: (rest(), snap)[1])
         done.set()
 
     threading.Thread(target=run, daemon=True).start()

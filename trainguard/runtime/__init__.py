@@ -3,11 +3,12 @@
     from trainguard import runtime as tg
 
     ctx = tg.init()                       # process group + groups from the agent's env
+    ctx.track(model, optimizer)           # what snapshots hold, with the RNGs
     state = ctx.load_checkpoint()         # None on a fresh start
     for step in range(ctx.start_step, ctx.target_steps + 1):
         loss, grad_norm = train_one_step(step)
         ctx.report(step, loss=loss, grad_norm=grad_norm)
-        ctx.maybe_save(step, lambda: {"model": model.state_dict(), ...})
+        ctx.maybe_save(step)              # or maybe_save(step, state_fn) for a whole state
     ctx.finish(tg.param_hash(model))
 
 Outside trainguard (no agent variables) the same script runs under torchrun:

@@ -31,6 +31,7 @@ from trainguard.runtime import backup, faults
 from trainguard.runtime.env import RankEnv, backup_shard_name, shard_name
 from trainguard.runtime.snapshots import Snapshot, SnapshotPipeline
 from trainguard.runtime.state import param_hash
+from trainguard.runtime.tracked import TrackedState
 from trainguard.topology import GroupKind, all_groups, coords
 
 
@@ -69,6 +70,7 @@ class Context:
         self._fence_wait_s = 0.0  # waited at fences since the last snapshot: blocking too
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._fence_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+        self._tracked: TrackedState | None = None
         self._send_lock = threading.Lock()
 
     # -- process groups -------------------------------------------------------
@@ -189,22 +191,57 @@ class Context:
     def should_save(self, step: int) -> bool:
         return step % self.env.ckpt_every == 0 or step == self.target_steps
 
-    def save_checkpoint(self, step: int, state: dict[str, Any], started: float | None = None) -> Path:
-        """Snapshot ``step``. Training waits only for the copy of what the optimizer does not own
-        (buffers, RNG, extras), and for a free buffer set when the two snapshots before are
-        still being written: the parameters and optimizer state are copied off the training
-        thread while the next step computes, and the next optimizer step waits for that copy.
-        Serializing, hashing, writing to the memory tier and the peer backup follow in the
-        background (``trainguard.runtime.snapshots``), which tells the agent when the shard is
-        whole. Returns where the shard will be."""
+    def track(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Snapshot ``model``, ``optimizer`` and the RNGs without a state function.
+
+        Saves ``{"model", "optimizer", "rng"}`` (plus what a state function passed to
+        :meth:`maybe_save` returns), as a state function would, with less of the work on
+        the training thread (``trainguard.runtime.tracked``). Call once both exist.
+        """
+        self._tracked = TrackedState(model, optimizer)
+        self._optimizers.add(optimizer)
+
+    def save_checkpoint(
+        self, step: int, state: dict[str, Any] | None = None, started: float | None = None
+    ) -> Path:
+        """Snapshot ``step``: ``state``, or the tracked model and optimizer plus ``state``.
+
+        Training waits only for the copy of what the optimizer does not own (buffers, RNG,
+        extras), and for a free buffer set when the two snapshots before are still being
+        written: the parameters and optimizer state are copied off the training thread while
+        the next step computes, and the next optimizer step waits for that copy. Serializing,
+        hashing, writing to the memory tier and the peer backup follow in the background
+        (``trainguard.runtime.snapshots``), which tells the agent when the shard is whole.
+        Returns where the shard will be."""
         t0 = time.monotonic() if started is None else started
         buffers = self._snapshots.buffers()
-        owned = self._optimizer_tensors()
-        snap, copy_rest = buffers.copy_deferred(state, lambda t: not t.is_cuda and t.data_ptr() in owned)
+        tracked = self._tracked
+        if tracked is not None:
+            if clash := sorted({"step", "model", "optimizer", "rng"} & set(state or {})):
+                raise ValueError(f"save_checkpoint: {clash} are the tracked state's own keys")
+            rest = tracked.rest(buffers.now.copy(tracked.take_now(state)), buffers.later)
+
+            def complete() -> dict[str, Any]:
+                return {"step": step, **rest()}
+
+        elif state is None:
+            raise ValueError("save_checkpoint: pass the state to save, or call track(model, optimizer) first")
+        else:
+            owned = self._optimizer_tensors()
+
+            def defer(t: torch.Tensor) -> bool:
+                return not t.is_cuda and t.data_ptr() in owned
+
+            snap, copy_rest = buffers.now.copy_deferred(state, defer)
+
+            def complete() -> dict[str, Any]:
+                copy_rest()
+                return {"step": step, **snap}
+
         blocked = time.monotonic() - t0 + self._fence_wait_s
         self._fence_wait_s = 0.0
         path = self._shard_path(step)
-        self._snapshots.submit(step, {"step": step, **snap}, path, blocked, copy_rest)
+        self._snapshots.submit(step, path, blocked, complete)
         return path
 
     def _optimizer_tensors(self) -> set[int]:
@@ -248,12 +285,13 @@ class Context:
         record = {"t": "ckpt", "step": snap.step, "path": str(path), "bytes": len(data), "sha256": digest}
         self._send({**record, "save_s": snap.blocked_s})
 
-    def maybe_save(self, step: int, state_fn: Callable[[], dict[str, Any]]) -> Path | None:
-        """Save when the job's checkpoint interval (or the last step) says so."""
+    def maybe_save(self, step: int, state_fn: Callable[[], dict[str, Any]] | None = None) -> Path | None:
+        """Save when the job's checkpoint interval (or the last step) says so: what
+        ``state_fn`` returns, with the tracked model and optimizer when :meth:`track` was called."""
         if not self.should_save(step):
             return None
         t0 = time.monotonic()
-        return self.save_checkpoint(step, state_fn(), started=t0)
+        return self.save_checkpoint(step, state_fn() if state_fn is not None else None, started=t0)
 
     def finish(self, param_hash: str) -> None:
         """Declare this rank done with the hash of its final parameters."""

@@ -5,7 +5,9 @@ Training hands snapshot N over and goes on. It waits only
   (N-1 and N-2: the writer is more than a step behind), and
 - at the next optimizer step (the fence), until N's deferred copy is done.
 
-A copier thread fills the tensors whose copy was deferred and serializes the snapshot;
+A copier thread fills the tensors whose copy was deferred (for a tracked state it also
+takes the model's and optimizer's state dicts, see ``trainguard.runtime.tracked``) and
+serializes the snapshot;
 a writer thread stores the bytes (hash, memory tier, peer backup), one snapshot at a
 time and in step order: the backup exchange is a collective that every rank must enter
 for the same step. With one thread doing both, the fence would wait behind the previous
@@ -32,12 +34,21 @@ DEPTH = 2  # buffer sets: the CPU memory a rank's snapshots take is DEPTH times 
 
 
 @dataclass
+class BufferSet:
+    """One snapshot's CPU buffers: ``now`` for what training copies at the hand-over,
+    ``later`` for what the copier thread copies of a tracked state."""
+
+    now: SnapshotBuffers = field(default_factory=SnapshotBuffers)
+    later: SnapshotBuffers = field(default_factory=SnapshotBuffers)
+
+
+@dataclass
 class Snapshot:
     step: int
-    state: Any  # the buffers' view of the state, complete once ``copied`` is set
     path: Path
     blocked_s: float  # how long training waited for this snapshot
-    copy_rest: Callable[[], None]
+    # Run on the copier thread: fills the deferred copies, returns the state to serialize.
+    copy_rest: Callable[[], Any]
     slot: int
     copied: threading.Event = field(default_factory=threading.Event)
 
@@ -49,7 +60,7 @@ class SnapshotPipeline:
 
     def __init__(self, store: Callable[[Snapshot, bytes], None], depth: int = DEPTH) -> None:
         self._store = store
-        self._slots = [SnapshotBuffers() for _ in range(depth)]
+        self._slots = [BufferSet() for _ in range(depth)]
         self._free = [threading.Event() for _ in range(depth)]
         for ev in self._free:
             ev.set()
@@ -62,21 +73,20 @@ class SnapshotPipeline:
         self._error: BaseException | None = None
         self._started = False
 
-    def buffers(self) -> SnapshotBuffers:
+    def buffers(self) -> BufferSet:
         """The buffer set the next snapshot copies into; waits while it is still in use.
         Raises the failure of an earlier snapshot."""
         self._free[self._next].wait()
         self.raise_failure()
         return self._slots[self._next]
 
-    def submit(
-        self, step: int, state: Any, path: Path, blocked_s: float, copy_rest: Callable[[], None]
-    ) -> None:
-        """Hand over the snapshot just copied into :meth:`buffers`."""
+    def submit(self, step: int, path: Path, blocked_s: float, copy_rest: Callable[[], Any]) -> None:
+        """Hand over the snapshot just copied (in part) into :meth:`buffers`; ``copy_rest``
+        completes it on the copier thread before the fence lets the optimizer step."""
         slot = self._next
         self._free[slot].clear()
         self._next = (slot + 1) % len(self._slots)
-        snap = Snapshot(step, state, path, blocked_s, copy_rest, slot)
+        snap = Snapshot(step, path, blocked_s, copy_rest, slot)
         with self._idle:
             self._pending += 1
         self._latest = snap
@@ -114,11 +124,11 @@ class SnapshotPipeline:
             try:
                 if self._error is None:
                     try:
-                        snap.copy_rest()
+                        state = snap.copy_rest()
                     finally:
                         snap.copied.set()  # before serializing: the fence waits for the copy only
                     buf = io.BytesIO()
-                    torch.save(snap.state, buf)
+                    torch.save(state, buf)
                     data = buf.getvalue()
             except BaseException as exc:
                 self._error = exc

@@ -24,6 +24,7 @@ import json
 import os
 import runpy
 import sys
+import time
 from collections.abc import Mapping
 
 # Flags a warm process honours: unbuffered output (already set), no bytecode, no user site.
@@ -52,6 +53,9 @@ def activatable(argv: list[str]) -> bool:
 # Written to the report pipe once the preload is done: the agent hands out preloaded processes
 # first. The rank's own reports follow on the same pipe; the agent ignores this record there.
 READY_LINE = b'{"t": "warm"}\n'
+# Events in the pool's log (warm.log): when each process was ready, and which were used.
+PRELOADED = "preloaded"
+ACTIVATED = "activated"
 
 
 def env_activatable(job_env: Mapping[str, str], warm_env: Mapping[str, str]) -> bool:
@@ -62,6 +66,10 @@ def env_activatable(job_env: Mapping[str, str], warm_env: Mapping[str, str]) -> 
         for k, v in job_env.items()
         if k.startswith(IMPORT_TIME_PREFIXES) and k != "OMP_NUM_THREADS"
     )
+
+
+def log(event: str) -> None:
+    print(f"warm rank process {os.getpid()}: {event}", file=sys.stderr, flush=True)
 
 
 def _redirect(fd: int, path: str) -> None:
@@ -106,14 +114,18 @@ def main() -> None:
     # Nothing of the launcher's own path may leak into the rank's imports.
     if sys.path and sys.path[0] in ("", os.getcwd()):
         sys.path.pop(0)
+    t0 = time.monotonic()
     for mod in filter(None, args.preload.split(",")):
         importlib.import_module(mod)
     if args.ready_fd is not None:
         os.write(args.ready_fd, READY_LINE)
+    log(f"{PRELOADED} in {time.monotonic() - t0:.1f} s")
     line = sys.stdin.readline()
     if not line:
         sys.exit(0)  # the agent retired this process without using it
+    log(ACTIVATED)
     become(json.loads(line))
+
 
 
 if __name__ == "__main__":
