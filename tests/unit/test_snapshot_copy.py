@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import threading
 from pathlib import Path
 from typing import Any
@@ -10,8 +9,10 @@ from typing import Any
 import pytest
 import torch
 
+from trainguard.runtime import shardfile
 from trainguard.runtime.context import Context
 from trainguard.runtime.env import RankEnv
+from trainguard.runtime.shardfile import load_shard
 from trainguard.runtime.state import SnapshotBuffers, detached_copy, param_hash, rng_state
 from trainguard.runtime.tracked import TrackedState
 from trainguard.spec import Topology
@@ -49,10 +50,7 @@ def test_state_dict_metadata_and_types_survive() -> None:
     assert type(snap["model"]) is type(sd)
     assert snap["model"]._metadata == sd._metadata
     assert snap["rng"] == (1, (2, 3), None)
-    buf = io.BytesIO()
-    torch.save(snap, buf)  # what the snapshot thread does with it
-    buf.seek(0)
-    back = torch.load(buf, weights_only=False)
+    back = shardfile.loads(shardfile.dumps(snap))  # what the snapshot thread writes
     assert all(torch.equal(back["model"][k], sd[k]) for k in sd)
 
 
@@ -143,7 +141,7 @@ def test_the_next_optimizer_step_waits_for_the_snapshot_copy(
     opt.step()
     assert param_hash(model) != before
     ctx.wait_snapshot()
-    saved = torch.load(path, weights_only=False)
+    saved = load_shard(path)
     restored, _ = _trained()
     restored.load_state_dict(saved["model"])
     assert param_hash(restored) == before
@@ -207,7 +205,7 @@ def test_a_tracked_snapshot_is_the_state_at_the_hand_over(
     _step(model, opt)
     assert param_hash(model) != before
     ctx.wait_snapshot()
-    saved = torch.load(path, weights_only=False)
+    saved = load_shard(path)
     assert list(saved) == ["step", "model", "optimizer", "rng", "data_position"]
     assert saved["step"] == 1
     assert list(saved["model"]) == list(expected["model"])
@@ -237,7 +235,7 @@ def test_a_replaced_buffer_is_the_one_saved(tmp_path: Path) -> None:
     path = ctx.save_checkpoint(1)
     model[1].running_mean = torch.zeros(3)
     ctx.wait_snapshot()
-    assert torch.equal(torch.load(path, weights_only=False)["model"]["1.running_mean"], torch.full((3,), 4.0))
+    assert torch.equal(load_shard(path)["model"]["1.running_mean"], torch.full((3,), 4.0))
     ctx.finish(param_hash(model))
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import io
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from trainguard.runtime import shardfile
 from trainguard.runtime.snapshots import Snapshot, SnapshotPipeline
 
 
@@ -32,7 +32,7 @@ class Store:
         assert self.gate(snap.step).wait(timeout=30)
         if snap.step == self.fail_at:
             raise OSError("disk full")
-        self.stored.append((snap.step, torch.load(io.BytesIO(data), weights_only=True)))
+        self.stored.append((snap.step, shardfile.loads(data)))
 
 
 def _hand_over(p: SnapshotPipeline, step: int, t: torch.Tensor, timeout: float = 30) -> None:

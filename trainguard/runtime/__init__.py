@@ -17,11 +17,12 @@ reports become no-ops and checkpoints go to ``./checkpoints``.
 
 from typing import Any
 
-__all__ = ["Context", "init", "param_hash", "restore_rng", "rng_state"]
+__all__ = ["Context", "init", "load_shard", "param_hash", "restore_rng", "rng_state"]
 
 _EXPORTS = {
     "Context": "trainguard.runtime.context",
     "init": "trainguard.runtime.context",
+    "load_shard": "trainguard.runtime.shardfile",
     "param_hash": "trainguard.runtime.state",
     "restore_rng": "trainguard.runtime.state",
     "rng_state": "trainguard.runtime.state",

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from trainguard.runtime import backup, faults
+from trainguard.runtime import backup, faults, shardfile
 from trainguard.runtime.env import RankEnv, backup_shard_name, shard_name
 from trainguard.runtime.snapshots import Snapshot, SnapshotPipeline
 from trainguard.runtime.state import param_hash
@@ -184,7 +184,7 @@ class Context:
         """The state this rank saved at the resume step, or None on a fresh start."""
         if self.env.resume_step is None:
             return None
-        state = torch.load(self._shard_path(self.env.resume_step), map_location="cpu", weights_only=False)
+        state = shardfile.load_shard(self._shard_path(self.env.resume_step))
         self._send({"t": "restored", "step": self.env.resume_step})
         return state
 

@@ -17,7 +17,6 @@ which bounds the memory in flight to DEPTH states and their bytes.
 
 from __future__ import annotations
 
-import io
 import queue
 import threading
 import time
@@ -26,8 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from trainguard.runtime import shardfile
 from trainguard.runtime.state import SnapshotBuffers
 
 DEPTH = 2  # buffer sets: the CPU memory a rank's snapshots take is DEPTH times its state
@@ -127,9 +125,7 @@ class SnapshotPipeline:
                         state = snap.copy_rest()
                     finally:
                         snap.copied.set()  # before serializing: the fence waits for the copy only
-                    buf = io.BytesIO()
-                    torch.save(state, buf)
-                    data = buf.getvalue()
+                    data = shardfile.dumps(state)
             except BaseException as exc:
                 self._error = exc
             finally:

@@ -127,6 +127,5 @@ def main() -> None:
     become(json.loads(line))
 
 
-
 if __name__ == "__main__":
     main()
