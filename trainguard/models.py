@@ -52,6 +52,10 @@ class PoolNode(Msg):
     # The latest self-test: when, and what it said.
     tested_at: datetime | None = None
     evidence: str | None = None
+    # A suspect whose self-test did not run (its agent slow or away): how often in a row, and
+    # when to try again.
+    missed_tests: int = 0
+    retest_at: datetime | None = None
 
 
 class ReserveRequest(Msg):

@@ -53,6 +53,12 @@ MAX_HISTORY_EVENTS = 4000
 # (an update arriving at a worker with the run not cached) or after it (replay): a
 # nondeterminism error.
 PATCH_REPLAN = "pool-replan-on-change"
+# A suspect's self-test that did not run (not picked up, timed out, errored) is tried again
+# after SELF_TEST_RETRY, and the machine is quarantined only after SELF_TEST_MISSES in a row:
+# one lost activity on a busy controller quarantined a healthy machine until its retest.
+PATCH_SELF_TEST_RETRY = "self-test-retry"
+SELF_TEST_RETRY = timedelta(seconds=30)
+SELF_TEST_MISSES = 3
 # Evictions remembered for retries; a retry comes within minutes, long before this many more.
 MAX_EVICTIONS_KEPT = 64
 
@@ -99,6 +105,9 @@ class NodePoolWorkflow:
         return info.get_current_history_length() > MAX_HISTORY_EVENTS or info.is_continue_as_new_suggested()
 
     def _retest_at(self, n: PoolNode) -> datetime | None:
+        """When a quarantined machine, or a suspect whose self-test was missed, is tested again."""
+        if n.state == "suspect":
+            return n.retest_at
         if n.state != "quarantined" or n.since is None:
             return None
         return max(n.since, n.tested_at or n.since) + timedelta(seconds=self.config.retest_s)
@@ -109,7 +118,8 @@ class NodePoolWorkflow:
             (
                 name
                 for name, n in self.nodes.items()
-                if n.state == "suspect" or ((at := self._retest_at(n)) is not None and at <= now)
+                if (n.state == "suspect" and n.retest_at is None)
+                or ((at := self._retest_at(n)) is not None and at <= now)
             ),
             key=_order,
         )
@@ -124,7 +134,8 @@ class NodePoolWorkflow:
         """Run the self-test on each machine (at once); pass -> standby, fail -> quarantined."""
         before = {name: self.nodes[name] for name in names}
 
-        async def one(name: str) -> tuple[bool, str]:
+        async def one(name: str) -> tuple[bool | None, str]:
+            """(passed, evidence); passed is None when the self-test did not run."""
             try:
                 r: CheckResult = await workflow.execute_activity(
                     "self_test",
@@ -138,7 +149,7 @@ class NodePoolWorkflow:
                 )
                 return r.passed, r.evidence
             except ActivityError as err:
-                return False, f"self-test did not run: {err.cause or err}"
+                return None, f"self-test did not run: {err.cause or err}"
 
         results = await asyncio.gather(*(one(name) for name in names))
         async with self.lock:
@@ -147,8 +158,20 @@ class NodePoolWorkflow:
                 n = self.nodes[name]
                 if n != before[name]:
                     continue  # changed meanwhile (released, re-registered, lost): its new state stands
+                missed = n.missed_tests + 1
                 if passed:
                     update = {"state": "standby", "reason": None, "since": now}
+                elif (
+                    passed is None
+                    and n.state == "suspect"
+                    and missed < SELF_TEST_MISSES
+                    and workflow.patched(PATCH_SELF_TEST_RETRY)
+                ):
+                    update = {
+                        "missed_tests": missed,
+                        "retest_at": now + SELF_TEST_RETRY,
+                        "reason": f"self-test missed {missed} of {SELF_TEST_MISSES} times: {evidence}"[:500],
+                    }
                 elif n.state == "suspect":
                     update = {
                         "state": "quarantined",
@@ -157,6 +180,8 @@ class NodePoolWorkflow:
                     }
                 else:
                     update = {}
+                if "missed_tests" not in update and n.missed_tests:
+                    update.update(missed_tests=0, retest_at=None)  # it ran: the count starts over
                 self.nodes[name] = n.model_copy(
                     update={**update, "tested_at": now, "evidence": evidence[:500]}
                 )
