@@ -254,3 +254,31 @@ def test_tracked_and_untracked_saves_refuse_what_they_cannot_save(tmp_path: Path
     with pytest.raises(ValueError, match="running_mean"):
         ctx.track(renamed, opt)
     ctx.finish(param_hash(model))
+
+
+def test_a_shared_module_s_buffers_are_copied_under_every_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submodule used twice has a state-dict key on each path; each is copied at the hand-over
+    (the copier is held back until the buffer has changed)."""
+    ctx = _context(tmp_path)
+    shared = torch.nn.BatchNorm1d(3)
+    model = torch.nn.Sequential(shared, shared)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx.track(model, opt)
+    changed = threading.Event()
+    rest = TrackedState.rest
+
+    def held_back(self: TrackedState, now: dict[str, Any], later: SnapshotBuffers) -> Any:
+        complete = rest(self, now, later)
+        return lambda: (changed.wait(timeout=30), complete())[1]
+
+    monkeypatch.setattr(TrackedState, "rest", held_back)
+    path = ctx.save_checkpoint(1)
+    shared.running_mean += 5  # in place, as the next forward would
+    changed.set()
+    ctx.wait_snapshot()
+    saved = load_shard(path)["model"]
+    assert torch.equal(saved["0.running_mean"], torch.zeros(3))
+    assert torch.equal(saved["1.running_mean"], torch.zeros(3))
+    ctx.finish(param_hash(model))

@@ -29,6 +29,8 @@ from trainguard.runtime.state import SnapshotBuffers, rng_state
 
 
 class TrackedState:
+    """The model and optimizer of ``Context.track``, split into what is copied when."""
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -36,7 +38,8 @@ class TrackedState:
         # module replaces (instead of updating in place) is still the one copied.
         self._buffers = [
             (f"{prefix}.{name}" if prefix else name, module, name)
-            for prefix, module in model.named_modules()
+            # Every path to a shared submodule: the state dict has a key for each.
+            for prefix, module in model.named_modules(remove_duplicate=False)
             for name in module._buffers
             if name not in module._non_persistent_buffers_set
         ]
