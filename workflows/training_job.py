@@ -642,6 +642,7 @@ class TrainingJobWorkflow:
             await self._on_every_machine("stop_ranks", self._stop_request(run.attempt), bool)
         reports: list[IncidentReport] = [self.found] if self.found else []
         self.found = None
+        results: list[RunRanksResult] = []
         for name, h in handles.items():
             try:
                 r: RunRanksResult = h.result()
@@ -650,6 +651,7 @@ class TrainingJobWorkflow:
                     continue
                 reports.append(self._machine_lost(name, err))
                 continue
+            results.append(r)
             self._note_memory(r)
             if r.gone:
                 # Asked to re-attach after missing heartbeats: the agent restarted, its ranks died.
@@ -693,8 +695,10 @@ class TrainingJobWorkflow:
                     "evidence": f"{primary.evidence} | {finding.evidence}",
                 }
             )
-            return _AttemptOutcome(kind="failed", primary=primary, others=reports[1:], evict=finding.machines)
-        return _AttemptOutcome(kind="failed", primary=primary, others=reports[1:])
+            return _AttemptOutcome(
+                kind="failed", primary=primary, others=reports[1:], evict=finding.machines, results=results
+            )
+        return _AttemptOutcome(kind="failed", primary=primary, others=reports[1:], results=results)
 
     async def _cancel_all(self, handles: dict[str, Any]) -> None:
         pending = [h for h in handles.values() if not h.done()]
