@@ -38,7 +38,6 @@ import train as gpt  # noqa: E402
 from trainguard.runtime.context import Context  # noqa: E402
 from trainguard.runtime.env import RankEnv  # noqa: E402
 from trainguard.runtime.state import rng_state  # noqa: E402
-from trainguard.spec import Topology  # noqa: E402
 
 WARMUP = 10  # steps left out of the medians (allocations, first snapshots)
 
@@ -46,18 +45,8 @@ WARMUP = 10  # steps left out of the medians (allocations, first snapshots)
 def run(mode: str, steps: int) -> tuple[float, float]:
     """(median ms blocked per snapshot, median ms per step) for one mode."""
     with tempfile.TemporaryDirectory(prefix="tg-snapshot-cost-") as d:
-        env = RankEnv(
-            rank=0,
-            world_size=1,
-            local_rank=0,
-            local_world_size=1,
-            master_addr="127.0.0.1",
-            master_port=1,
-            topology=Topology(),
-            target_steps=10**9,
-            ckpt_dir=d,
-            ckpt_every=1,
-        )
+        # A rank outside trainguard (no agent), as under torchrun: no reports, no backups.
+        env = RankEnv.from_environ({"TG_CKPT_DIR": d, "TG_CKPT_EVERY": "1", "TG_TARGET_STEPS": str(10**9)})
         ctx = Context(env)
         cfg = gpt.Config.from_env()
         torch.manual_seed(0)

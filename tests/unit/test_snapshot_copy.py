@@ -104,14 +104,8 @@ def _context(tmp_path: Path) -> Context:
     return Context(env)
 
 
-def test_the_next_optimizer_step_waits_for_the_snapshot_copy(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The snapshot thread copies parameters and optimizer state while the next step computes;
-    here it is held back until training reaches the fence, so a fence that did not wait would
-    let the optimizer change them first."""
-    ctx = _context(tmp_path)
-    model, opt = _trained()  # after the context: its optimizer step is seen
+def _fence_watch(ctx: Context, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """An event set when training reaches the optimizer-step fence."""
     at_fence = threading.Event()
     fence = ctx._fence
 
@@ -120,6 +114,34 @@ def test_the_next_optimizer_step_waits_for_the_snapshot_copy(
         fence()
 
     monkeypatch.setattr(ctx, "_fence", fence_reached)
+    return at_fence
+
+
+def _hold_back_tracked(monkeypatch: pytest.MonkeyPatch, until: threading.Event) -> None:
+    """The copier's part of a tracked snapshot waits for ``until``."""
+    rest = TrackedState.rest
+
+    def held_back(self: TrackedState, now: dict[str, Any], later: SnapshotBuffers) -> Any:
+        complete = rest(self, now, later)
+
+        def late() -> dict[str, Any]:
+            assert until.wait(timeout=30), "the copier was never let go"
+            return complete()
+
+        return late
+
+    monkeypatch.setattr(TrackedState, "rest", held_back)
+
+
+def test_the_next_optimizer_step_waits_for_the_snapshot_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snapshot thread copies parameters and optimizer state while the next step computes;
+    here it is held back until training reaches the fence, so a fence that did not wait would
+    let the optimizer change them first."""
+    ctx = _context(tmp_path)
+    model, opt = _trained()  # after the context: its optimizer step is seen
+    at_fence = _fence_watch(ctx, monkeypatch)
     deferred = SnapshotBuffers.copy_deferred
 
     def held_back(self: SnapshotBuffers, state: Any, defer: Any) -> tuple[Any, Any]:
@@ -176,26 +198,7 @@ def test_a_tracked_snapshot_is_the_state_at_the_hand_over(
     ctx = _context(tmp_path)
     model, opt = _with_buffers()
     ctx.track(model, opt)
-    at_fence = threading.Event()
-    fence = ctx._fence
-
-    def fence_reached() -> None:
-        at_fence.set()
-        fence()
-
-    monkeypatch.setattr(ctx, "_fence", fence_reached)
-    rest = TrackedState.rest
-
-    def held_back(self: TrackedState, now: dict[str, Any], later: SnapshotBuffers) -> Any:
-        complete = rest(self, now, later)
-
-        def late() -> dict[str, Any]:
-            assert at_fence.wait(timeout=30), "training never reached the fence"
-            return complete()
-
-        return late
-
-    monkeypatch.setattr(TrackedState, "rest", held_back)
+    _hold_back_tracked(monkeypatch, until=_fence_watch(ctx, monkeypatch))
     expected = detached_copy({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state()})
     before = param_hash(model)
     path = ctx.maybe_save(1, lambda: {"data_position": torch.tensor([7])})
@@ -267,13 +270,7 @@ def test_a_shared_module_s_buffers_are_copied_under_every_key(
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ctx.track(model, opt)
     changed = threading.Event()
-    rest = TrackedState.rest
-
-    def held_back(self: TrackedState, now: dict[str, Any], later: SnapshotBuffers) -> Any:
-        complete = rest(self, now, later)
-        return lambda: (changed.wait(timeout=30), complete())[1]
-
-    monkeypatch.setattr(TrackedState, "rest", held_back)
+    _hold_back_tracked(monkeypatch, until=changed)
     path = ctx.save_checkpoint(1)
     shared.running_mean += 5  # in place, as the next forward would
     changed.set()
