@@ -216,7 +216,7 @@ class Stage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None and self.pos_emb is not None:
-            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1]))
+            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks:
             x = block(x)
         if self.ln_f is not None and self.head is not None:

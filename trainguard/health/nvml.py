@@ -125,6 +125,10 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+def _refusal_key(index: int | None, query: str) -> str:
+    return query if index is None else f"{query}[{index}]"
+
+
 def _address(handle: Any) -> int | None:
     """The pointer value behind an NVML handle: handles from events are new ctypes objects."""
     try:
@@ -168,6 +172,9 @@ class NvmlProbe(Probe):
         self._handles: dict[int, Any] = {}
         self._registered: dict[int, int] = {}  # device index -> event mask registered
         self._unsupported: set[tuple[int | None, str]] = set()
+        # What this machine refuses, with NVML's own words ("nvmlEventSetCreate", or
+        # "nvmlDeviceGetRemappedRows[0]" for device 0): said in the inventory, never only logged.
+        self.refused: dict[str, str] = {}
         self._ecc_last: dict[int, int] = {}
         self._sbe_events: dict[int, int] = {}  # corrected single-bit ECC events seen (no event emitted)
         self._reported: dict[tuple[str, int | None], object] = {}
@@ -202,6 +209,7 @@ class NvmlProbe(Probe):
         try:
             self._event_set = self._nvml.nvmlEventSetCreate()
         except Exception as exc:
+            self.refused["nvmlEventSetCreate"] = f"{type(exc).__name__}: {exc}"
             log.warning("nvml: no event set, Xid events will not be seen: %s", exc)
         for index in range(self._baseline_count or 0):
             try:
@@ -229,6 +237,7 @@ class NvmlProbe(Probe):
         fn = getattr(self._nvml, query, None)
         if fn is None:  # older nvidia-ml-py
             self._unsupported.add((index, query))
+            self.refused[_refusal_key(index, query)] = "not in this pynvml"
             return _SKIP
         try:
             return fn(*args)
@@ -245,6 +254,7 @@ class NvmlProbe(Probe):
                 self._const("NVML_ERROR_FUNCTION_NOT_FOUND"),
             ):
                 self._unsupported.add((index, query))
+                self.refused[_refusal_key(index, query)] = f"{type(exc).__name__}: {exc}"
             else:
                 log.debug("nvml: %s on device %s failed: %s", query, index, exc)
             return _SKIP
@@ -658,6 +668,7 @@ class NvmlProbe(Probe):
             "expected_gpus": self.expected_gpus,
             "baseline_count": self._baseline_count,
             "event_set": self._event_set is not None,
+            "refused": dict(self.refused),
             "devices": [],
         }
         for index in range(count if isinstance(count, int) else 0):
