@@ -59,6 +59,8 @@ _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Inje
 
 
 _RENDEZVOUS_ERRORS = {"DistNetworkError", "DistStoreError"}
+# torch.distributed's excepthook prints every line of a rank's traceback as "[rank3]: ...".
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?", re.M)
 
 
 def _last_exception(tail: str) -> tuple[str | None, str]:
@@ -88,6 +90,7 @@ def _user_frame(tail: str, code_dir: Path | None) -> str | None:
 def classify_exit(
     exit_code: int | None, signal: int | None, stderr_tail: str, code_dir: Path | None = None
 ) -> ExitInfo:
+    stderr_tail = _RANK_PREFIX.sub("", stderr_tail)
     low = stderr_tail.lower()
     exc, msg = _last_exception(stderr_tail)
     if "out of memory" in low or "memoryerror" in low or "bad_alloc" in low:

@@ -150,3 +150,18 @@ def test_machine_lost_outranks_everything() -> None:
     assert incident_priority("machine-lost", 1.0, True) > incident_priority("gpu-lost", 1.0, True)
     assert incident_priority("gpu-lost", 1.0, True) > incident_priority("crash", 0.5, True)
     assert incident_priority("nan", 0.7, True) > incident_priority("nan", 0.5, False)
+
+
+def test_classify_a_rank_prefixed_traceback_as_its_exception() -> None:
+    # After init_process_group, torch prints a rank's uncaught exception as "[rank0]: ..." lines.
+    code = Path("/job")
+    tail = (
+        "[rank0]: Traceback (most recent call last):\n"
+        '[rank0]:   File "/job/train.py", line 12, in <module>\n'
+        "[rank0]:     scale_lr(opt, '0.5')\n"
+        "[rank0]: TypeError: can't multiply sequence by non-int of type 'float'\n"
+    )
+    info = classify_exit(1, None, tail, code)
+    assert info.error_class == "python" and info.exception == "TypeError", info
+    assert info.user_code and info.code_location == "train.py:12", info
+    assert exit_kind(info) == "user-code"
