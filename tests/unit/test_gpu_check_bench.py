@@ -125,6 +125,7 @@ def test_nvml_part_says_what_the_machine_refuses_with_nvml_own_error() -> None:
     # The probe's checks keep the refusal too, not only a log line.
     assert got["refused"]["nvmlEventSetCreate"].startswith("NVMLError_NotSupported")
     assert got["refused"]["nvmlDeviceGetRemappedRows[0]"].startswith("NVMLError_NotSupported")
+    assert got["inventory"]["refused"]["nvmlEventSetCreate"] == got["refused"]["nvmlEventSetCreate"]
     assert got["fields"]["temperature"]["status"] == "ok"
 
 
