@@ -129,6 +129,14 @@ def test_nvml_part_says_what_the_machine_refuses_with_nvml_own_error() -> None:
     assert got["fields"]["temperature"]["status"] == "ok"
 
 
+def test_nvml_part_reports_an_event_registration_nvml_refused() -> None:
+    gpu = FakeGpu(errors={"nvmlDeviceRegisterEvents": pynvml.NVML_ERROR_NO_PERMISSION})
+    got = _bench().nvml_part(nvml=FakeNvml([gpu]), node="n1")
+    events = got["fields"]["xid_event_set"]
+    assert got["status"] == "unsupported" and events["status"] == "unsupported", events
+    assert events["errors"]["registered[0]"].startswith("NVMLError_NoPermission"), events
+
+
 def test_nvml_part_without_a_driver_is_skipped_with_the_error() -> None:
     got = _bench().nvml_part(nvml=FakeNvml(init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND), node="n1")
     assert got["status"] == "skipped" and got["error"].startswith("NVMLError_LibraryNotFound"), got

@@ -172,8 +172,9 @@ class NvmlProbe(Probe):
         self._handles: dict[int, Any] = {}
         self._registered: dict[int, int] = {}  # device index -> event mask registered
         self._unsupported: set[tuple[int | None, str]] = set()
-        # What this machine refuses, with NVML's own words ("nvmlEventSetCreate", or
-        # "nvmlDeviceGetRemappedRows[0]" for device 0): said in the inventory, never only logged.
+        # What NVML refused here, with its own words, the last error of each query
+        # ("nvmlEventSetCreate", "nvmlDeviceGetRemappedRows[0]" for device 0): not supported,
+        # no permission (virtualised GPUs)...; said in the inventory, never only logged.
         self.refused: dict[str, str] = {}
         self._ecc_last: dict[int, int] = {}
         self._sbe_events: dict[int, int] = {}  # corrected single-bit ECC events seen (no event emitted)
@@ -256,6 +257,7 @@ class NvmlProbe(Probe):
                 self._unsupported.add((index, query))
                 self.refused[_refusal_key(index, query)] = f"{type(exc).__name__}: {exc}"
             else:
+                self.refused[_refusal_key(index, query)] = f"{type(exc).__name__}: {exc}"
                 log.debug("nvml: %s on device %s failed: %s", query, index, exc)
             return _SKIP
         except Exception as exc:  # a binding bug must not stop the other checks
