@@ -36,6 +36,7 @@ from temporalio import activity
 
 from trainguard.health.events import HealthEvent, Probe, Severity
 from trainguard.models import MACHINE_FAULTS, ClearFaultsRequest, InjectRequest, InjectResult
+from workflows.job import calls
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ class DrillActivities:
             finally:
                 await self.link.up()
 
-    @activity.defn
+    @activity.defn(name=calls.inject_fault.name)
     async def inject_fault(self, req: InjectRequest) -> InjectResult:
         now = datetime.now(UTC)
         if self.link is not None and req.fault in LINK_FAULTS:
@@ -265,7 +266,7 @@ class DrillActivities:
         fault = self.state.add(req, now)
         return InjectResult(node=self.state.node, fault=req.fault, fault_id=fault["id"], injected_at=now)
 
-    @activity.defn
+    @activity.defn(name=calls.clear_faults.name)
     async def clear_faults(self, req: ClearFaultsRequest) -> int:
         if self.link is not None:
             tasks = list(self.tasks)

@@ -66,7 +66,7 @@ from tests.integration.helpers import example_spec  # noqa: E402
 from trainguard.client import ControllerUnavailable, JobHandle, TrainguardClient  # noqa: E402
 from trainguard.job_state import TERMINAL  # noqa: E402
 from trainguard.spec import JobSpec  # noqa: E402
-from workflows.training_job import TrainingJobWorkflow  # noqa: E402
+from workflows.job.workflow import TrainingJobWorkflow  # noqa: E402
 
 # The activity each mid-action kill waits for, and the drill that makes the job run it
 # (fault, rank, count): the second of two crashes runs the stop-time checks, a lost GPU is

@@ -64,6 +64,7 @@ from trainguard.sim.guarded import TrainguardJob
 from trainguard.sim.job import Occurrence
 from trainguard.sim.timeline import HorizonReached
 from trainguard.sim.trace import Trace
+from workflows.job import calls
 
 # Progress reports while training: often enough for the ledger, rare enough for the history.
 REPORT_EVERY_S = 3600.0
@@ -439,16 +440,16 @@ class SimAgent:
             self.alignment_test,
         ]
 
-    @activity.defn(name="run_ranks")
+    @activity.defn(name=calls.run_ranks.name)
     @_unlocked
     async def run_ranks(self, inp: RunRanksInput) -> RunRanksResult:
         return await self.world.run_ranks(inp)
 
-    @activity.defn(name="pick_master_port")
+    @activity.defn(name=calls.pick_master_port.name)
     async def pick_master_port(self, req: PortRequest) -> Endpoint:
         return Endpoint(host=self.name, port=29500)
 
-    @activity.defn(name="stop_ranks")
+    @activity.defn(name=calls.stop_ranks.name)
     async def stop_ranks(self, req: StopRanksRequest) -> bool:
         world = self.world
         if req.attempt == world.attempt and not req.job_id.endswith(".replay"):
@@ -457,24 +458,24 @@ class SimAgent:
             world.end_attempt()
         return True
 
-    @activity.defn(name="dump_stacks")
+    @activity.defn(name=calls.dump_stacks.name)
     async def dump_stacks(self, req: StackRequest) -> StackDump:
         self.world.charge("stack-dump", self.world.cfg.stack_dump_s)
         return StackDump(node=self.name)
 
-    @activity.defn(name="self_test")
+    @activity.defn(name=calls.self_test.name)
     async def self_test(self, req: DiagnosticRequest) -> CheckResult:
         return self.world.self_test(self.name)
 
-    @activity.defn(name="collective_test")
+    @activity.defn(name=calls.collective_test.name)
     async def collective_test(self, req: DiagnosticRequest) -> CheckResult:
         return CheckResult(node=self.name, passed=True)
 
-    @activity.defn(name="pair_test")
+    @activity.defn(name=calls.pair_test.name)
     async def pair_test(self, req: PairTestRequest) -> CheckResult:
         return self.world.pair_test(self.name)
 
-    @activity.defn(name="alignment_test")
+    @activity.defn(name=calls.alignment_test.name)
     async def alignment_test(self, req: DiagnosticRequest) -> CheckResult:
         return self.world.alignment_test(self.name)
 
@@ -496,30 +497,30 @@ class SimController:
             self.record_incident,
         ]
 
-    @activity.defn(name="reserve_nodes")
+    @activity.defn(name=calls.reserve_nodes.name)
     async def reserve_nodes(self, req: ReserveRequest) -> ReserveResult:
         return self.world.reserve(req.count)
 
-    @activity.defn(name="release_nodes")
+    @activity.defn(name=calls.release_nodes.name)
     async def release_nodes(self, req: ReleaseRequest) -> int:
         return len(self.world.names)
 
-    @activity.defn(name="evict_nodes")
+    @activity.defn(name=calls.evict_nodes.name)
     async def evict_nodes(self, req: EvictRequest) -> EvictResult:
         return self.world.evict(req)
 
-    @activity.defn(name="latest_checkpoint")
+    @activity.defn(name=calls.latest_checkpoint.name)
     async def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
         return self.world.checkpoint(inp)
 
-    @activity.defn(name="commit_checkpoint")
+    @activity.defn(name=calls.commit_checkpoint.name)
     async def commit_checkpoint(self, inp: CommitCheckpointInput) -> CheckpointRef:
         return CheckpointRef(step=inp.step, uri=f"sim://{inp.job_id}/{inp.step}", shards=inp.shards)
 
-    @activity.defn(name="localize_stacks")
+    @activity.defn(name=calls.localize_stacks.name)
     async def localize_stacks(self, inp: LocalizeStacksInput) -> StackFinding:
         return self.world.localize()
 
-    @activity.defn(name="record_incident")
+    @activity.defn(name=calls.record_incident.name)
     async def record_incident(self, inp: IncidentTelemetryInput) -> bool:
         return True

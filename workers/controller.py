@@ -26,7 +26,7 @@ from trainguard.storage import S3Store
 from trainguard.temporal import connect
 from workers.common import run_until_signalled, setup_logging
 from workflows.node_pool import NodePoolWorkflow
-from workflows.training_job import TrainingJobWorkflow
+from workflows.job.workflow import TrainingJobWorkflow
 
 
 async def main(identity: str | None = None) -> None:

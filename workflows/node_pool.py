@@ -22,13 +22,13 @@ import contextlib
 from datetime import datetime, timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
+
+from workflows.job import calls
 
 with workflow.unsafe.imports_passed_through():
     from trainguard.models import (
         ALL_FAULTS,
-        CheckResult,
         ClearFaultsRequest,
         DiagnosticRequest,
         EvictRequest,
@@ -137,14 +137,12 @@ class NodePoolWorkflow:
         async def one(name: str) -> tuple[bool | None, str]:
             """(passed, evidence); passed is None when the self-test did not run."""
             try:
-                r: CheckResult = await workflow.execute_activity(
-                    "self_test",
+                # Longer than a job's check: the pool tests machines that may be starting up.
+                r = await calls.self_test(
                     DiagnosticRequest(job_id="trainguard-pool", attempt=0),
                     task_queue=before[name].info.task_queue,
-                    schedule_to_start_timeout=timedelta(seconds=30),
-                    start_to_close_timeout=timedelta(seconds=120),
-                    retry_policy=RetryPolicy(maximum_attempts=1),
-                    result_type=CheckResult,
+                    schedule_to_start=timedelta(seconds=30),
+                    start_to_close=timedelta(seconds=120),
                     summary=f"{name}: self-test ({before[name].state})",
                 )
                 return r.passed, r.evidence
@@ -353,15 +351,7 @@ class NodePoolWorkflow:
             raise ValueError(f"node: unknown node {name!r}")
 
     async def _clear(self, n: PoolNode) -> int:
-        return await workflow.execute_activity(
-            "clear_faults",
-            ClearFaultsRequest(node=n.info.name),
-            task_queue=n.info.task_queue,
-            schedule_to_start_timeout=timedelta(seconds=30),
-            start_to_close_timeout=timedelta(seconds=10),
-            retry_policy=RetryPolicy(maximum_attempts=1),
-            result_type=int,
-        )
+        return await calls.clear_faults(ClearFaultsRequest(node=n.info.name), task_queue=n.info.task_queue)
 
     @release_node.validator
     def _validate_release_node(self, name: str) -> None:
@@ -372,15 +362,7 @@ class NodePoolWorkflow:
     async def inject(self, req: InjectRequest) -> InjectResult:
         """A fault drill: the machine's agent injects it; the job holding the machine hears of it."""
         node = self.nodes[req.node]
-        result: InjectResult = await workflow.execute_activity(
-            "inject_fault",
-            req,
-            task_queue=node.info.task_queue,
-            schedule_to_start_timeout=timedelta(seconds=10),
-            start_to_close_timeout=timedelta(seconds=10),
-            retry_policy=RetryPolicy(maximum_attempts=1),
-            result_type=InjectResult,
-        )
+        result = await calls.inject_fault(req, task_queue=node.info.task_queue)
         if node.job is not None:
             # So the job can measure detection latency from the moment of injection.
             try:

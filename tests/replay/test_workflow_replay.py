@@ -18,7 +18,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
 from workflows.node_pool import NodePoolWorkflow
-from workflows.training_job import TrainingJobWorkflow
+from workflows.job.workflow import TrainingJobWorkflow
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json.gz"))
 
