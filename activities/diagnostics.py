@@ -26,7 +26,7 @@ from temporalio import activity
 
 from activities.drills import DrillState
 from activities.health import HealthMonitor
-from trainguard.models import CheckResult, DiagnosticRequest, PairTestRequest
+from trainguard.models import CheckResult, DiagnosticInput, PairTestInput
 from workflows.job import calls
 
 # Standing drill faults that mean "this unit computes wrongly".
@@ -76,7 +76,7 @@ class DiagnosticActivities:
         ]
 
     @activity.defn(name=calls.self_test.name)
-    async def self_test(self, req: DiagnosticRequest) -> CheckResult:
+    async def self_test(self, req: DiagnosticInput) -> CheckResult:
         from trainguard import selftest  # torch: loaded only when a check runs
 
         problems = [
@@ -106,7 +106,7 @@ class DiagnosticActivities:
         return args
 
     @activity.defn(name=calls.collective_test.name)
-    async def collective_test(self, req: DiagnosticRequest) -> CheckResult:
+    async def collective_test(self, req: DiagnosticInput) -> CheckResult:
         """The machine's ranks, one process each, in a collective with exact answers."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -136,7 +136,7 @@ class DiagnosticActivities:
         )
 
     @activity.defn(name=calls.pair_test.name)
-    async def pair_test(self, req: PairTestRequest) -> CheckResult:
+    async def pair_test(self, req: PairTestInput) -> CheckResult:
         """This machine's side of a pairwise all-gather + matmul with another machine."""
         args = ["--rank", str(req.rank), "--world", "2", "--master", f"{req.master.host}:{req.master.port}"]
         x = await _check_process(
@@ -147,7 +147,7 @@ class DiagnosticActivities:
         )
 
     @activity.defn(name=calls.alignment_test.name)
-    async def alignment_test(self, req: DiagnosticRequest) -> CheckResult:
+    async def alignment_test(self, req: DiagnosticInput) -> CheckResult:
         from trainguard import selftest
 
         digest = await asyncio.to_thread(selftest.alignment_step, bool(self._damaged()))

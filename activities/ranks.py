@@ -21,7 +21,7 @@ from activities.health import HealthMonitor
 from activities.rank_session import RankSession, RestoreUnavailable
 from activities.warm_pool import WarmPool
 from infra.ports import free_port
-from trainguard.models import Endpoint, PortRequest, ProgressReport, RunRanksInput, RunRanksResult
+from trainguard.models import Endpoint, PortInput, ProgressReport, RunRanksInput, RunRanksResult
 from trainguard.storage import S3Store
 from workflows.job import calls
 
@@ -100,7 +100,7 @@ class RankActivities:
                 del self.sessions[key]
 
     @activity.defn(name=calls.pick_master_port.name)
-    async def pick_master_port(self, req: PortRequest) -> Endpoint:
+    async def pick_master_port(self, req: PortInput) -> Endpoint:
         """A free port on this machine for rank 0's rendezvous store."""
         return Endpoint(host=self.host, port=free_port(self.host))
 

@@ -22,7 +22,7 @@ from temporalio import activity
 
 from activities.ranks import RankActivities
 from trainguard.analysis.stacks import localize_hang
-from trainguard.models import LocalizeStacksInput, StackDump, StackFinding, StackRequest, StopRanksRequest
+from trainguard.models import LocalizeStacksInput, StackDump, StackFinding, StackInput, StopRanksInput
 from trainguard.storage import S3Store
 from trainguard.topology import place_ranks
 from workflows.job import calls
@@ -73,7 +73,7 @@ class StackActivities:
         self.ranks = ranks
 
     @activity.defn(name=calls.dump_stacks.name)
-    async def dump_stacks(self, req: StackRequest) -> StackDump:
+    async def dump_stacks(self, req: StackInput) -> StackDump:
         """Dump the stacks of this machine's ranks of one attempt to S3."""
         assert self.ranks is not None
         node = self.ranks.node_name
@@ -94,7 +94,7 @@ class StackActivities:
         return StackDump(node=node, uri=self.store.uri(key), ranks=sorted(stacks), error="; ".join(errors))
 
     @activity.defn(name=calls.stop_ranks.name)
-    async def stop_ranks(self, req: StopRanksRequest) -> bool:
+    async def stop_ranks(self, req: StopRanksInput) -> bool:
         """Stop what is left of an attempt's ranks here (after their stacks were taken)."""
         assert self.ranks is not None
         sess = self.ranks.sessions.get((req.job_id, req.attempt))

@@ -42,26 +42,26 @@ from trainguard.models import (
     CONTROLLER_QUEUE,
     CheckpointRef,
     CheckResult,
-    ClearFaultsRequest,
+    ClearFaultsInput,
     CommitCheckpointInput,
-    DiagnosticRequest,
+    DiagnosticInput,
     Endpoint,
     IncidentReport,
-    InjectRequest,
+    InjectInput,
     InjectResult,
     LatestCheckpointInput,
     LocalizeStacksInput,
     NodeInfo,
-    PairTestRequest,
-    PortRequest,
+    PairTestInput,
+    PortInput,
     ProgressReport,
     RunRanksInput,
     RunRanksResult,
     ShardInfo,
     StackDump,
     StackFinding,
-    StackRequest,
-    StopRanksRequest,
+    StackInput,
+    StopRanksInput,
     node_queue,
 )
 from trainguard.reporting import report_interval
@@ -282,7 +282,7 @@ class SimMachine:
             raise
 
     @activity.defn(name=calls.stop_ranks.name)
-    async def stop_ranks(self, req: StopRanksRequest) -> bool:
+    async def stop_ranks(self, req: StopRanksInput) -> bool:
         session = self.sessions.get((req.job_id, req.attempt))
         if session is None:
             self.stopped.add((req.job_id, req.attempt, req.chain))
@@ -292,11 +292,11 @@ class SimMachine:
         return True
 
     @activity.defn(name=calls.pick_master_port.name)
-    async def pick_master_port(self, req: PortRequest) -> Endpoint:
+    async def pick_master_port(self, req: PortInput) -> Endpoint:
         return Endpoint(host="127.0.0.1", port=20000 + req.attempt % 10000)
 
     @activity.defn(name=calls.dump_stacks.name)
-    async def dump_stacks(self, req: StackRequest) -> StackDump:
+    async def dump_stacks(self, req: StackInput) -> StackDump:
         return StackDump(node=self.name, error="simulated machine: no stacks")
 
     def _passed(self, evidence: str) -> CheckResult:
@@ -305,27 +305,27 @@ class SimMachine:
         )
 
     @activity.defn(name=calls.self_test.name)
-    async def self_test(self, req: DiagnosticRequest) -> CheckResult:
+    async def self_test(self, req: DiagnosticInput) -> CheckResult:
         return self._passed("simulated self-test")
 
     @activity.defn(name=calls.alignment_test.name)
-    async def alignment_test(self, req: DiagnosticRequest) -> CheckResult:
+    async def alignment_test(self, req: DiagnosticInput) -> CheckResult:
         return self._passed("simulated alignment test")
 
     @activity.defn(name=calls.collective_test.name)
-    async def collective_test(self, req: DiagnosticRequest) -> CheckResult:
+    async def collective_test(self, req: DiagnosticInput) -> CheckResult:
         return self._passed("simulated collective test")
 
     @activity.defn(name=calls.pair_test.name)
-    async def pair_test(self, req: PairTestRequest) -> CheckResult:
+    async def pair_test(self, req: PairTestInput) -> CheckResult:
         return self._passed("simulated pair test")
 
     @activity.defn(name=calls.inject_fault.name)
-    async def inject_fault(self, req: InjectRequest) -> InjectResult:
+    async def inject_fault(self, req: InjectInput) -> InjectResult:
         return InjectResult(node=self.name, fault=req.fault, fault_id="sim", injected_at=datetime.now(UTC))
 
     @activity.defn(name=calls.clear_faults.name)
-    async def clear_faults(self, req: ClearFaultsRequest) -> int:
+    async def clear_faults(self, req: ClearFaultsInput) -> int:
         return 0
 
 

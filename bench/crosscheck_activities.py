@@ -38,26 +38,26 @@ from trainguard.models import (
     CheckpointRef,
     CheckResult,
     CommitCheckpointInput,
-    DiagnosticRequest,
+    DiagnosticInput,
     Endpoint,
-    EvictRequest,
+    EvictInput,
     EvictResult,
     IncidentReport,
     LatestCheckpointInput,
     LocalizeStacksInput,
     NodeInfo,
-    PairTestRequest,
-    PortRequest,
+    PairTestInput,
+    PortInput,
     ProgressReport,
-    ReleaseRequest,
-    ReserveRequest,
+    ReleaseInput,
+    ReserveInput,
     ReserveResult,
     RunRanksInput,
     RunRanksResult,
     StackDump,
     StackFinding,
-    StackRequest,
-    StopRanksRequest,
+    StackInput,
+    StopRanksInput,
 )
 from trainguard.sim.config import FaultVariant, SimConfig
 from trainguard.sim.guarded import TrainguardJob
@@ -380,7 +380,7 @@ class SimWorld(TrainguardJob):
             self.ensure_agent(name)
         return ReserveResult(granted=True, nodes=[self.node(n) for n in self.names[:count]])
 
-    def evict(self, req: EvictRequest) -> EvictResult:
+    def evict(self, req: EvictInput) -> EvictResult:
         before = list(self.slots)
         if not self._evict(req.nodes, req.confirmed):
             return EvictResult(replaced=False, message="not enough standbys")
@@ -446,11 +446,11 @@ class SimAgent:
         return await self.world.run_ranks(inp)
 
     @activity.defn(name=calls.pick_master_port.name)
-    async def pick_master_port(self, req: PortRequest) -> Endpoint:
+    async def pick_master_port(self, req: PortInput) -> Endpoint:
         return Endpoint(host=self.name, port=29500)
 
     @activity.defn(name=calls.stop_ranks.name)
-    async def stop_ranks(self, req: StopRanksRequest) -> bool:
+    async def stop_ranks(self, req: StopRanksInput) -> bool:
         world = self.world
         if req.attempt == world.attempt and not req.job_id.endswith(".replay"):
             if world.occ is not None:
@@ -459,24 +459,24 @@ class SimAgent:
         return True
 
     @activity.defn(name=calls.dump_stacks.name)
-    async def dump_stacks(self, req: StackRequest) -> StackDump:
+    async def dump_stacks(self, req: StackInput) -> StackDump:
         self.world.charge("stack-dump", self.world.cfg.stack_dump_s)
         return StackDump(node=self.name)
 
     @activity.defn(name=calls.self_test.name)
-    async def self_test(self, req: DiagnosticRequest) -> CheckResult:
+    async def self_test(self, req: DiagnosticInput) -> CheckResult:
         return self.world.self_test(self.name)
 
     @activity.defn(name=calls.collective_test.name)
-    async def collective_test(self, req: DiagnosticRequest) -> CheckResult:
+    async def collective_test(self, req: DiagnosticInput) -> CheckResult:
         return CheckResult(node=self.name, passed=True)
 
     @activity.defn(name=calls.pair_test.name)
-    async def pair_test(self, req: PairTestRequest) -> CheckResult:
+    async def pair_test(self, req: PairTestInput) -> CheckResult:
         return self.world.pair_test(self.name)
 
     @activity.defn(name=calls.alignment_test.name)
-    async def alignment_test(self, req: DiagnosticRequest) -> CheckResult:
+    async def alignment_test(self, req: DiagnosticInput) -> CheckResult:
         return self.world.alignment_test(self.name)
 
 
@@ -498,15 +498,15 @@ class SimController:
         ]
 
     @activity.defn(name=calls.reserve_nodes.name)
-    async def reserve_nodes(self, req: ReserveRequest) -> ReserveResult:
+    async def reserve_nodes(self, req: ReserveInput) -> ReserveResult:
         return self.world.reserve(req.count)
 
     @activity.defn(name=calls.release_nodes.name)
-    async def release_nodes(self, req: ReleaseRequest) -> int:
+    async def release_nodes(self, req: ReleaseInput) -> int:
         return len(self.world.names)
 
     @activity.defn(name=calls.evict_nodes.name)
-    async def evict_nodes(self, req: EvictRequest) -> EvictResult:
+    async def evict_nodes(self, req: EvictInput) -> EvictResult:
         return self.world.evict(req)
 
     @activity.defn(name=calls.latest_checkpoint.name)

@@ -59,7 +59,7 @@ from bench.drill_progress import ProgressTrace, corrupt_from, nonfinite, product
 from bench.drill_run import FaultRow, Injected, Observation, Outcome, SystemResult, not_reached
 from infra.processes import kill_pid, pid_alive, start_ticks, stop_pid
 from trainguard.job_state import combined_param_hash
-from trainguard.models import InjectRequest
+from trainguard.models import InjectInput
 from trainguard.runtime import protocol
 from trainguard.runtime.env import inheritable_environ
 from trainguard.spec import JobSpec
@@ -289,7 +289,7 @@ class TorchrunSide:
 
     # -- faults ----------------------------------------------------------------------
     def _add_fault(self, fault: str, rank: int | None) -> None:
-        self.drills.add(InjectRequest(node=NODE, fault=fault, rank=rank), datetime.now(UTC))
+        self.drills.add(InjectInput(node=NODE, fault=fault, rank=rank), datetime.now(UTC))
 
     async def inject(self, fault: DrillFault, obs: Observation) -> Injected:
         name = fault.name

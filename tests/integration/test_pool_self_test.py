@@ -15,7 +15,7 @@ from temporalio.worker import Worker
 
 from infra.stack import find_binary
 from trainguard import pool_client
-from trainguard.models import CONTROLLER_QUEUE, CheckResult, DiagnosticRequest, NodeInfo, PoolState
+from trainguard.models import CONTROLLER_QUEUE, CheckResult, DiagnosticInput, NodeInfo, PoolState
 from workflows.node_pool import SELF_TEST_MISSES, NodePoolWorkflow
 
 
@@ -23,7 +23,7 @@ async def test_a_missed_self_test_is_retried_and_only_repeated_misses_quarantine
     calls = 0
 
     @activity.defn(name="self_test")
-    async def busy_once(req: DiagnosticRequest) -> CheckResult:
+    async def busy_once(req: DiagnosticInput) -> CheckResult:
         nonlocal calls
         calls += 1
         if calls == 1:
@@ -31,7 +31,7 @@ async def test_a_missed_self_test_is_retried_and_only_repeated_misses_quarantine
         return CheckResult(node="busy", passed=True, evidence="all checks passed")
 
     @activity.defn(name="self_test")
-    async def never(req: DiagnosticRequest) -> CheckResult:
+    async def never(req: DiagnosticInput) -> CheckResult:
         raise ApplicationError("agent away", non_retryable=True)
 
     env = await WorkflowEnvironment.start_time_skipping(

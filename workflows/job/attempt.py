@@ -32,7 +32,7 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.models import (
         CheckpointRef,
         LatestCheckpointInput,
-        PortRequest,
+        PortInput,
         RunRanksInput,
         RunRanksResult,
     )
@@ -101,7 +101,7 @@ class Attempt:
             tier = ("peer" if peers else "memory") if checkpoints.is_memory(resume) else "s3"
             s.checkpoint = CheckpointStatus(step=resume.step, tier=tier, uri=resume.uri)
         master = await calls.pick_master_port(
-            PortRequest(job_id=spec.name, attempt=s.attempt),
+            PortInput(job_id=spec.name, attempt=s.attempt),
             task_queue=s.nodes[0].task_queue,
             schedule_to_start=timedelta(seconds=self.inp.schedule_to_start_s),
         )

@@ -27,28 +27,28 @@ with workflow.unsafe.imports_passed_through():
         CONTROLLER_QUEUE,
         CheckpointRef,
         CheckResult,
-        ClearFaultsRequest,
+        ClearFaultsInput,
         CommitCheckpointInput,
-        DiagnosticRequest,
+        DiagnosticInput,
         Endpoint,
-        EvictRequest,
+        EvictInput,
         EvictResult,
-        InjectRequest,
+        InjectInput,
         InjectResult,
         LatestCheckpointInput,
         LocalizeStacksInput,
         NodeInfo,
-        PairTestRequest,
-        PortRequest,
-        ReleaseRequest,
-        ReserveRequest,
+        PairTestInput,
+        PortInput,
+        ReleaseInput,
+        ReserveInput,
         ReserveResult,
         RunRanksInput,
         RunRanksResult,
         StackDump,
         StackFinding,
-        StackRequest,
-        StopRanksRequest,
+        StackInput,
+        StopRanksInput,
     )
 
 I = TypeVar("I")  # noqa: E741 - the input, beside R the result
@@ -114,12 +114,12 @@ class Activity(Generic[I, R]):
 
 
 # -- the pool (controller) --------------------------------------------------------------------
-reserve_nodes: Activity[ReserveRequest, ReserveResult] = Activity(
-    "reserve_nodes", ReserveRequest, ReserveResult, ON_CONTROLLER
+reserve_nodes: Activity[ReserveInput, ReserveResult] = Activity(
+    "reserve_nodes", ReserveInput, ReserveResult, ON_CONTROLLER
 )
-release_nodes: Activity[ReleaseRequest, int] = Activity("release_nodes", ReleaseRequest, int, ON_CONTROLLER)
-evict_nodes: Activity[EvictRequest, EvictResult] = Activity(
-    "evict_nodes", EvictRequest, EvictResult, ON_CONTROLLER
+release_nodes: Activity[ReleaseInput, int] = Activity("release_nodes", ReleaseInput, int, ON_CONTROLLER)
+evict_nodes: Activity[EvictInput, EvictResult] = Activity(
+    "evict_nodes", EvictInput, EvictResult, ON_CONTROLLER
 )
 
 # -- checkpoints, stacks, telemetry (controller) ----------------------------------------------
@@ -142,36 +142,36 @@ record_incident: Activity[IncidentTelemetryInput, bool] = Activity(
 )
 
 # -- on a machine (its own task queue) --------------------------------------------------------
-pick_master_port: Activity[PortRequest, Endpoint] = Activity(
-    "pick_master_port", PortRequest, Endpoint, dataclasses.replace(ON_MACHINE, start_to_close=SHORT)
+pick_master_port: Activity[PortInput, Endpoint] = Activity(
+    "pick_master_port", PortInput, Endpoint, dataclasses.replace(ON_MACHINE, start_to_close=SHORT)
 )
 # Runs as long as the ranks: the heartbeat (given per job) tells a dead machine.
 run_ranks: Activity[RunRanksInput, RunRanksResult] = Activity(
     "run_ranks", RunRanksInput, RunRanksResult, Options(start_to_close=timedelta(days=30))
 )
-stop_ranks: Activity[StopRanksRequest, bool] = Activity("stop_ranks", StopRanksRequest, bool, ON_MACHINE)
-dump_stacks: Activity[StackRequest, StackDump] = Activity("dump_stacks", StackRequest, StackDump, ON_MACHINE)
-self_test: Activity[DiagnosticRequest, CheckResult] = Activity(
-    "self_test", DiagnosticRequest, CheckResult, ON_MACHINE
+stop_ranks: Activity[StopRanksInput, bool] = Activity("stop_ranks", StopRanksInput, bool, ON_MACHINE)
+dump_stacks: Activity[StackInput, StackDump] = Activity("dump_stacks", StackInput, StackDump, ON_MACHINE)
+self_test: Activity[DiagnosticInput, CheckResult] = Activity(
+    "self_test", DiagnosticInput, CheckResult, ON_MACHINE
 )
-collective_test: Activity[DiagnosticRequest, CheckResult] = Activity(
-    "collective_test", DiagnosticRequest, CheckResult, ON_MACHINE
+collective_test: Activity[DiagnosticInput, CheckResult] = Activity(
+    "collective_test", DiagnosticInput, CheckResult, ON_MACHINE
 )
-alignment_test: Activity[DiagnosticRequest, CheckResult] = Activity(
-    "alignment_test", DiagnosticRequest, CheckResult, ON_MACHINE
+alignment_test: Activity[DiagnosticInput, CheckResult] = Activity(
+    "alignment_test", DiagnosticInput, CheckResult, ON_MACHINE
 )
-pair_test: Activity[PairTestRequest, CheckResult] = Activity(
-    "pair_test", PairTestRequest, CheckResult, ON_MACHINE
+pair_test: Activity[PairTestInput, CheckResult] = Activity(
+    "pair_test", PairTestInput, CheckResult, ON_MACHINE
 )
-inject_fault: Activity[InjectRequest, InjectResult] = Activity(
+inject_fault: Activity[InjectInput, InjectResult] = Activity(
     "inject_fault",
-    InjectRequest,
+    InjectInput,
     InjectResult,
     dataclasses.replace(ON_MACHINE, start_to_close=timedelta(seconds=10)),
 )
-clear_faults: Activity[ClearFaultsRequest, int] = Activity(
+clear_faults: Activity[ClearFaultsInput, int] = Activity(
     "clear_faults",
-    ClearFaultsRequest,
+    ClearFaultsInput,
     int,
     Options(schedule_to_start=timedelta(seconds=30), start_to_close=timedelta(seconds=10)),
 )

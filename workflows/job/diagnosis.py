@@ -24,10 +24,10 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.models import (
         CheckpointRef,
         CheckResult,
-        DiagnosticRequest,
+        DiagnosticInput,
         Endpoint,
-        PairTestRequest,
-        PortRequest,
+        PairTestInput,
+        PortInput,
         RunRanksInput,
         RunRanksResult,
     )
@@ -47,7 +47,7 @@ async def rendezvous_port(
     """A free port on a machine for a diagnostic process group's rendezvous (no retry: a
     machine that cannot answer within seconds fails the check)."""
     return await calls.pick_master_port(
-        PortRequest(job_id=job_id, attempt=attempt),
+        PortInput(job_id=job_id, attempt=attempt),
         task_queue=task_queue,
         start_to_close=limit,
         summary=summary,
@@ -63,7 +63,7 @@ class Diagnosis:
         """Run the diagnosis a decision asks for; returns the decision its result leads to."""
         primary = outcome.primary
         assert primary is not None
-        req = DiagnosticRequest(
+        req = DiagnosticInput(
             job_id=self.s.spec.name, attempt=attempt, local_world=self.s.spec.ranks_per_node
         )
         if decision.action == "stop-time-checks":
@@ -87,7 +87,7 @@ class Diagnosis:
             return follow
         return None
 
-    async def _stop_time_checks(self, decision: Decision, req: DiagnosticRequest) -> Decision:
+    async def _stop_time_checks(self, decision: Decision, req: DiagnosticInput) -> Decision:
         """Cheapest first, stopping at the first check that names a machine: the compute
         self-test, the intra-machine collective (both on the suspects), then pairwise
         inter-machine rounds over the job's machines."""
@@ -114,7 +114,7 @@ class Diagnosis:
         return outcome_after_checks(failed, stragglers, evidence=" | ".join(details))
 
     async def _pair_round(
-        self, pairs: list[tuple[str, str]], req: DiagnosticRequest
+        self, pairs: list[tuple[str, str]], req: DiagnosticInput
     ) -> list[pairing.PairResult]:
         """Every pair at once: the first machine hosts the rendezvous, both run ``pair_test``."""
         queues = {n.name: n.task_queue for n in self.s.nodes}
@@ -122,7 +122,7 @@ class Diagnosis:
 
         async def pair_test(rank: int, node: str, master: Endpoint) -> CheckResult:
             return await calls.pair_test(
-                PairTestRequest(job_id=req.job_id, attempt=req.attempt, rank=rank, master=master),
+                PairTestInput(job_id=req.job_id, attempt=req.attempt, rank=rank, master=master),
                 task_queue=queues[node],
                 start_to_close=limit,
                 summary=f"{node}: pairwise check",

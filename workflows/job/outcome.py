@@ -24,8 +24,8 @@ with workflow.unsafe.imports_passed_through():
         LocalizeStacksInput,
         RunRanksResult,
         StackFinding,
-        StackRequest,
-        StopRanksRequest,
+        StackInput,
+        StopRanksInput,
     )
 
 Handles = dict[str, workflow.ActivityHandle[RunRanksResult]]  # machine -> its run_ranks
@@ -40,9 +40,9 @@ class AttemptOutcome(BaseModel):
     evict: list[str] = []
 
 
-def stop_request(s: JobState, attempt: int, job_id: str | None = None) -> StopRanksRequest:
+def stop_request(s: JobState, attempt: int, job_id: str | None = None) -> StopRanksInput:
     # The run's chain: a machine that gets the stop before the attempt's run_ranks refuses it then.
-    return StopRanksRequest(
+    return StopRanksInput(
         job_id=job_id or s.spec.name, attempt=attempt, chain=workflow.info().first_execution_run_id
     )
 
@@ -100,7 +100,7 @@ async def localize_hang(s: JobState, vis: Visibility) -> StackFinding:
     assert run is not None
     prefix = checkpoints.job_prefix(spec.checkpoint.s3_prefix, spec.name)
     dumps = await calls.on_machines(
-        calls.dump_stacks, StackRequest(job_id=spec.name, attempt=run.attempt, prefix=prefix), s.nodes
+        calls.dump_stacks, StackInput(job_id=spec.name, attempt=run.attempt, prefix=prefix), s.nodes
     )
     return await calls.localize_stacks(
         LocalizeStacksInput(

@@ -22,7 +22,7 @@ with workflow.unsafe.imports_passed_through():
     from trainguard import checkpoints, ettr
     from trainguard.code_versions import CodeEvent
     from trainguard.job_state import Incident, JobInput, JobState, RunningAttempt
-    from trainguard.models import EvictRequest, IncidentReport
+    from trainguard.models import EvictInput, IncidentReport
     from trainguard.policy import PolicyConfig, decide, record_incident
 
 
@@ -131,7 +131,7 @@ class Recovery:
         """Quarantine ``nodes`` (or, not ``confirmed``, make them suspect until they pass the
         self-test); standbys take their places (same logical ranks)."""
         res = await calls.evict_nodes(
-            EvictRequest(
+            EvictInput(
                 job_id=self.s.spec.name,
                 nodes=nodes,
                 reason=f"{incident.id} {incident.kind}: {incident.evidence[:300]}",

@@ -45,7 +45,7 @@ with workflow.unsafe.imports_passed_through():
         combined_param_hash,
         status_json,
     )
-    from trainguard.models import InjectResult, ProgressReport, ReleaseRequest, ReserveRequest, RunRanksResult
+    from trainguard.models import InjectResult, ProgressReport, ReleaseInput, ReserveInput, RunRanksResult
     from trainguard.policy import CodeVersion, JobHistory
     from trainguard.spec import SpecError
 
@@ -175,7 +175,7 @@ class TrainingJobWorkflow:
         spec = self.s.spec
         since = workflow.now()
         while self.stop_reason is None:
-            res = await calls.reserve_nodes(ReserveRequest(job_id=spec.name, count=spec.nodes))
+            res = await calls.reserve_nodes(ReserveInput(job_id=spec.name, count=spec.nodes))
             if res.granted:
                 self.s.nodes = list(res.nodes)
                 # Waiting for machines is idle time (zero when they were there at once).
@@ -216,7 +216,7 @@ class TrainingJobWorkflow:
         if phase == "stopped":
             self.s.verdict = self.stop_reason
         if self.s.nodes:
-            await calls.release_nodes(ReleaseRequest(job_id=self.s.spec.name))
+            await calls.release_nodes(ReleaseInput(job_id=self.s.spec.name))
         self.vis.set_phase(phase)
         await self.vis.wait_exports()
         await workflow.wait_condition(workflow.all_handlers_finished)
