@@ -5,6 +5,7 @@ those above it in this list):
 - ``patches``: the ``workflow.patched`` ids, each with its reason;
 - ``visibility``: search attributes, current details, telemetry export;
 - ``progress``: folding the machines' reports into the job state, committing checkpoints;
+- ``outcome``: how an attempt ended (stopping it everywhere, naming the cause);
 - ``attempt``: one attempt (restore point -> run -> the outcome it ended with);
 - ``diagnosis``: stop-time checks, pairwise rounds, the alignment test, dual-phase replay;
 - ``recovery``: incident -> decision -> diagnosis -> evict / roll back / stop;
