@@ -11,18 +11,19 @@ from temporalio.exceptions import ApplicationError
 from trainguard import checkpoints, telemetry
 from trainguard.models import CheckpointRef, CommitCheckpointInput, LatestCheckpointInput
 from trainguard.storage import S3Store
+from workflows.job import calls
 
 
 class CheckpointActivities:
     def __init__(self, store: S3Store) -> None:
         self.store = store
 
-    @activity.defn
+    @activity.defn(name=calls.latest_checkpoint.name)
     async def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
         jprefix = checkpoints.job_prefix(inp.prefix, inp.job_id)
         return await asyncio.to_thread(checkpoints.latest, self.store, jprefix, inp.world_size, inp.max_step)
 
-    @activity.defn
+    @activity.defn(name=calls.commit_checkpoint.name)
     async def commit_checkpoint(self, inp: CommitCheckpointInput) -> CheckpointRef:
         if inp.gauges is not None:
             # Commits run every few minutes anyway: the job's progress metrics ride along.

@@ -26,7 +26,8 @@ from temporalio import activity
 
 from activities.drills import DrillState
 from activities.health import HealthMonitor
-from trainguard.models import CheckResult, DiagnosticRequest, PairTestRequest
+from trainguard.models import CheckResult, DiagnosticInput, PairTestInput
+from workflows.job import calls
 
 # Standing drill faults that mean "this unit computes wrongly".
 _DAMAGING = {"sdc", "gpu-lost", "gpu-xid", "ecc"}
@@ -74,8 +75,8 @@ class DiagnosticActivities:
             and (f["fault"] in _DAMAGING or (f["fault"] == "crash" and int(f.get("count") or 1) > 1))
         ]
 
-    @activity.defn
-    async def self_test(self, req: DiagnosticRequest) -> CheckResult:
+    @activity.defn(name=calls.self_test.name)
+    async def self_test(self, req: DiagnosticInput) -> CheckResult:
         from trainguard import selftest  # torch: loaded only when a check runs
 
         problems = [
@@ -104,8 +105,8 @@ class DiagnosticActivities:
             args.append("--absent")
         return args
 
-    @activity.defn
-    async def collective_test(self, req: DiagnosticRequest) -> CheckResult:
+    @activity.defn(name=calls.collective_test.name)
+    async def collective_test(self, req: DiagnosticInput) -> CheckResult:
         """The machine's ranks, one process each, in a collective with exact answers."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -134,8 +135,8 @@ class DiagnosticActivities:
             evidence="; ".join(bad) if bad else f"{req.local_world}-rank collective exact in {elapsed:.2f}s",
         )
 
-    @activity.defn
-    async def pair_test(self, req: PairTestRequest) -> CheckResult:
+    @activity.defn(name=calls.pair_test.name)
+    async def pair_test(self, req: PairTestInput) -> CheckResult:
         """This machine's side of a pairwise all-gather + matmul with another machine."""
         args = ["--rank", str(req.rank), "--world", "2", "--master", f"{req.master.host}:{req.master.port}"]
         x = await _check_process(
@@ -145,8 +146,8 @@ class DiagnosticActivities:
             node=self.node, passed=bool(x["ok"]), elapsed_s=float(x["elapsed_s"]), evidence=x["evidence"]
         )
 
-    @activity.defn
-    async def alignment_test(self, req: DiagnosticRequest) -> CheckResult:
+    @activity.defn(name=calls.alignment_test.name)
+    async def alignment_test(self, req: DiagnosticInput) -> CheckResult:
         from trainguard import selftest
 
         digest = await asyncio.to_thread(selftest.alignment_step, bool(self._damaged()))

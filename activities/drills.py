@@ -35,7 +35,8 @@ from typing import Any
 from temporalio import activity
 
 from trainguard.health.events import HealthEvent, Probe, Severity
-from trainguard.models import MACHINE_FAULTS, ClearFaultsRequest, InjectRequest, InjectResult
+from trainguard.models import MACHINE_FAULTS, ClearFaultsInput, InjectInput, InjectResult
+from workflows.job import calls
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class DrillState:
         tmp.write_text(json.dumps({"faults": faults}, indent=1))
         os.replace(tmp, self.path)
 
-    def add(self, req: InjectRequest, now: datetime) -> dict:
+    def add(self, req: InjectInput, now: datetime) -> dict:
         fault = {
             "id": f"f-{uuid.uuid4().hex[:8]}",
             "fault": req.fault,
@@ -245,8 +246,8 @@ class DrillActivities:
             finally:
                 await self.link.up()
 
-    @activity.defn
-    async def inject_fault(self, req: InjectRequest) -> InjectResult:
+    @activity.defn(name=calls.inject_fault.name)
+    async def inject_fault(self, req: InjectInput) -> InjectResult:
         now = datetime.now(UTC)
         if self.link is not None and req.fault in LINK_FAULTS:
             # The fault starts when the link goes down, just after this answer has left.
@@ -265,8 +266,8 @@ class DrillActivities:
         fault = self.state.add(req, now)
         return InjectResult(node=self.state.node, fault=req.fault, fault_id=fault["id"], injected_at=now)
 
-    @activity.defn
-    async def clear_faults(self, req: ClearFaultsRequest) -> int:
+    @activity.defn(name=calls.clear_faults.name)
+    async def clear_faults(self, req: ClearFaultsInput) -> int:
         if self.link is not None:
             tasks = list(self.tasks)
             for t in tasks:

@@ -12,25 +12,26 @@ from temporalio import activity
 from temporalio.client import Client
 
 from trainguard import pool_client, telemetry
-from trainguard.models import EvictRequest, EvictResult, ReleaseRequest, ReserveRequest, ReserveResult
+from trainguard.models import EvictInput, EvictResult, ReleaseInput, ReserveInput, ReserveResult
+from workflows.job import calls
 
 
 class PoolActivities:
     def __init__(self, client: Client) -> None:
         self.client = client
 
-    @activity.defn
-    async def reserve_nodes(self, req: ReserveRequest) -> ReserveResult:
+    @activity.defn(name=calls.reserve_nodes.name)
+    async def reserve_nodes(self, req: ReserveInput) -> ReserveResult:
         res = await pool_client.reserve(self.client, req)
         telemetry.record_standby(res.standby)
         return res
 
-    @activity.defn
-    async def release_nodes(self, req: ReleaseRequest) -> int:
+    @activity.defn(name=calls.release_nodes.name)
+    async def release_nodes(self, req: ReleaseInput) -> int:
         return await pool_client.release(self.client, req.job_id)
 
-    @activity.defn
-    async def evict_nodes(self, req: EvictRequest) -> EvictResult:
+    @activity.defn(name=calls.evict_nodes.name)
+    async def evict_nodes(self, req: EvictInput) -> EvictResult:
         info = activity.info()
         # The same id on every retry of this activity: the pool answers a retry from memory.
         req = req.model_copy(update={"request_id": f"{info.workflow_run_id}/{info.activity_id}"})

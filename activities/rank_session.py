@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import ctypes
 import functools
-import json
 import logging
 import os
 import shutil
@@ -53,6 +52,7 @@ from trainguard.models import (
     ShardInfo,
 )
 from trainguard.reporting import report_interval
+from trainguard.runtime import protocol
 from trainguard.runtime.env import (
     RankEnv,
     backup_shard_name,
@@ -307,16 +307,14 @@ class RankSession:
         )
         try:
             while line := await reader.readline():
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                self._on_report(rank, rec)
+                if (rec := protocol.decode(line)) is not None:
+                    self._on_report(rank, rec)
         finally:
             transport.close()
 
-    def _on_report(self, rank: int, rec: dict[str, Any]) -> None:
-        kind = rec.get("t")
+    def _on_report(self, rank: int, rec: protocol.Message) -> None:
+        # Read by key with .get where the rank may leave a field out (trainguard.runtime.protocol).
+        kind = rec["t"]
         if kind == "step":
             step = int(rec["step"])
             self.last_step[rank] = step

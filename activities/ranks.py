@@ -21,8 +21,9 @@ from activities.health import HealthMonitor
 from activities.rank_session import RankSession, RestoreUnavailable
 from activities.warm_pool import WarmPool
 from infra.ports import free_port
-from trainguard.models import Endpoint, PortRequest, ProgressReport, RunRanksInput, RunRanksResult
+from trainguard.models import Endpoint, PortInput, ProgressReport, RunRanksInput, RunRanksResult
 from trainguard.storage import S3Store
+from workflows.job import calls
 
 HEARTBEAT_EVERY = timedelta(seconds=2)
 # How long ranks keep running with no activity attached (covers continue-as-new).
@@ -98,12 +99,12 @@ class RankActivities:
                     await sess.kill()
                 del self.sessions[key]
 
-    @activity.defn
-    async def pick_master_port(self, req: PortRequest) -> Endpoint:
+    @activity.defn(name=calls.pick_master_port.name)
+    async def pick_master_port(self, req: PortInput) -> Endpoint:
         """A free port on this machine for rank 0's rendezvous store."""
         return Endpoint(host=self.host, port=free_port(self.host))
 
-    @activity.defn
+    @activity.defn(name=calls.run_ranks.name)
     async def run_ranks(self, inp: RunRanksInput) -> RunRanksResult:
         key = (inp.job_id, inp.attempt)
         sess = self.sessions.get(key)

@@ -22,9 +22,10 @@ from temporalio import activity
 
 from activities.ranks import RankActivities
 from trainguard.analysis.stacks import localize_hang
-from trainguard.models import LocalizeStacksInput, StackDump, StackFinding, StackRequest, StopRanksRequest
+from trainguard.models import LocalizeStacksInput, StackDump, StackFinding, StackInput, StopRanksInput
 from trainguard.storage import S3Store
 from trainguard.topology import place_ranks
+from workflows.job import calls
 
 log = logging.getLogger(__name__)
 PY_SPY_TIMEOUT_S = 20.0
@@ -71,8 +72,8 @@ class StackActivities:
         self.store = store
         self.ranks = ranks
 
-    @activity.defn
-    async def dump_stacks(self, req: StackRequest) -> StackDump:
+    @activity.defn(name=calls.dump_stacks.name)
+    async def dump_stacks(self, req: StackInput) -> StackDump:
         """Dump the stacks of this machine's ranks of one attempt to S3."""
         assert self.ranks is not None
         node = self.ranks.node_name
@@ -92,8 +93,8 @@ class StackActivities:
         await asyncio.to_thread(self.store.put_json, key, {"node": node, "stacks": stacks})
         return StackDump(node=node, uri=self.store.uri(key), ranks=sorted(stacks), error="; ".join(errors))
 
-    @activity.defn
-    async def stop_ranks(self, req: StopRanksRequest) -> bool:
+    @activity.defn(name=calls.stop_ranks.name)
+    async def stop_ranks(self, req: StopRanksInput) -> bool:
         """Stop what is left of an attempt's ranks here (after their stacks were taken)."""
         assert self.ranks is not None
         sess = self.ranks.sessions.get((req.job_id, req.attempt))
@@ -104,7 +105,7 @@ class StackActivities:
         await sess.kill()
         return True
 
-    @activity.defn
+    @activity.defn(name=calls.localize_stacks.name)
     async def localize_stacks(self, inp: LocalizeStacksInput) -> StackFinding:
         """Group every rank's stack; the outliers' shared parallel group names the machines."""
         stacks: dict[int, list[str]] = {}

@@ -17,6 +17,7 @@ from temporalio import activity
 
 from trainguard import incident_trace, telemetry
 from trainguard.job_state import IncidentTelemetryInput
+from workflows.job import calls
 
 log = logging.getLogger(__name__)
 REMEMBERED = 1000
@@ -28,7 +29,7 @@ class TelemetryActivities:
         self.ins = ins
         self._done: OrderedDict[str, None] = OrderedDict()
 
-    @activity.defn
+    @activity.defn(name=calls.record_incident.name)
     async def record_incident(self, inp: IncidentTelemetryInput) -> bool:
         """Export the incident; False when this process already did (a retry)."""
         key = f"{inp.run}/{inp.job_id}/{inp.incident.id}"

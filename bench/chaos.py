@@ -66,15 +66,16 @@ from tests.integration.helpers import example_spec  # noqa: E402
 from trainguard.client import ControllerUnavailable, JobHandle, TrainguardClient  # noqa: E402
 from trainguard.job_state import TERMINAL  # noqa: E402
 from trainguard.spec import JobSpec  # noqa: E402
-from workflows.training_job import TrainingJobWorkflow  # noqa: E402
+from workflows.job import calls  # noqa: E402
+from workflows.job.workflow import TrainingJobWorkflow  # noqa: E402
 
 # The activity each mid-action kill waits for, and the drill that makes the job run it
 # (fault, rank, count): the second of two crashes runs the stop-time checks, a lost GPU is
 # evicted at once, and a checkpoint is committed every ``every_steps`` without help.
 MID_ACTION: dict[str, tuple[str, tuple[str, int | None, int] | None]] = {
-    "diagnosis-kill": ("self_test", ("crash", 1, 2)),
-    "eviction-kill": ("evict_nodes", ("gpu-lost", None, 1)),
-    "persist-kill": ("commit_checkpoint", None),
+    "diagnosis-kill": (calls.self_test.name, ("crash", 1, 2)),
+    "eviction-kill": (calls.evict_nodes.name, ("gpu-lost", None, 1)),
+    "persist-kill": (calls.commit_checkpoint.name, None),
 }
 KINDS = (
     "controller-kill",

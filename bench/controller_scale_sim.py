@@ -42,34 +42,35 @@ from trainguard.models import (
     CONTROLLER_QUEUE,
     CheckpointRef,
     CheckResult,
-    ClearFaultsRequest,
+    ClearFaultsInput,
     CommitCheckpointInput,
-    DiagnosticRequest,
+    DiagnosticInput,
     Endpoint,
     IncidentReport,
-    InjectRequest,
+    InjectInput,
     InjectResult,
     LatestCheckpointInput,
     LocalizeStacksInput,
     NodeInfo,
-    PairTestRequest,
-    PortRequest,
+    PairTestInput,
+    PortInput,
     ProgressReport,
     RunRanksInput,
     RunRanksResult,
     ShardInfo,
     StackDump,
     StackFinding,
-    StackRequest,
-    StopRanksRequest,
+    StackInput,
+    StopRanksInput,
     node_queue,
 )
 from trainguard.reporting import report_interval
 from trainguard.settings import Settings
 from trainguard.temporal import connect
 from workers.common import run_until_signalled, setup_logging
+from workflows.job import calls
+from workflows.job.workflow import TrainingJobWorkflow
 from workflows.node_pool import NodePoolWorkflow
-from workflows.training_job import TrainingJobWorkflow
 
 log = logging.getLogger("controller_scale")
 
@@ -247,7 +248,7 @@ class SimMachine:
             self.clear_faults,
         ]
 
-    @activity.defn(name="run_ranks")
+    @activity.defn(name=calls.run_ranks.name)
     async def run_ranks(self, inp: RunRanksInput) -> RunRanksResult:
         key = (inp.job_id, inp.attempt)
         if inp.dry_run:
@@ -280,8 +281,8 @@ class SimMachine:
                 session.orphaned = asyncio.get_running_loop().call_later(ORPHAN_S, session.stop)
             raise
 
-    @activity.defn(name="stop_ranks")
-    async def stop_ranks(self, req: StopRanksRequest) -> bool:
+    @activity.defn(name=calls.stop_ranks.name)
+    async def stop_ranks(self, req: StopRanksInput) -> bool:
         session = self.sessions.get((req.job_id, req.attempt))
         if session is None:
             self.stopped.add((req.job_id, req.attempt, req.chain))
@@ -290,12 +291,12 @@ class SimMachine:
         session.stop()
         return True
 
-    @activity.defn(name="pick_master_port")
-    async def pick_master_port(self, req: PortRequest) -> Endpoint:
+    @activity.defn(name=calls.pick_master_port.name)
+    async def pick_master_port(self, req: PortInput) -> Endpoint:
         return Endpoint(host="127.0.0.1", port=20000 + req.attempt % 10000)
 
-    @activity.defn(name="dump_stacks")
-    async def dump_stacks(self, req: StackRequest) -> StackDump:
+    @activity.defn(name=calls.dump_stacks.name)
+    async def dump_stacks(self, req: StackInput) -> StackDump:
         return StackDump(node=self.name, error="simulated machine: no stacks")
 
     def _passed(self, evidence: str) -> CheckResult:
@@ -303,28 +304,28 @@ class SimMachine:
             node=self.name, passed=True, evidence=evidence, digest="agree", reference="agree", elapsed_s=0.1
         )
 
-    @activity.defn(name="self_test")
-    async def self_test(self, req: DiagnosticRequest) -> CheckResult:
+    @activity.defn(name=calls.self_test.name)
+    async def self_test(self, req: DiagnosticInput) -> CheckResult:
         return self._passed("simulated self-test")
 
-    @activity.defn(name="alignment_test")
-    async def alignment_test(self, req: DiagnosticRequest) -> CheckResult:
+    @activity.defn(name=calls.alignment_test.name)
+    async def alignment_test(self, req: DiagnosticInput) -> CheckResult:
         return self._passed("simulated alignment test")
 
-    @activity.defn(name="collective_test")
-    async def collective_test(self, req: DiagnosticRequest) -> CheckResult:
+    @activity.defn(name=calls.collective_test.name)
+    async def collective_test(self, req: DiagnosticInput) -> CheckResult:
         return self._passed("simulated collective test")
 
-    @activity.defn(name="pair_test")
-    async def pair_test(self, req: PairTestRequest) -> CheckResult:
+    @activity.defn(name=calls.pair_test.name)
+    async def pair_test(self, req: PairTestInput) -> CheckResult:
         return self._passed("simulated pair test")
 
-    @activity.defn(name="inject_fault")
-    async def inject_fault(self, req: InjectRequest) -> InjectResult:
+    @activity.defn(name=calls.inject_fault.name)
+    async def inject_fault(self, req: InjectInput) -> InjectResult:
         return InjectResult(node=self.name, fault=req.fault, fault_id="sim", injected_at=datetime.now(UTC))
 
-    @activity.defn(name="clear_faults")
-    async def clear_faults(self, req: ClearFaultsRequest) -> int:
+    @activity.defn(name=calls.clear_faults.name)
+    async def clear_faults(self, req: ClearFaultsInput) -> int:
         return 0
 
 
@@ -385,25 +386,25 @@ class SimController:
             self.record_incident,
         ]
 
-    @activity.defn(name="latest_checkpoint")
+    @activity.defn(name=calls.latest_checkpoint.name)
     async def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
         refs = [
             r for r in self.committed.get(inp.job_id, []) if inp.max_step is None or r.step <= inp.max_step
         ]
         return refs[-1] if refs else None
 
-    @activity.defn(name="commit_checkpoint")
+    @activity.defn(name=calls.commit_checkpoint.name)
     async def commit_checkpoint(self, inp: CommitCheckpointInput) -> CheckpointRef:
         ref = CheckpointRef(step=inp.step, uri=f"sim://{inp.job_id}/{inp.step}", shards=inp.shards)
         kept = [r for r in self.committed.get(inp.job_id, []) if r.step < inp.step][-(inp.keep - 1) :]
         self.committed[inp.job_id] = [*kept, ref] if inp.keep > 1 else [ref]
         return ref
 
-    @activity.defn(name="localize_stacks")
+    @activity.defn(name=calls.localize_stacks.name)
     async def localize_stacks(self, inp: LocalizeStacksInput) -> StackFinding:
         return StackFinding(machines=[], evidence="simulated machines: no stacks")
 
-    @activity.defn(name="record_incident")
+    @activity.defn(name=calls.record_incident.name)
     async def record_incident(self, inp: IncidentTelemetryInput) -> bool:
         return True
 

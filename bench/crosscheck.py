@@ -37,7 +37,7 @@ from trainguard.sim.config import SimConfig  # noqa: E402
 from trainguard.sim.guarded import job_topology  # noqa: E402
 from trainguard.simulate import check_args, generate_trace, parse_config, run_policy  # noqa: E402
 from trainguard.spec import JobSpec  # noqa: E402
-from workflows.training_job import TrainingJobWorkflow  # noqa: E402
+from workflows.job.workflow import TrainingJobWorkflow  # noqa: E402
 
 JOB = "crosscheck"
 # Steps the job never reaches: it ends at the trace's horizon, not at a step count.

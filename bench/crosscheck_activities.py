@@ -38,32 +38,33 @@ from trainguard.models import (
     CheckpointRef,
     CheckResult,
     CommitCheckpointInput,
-    DiagnosticRequest,
+    DiagnosticInput,
     Endpoint,
-    EvictRequest,
+    EvictInput,
     EvictResult,
     IncidentReport,
     LatestCheckpointInput,
     LocalizeStacksInput,
     NodeInfo,
-    PairTestRequest,
-    PortRequest,
+    PairTestInput,
+    PortInput,
     ProgressReport,
-    ReleaseRequest,
-    ReserveRequest,
+    ReleaseInput,
+    ReserveInput,
     ReserveResult,
     RunRanksInput,
     RunRanksResult,
     StackDump,
     StackFinding,
-    StackRequest,
-    StopRanksRequest,
+    StackInput,
+    StopRanksInput,
 )
 from trainguard.sim.config import FaultVariant, SimConfig
 from trainguard.sim.guarded import TrainguardJob
 from trainguard.sim.job import Occurrence
 from trainguard.sim.timeline import HorizonReached
 from trainguard.sim.trace import Trace
+from workflows.job import calls
 
 # Progress reports while training: often enough for the ledger, rare enough for the history.
 REPORT_EVERY_S = 3600.0
@@ -379,7 +380,7 @@ class SimWorld(TrainguardJob):
             self.ensure_agent(name)
         return ReserveResult(granted=True, nodes=[self.node(n) for n in self.names[:count]])
 
-    def evict(self, req: EvictRequest) -> EvictResult:
+    def evict(self, req: EvictInput) -> EvictResult:
         before = list(self.slots)
         if not self._evict(req.nodes, req.confirmed):
             return EvictResult(replaced=False, message="not enough standbys")
@@ -439,17 +440,17 @@ class SimAgent:
             self.alignment_test,
         ]
 
-    @activity.defn(name="run_ranks")
+    @activity.defn(name=calls.run_ranks.name)
     @_unlocked
     async def run_ranks(self, inp: RunRanksInput) -> RunRanksResult:
         return await self.world.run_ranks(inp)
 
-    @activity.defn(name="pick_master_port")
-    async def pick_master_port(self, req: PortRequest) -> Endpoint:
+    @activity.defn(name=calls.pick_master_port.name)
+    async def pick_master_port(self, req: PortInput) -> Endpoint:
         return Endpoint(host=self.name, port=29500)
 
-    @activity.defn(name="stop_ranks")
-    async def stop_ranks(self, req: StopRanksRequest) -> bool:
+    @activity.defn(name=calls.stop_ranks.name)
+    async def stop_ranks(self, req: StopRanksInput) -> bool:
         world = self.world
         if req.attempt == world.attempt and not req.job_id.endswith(".replay"):
             if world.occ is not None:
@@ -457,25 +458,25 @@ class SimAgent:
             world.end_attempt()
         return True
 
-    @activity.defn(name="dump_stacks")
-    async def dump_stacks(self, req: StackRequest) -> StackDump:
+    @activity.defn(name=calls.dump_stacks.name)
+    async def dump_stacks(self, req: StackInput) -> StackDump:
         self.world.charge("stack-dump", self.world.cfg.stack_dump_s)
         return StackDump(node=self.name)
 
-    @activity.defn(name="self_test")
-    async def self_test(self, req: DiagnosticRequest) -> CheckResult:
+    @activity.defn(name=calls.self_test.name)
+    async def self_test(self, req: DiagnosticInput) -> CheckResult:
         return self.world.self_test(self.name)
 
-    @activity.defn(name="collective_test")
-    async def collective_test(self, req: DiagnosticRequest) -> CheckResult:
+    @activity.defn(name=calls.collective_test.name)
+    async def collective_test(self, req: DiagnosticInput) -> CheckResult:
         return CheckResult(node=self.name, passed=True)
 
-    @activity.defn(name="pair_test")
-    async def pair_test(self, req: PairTestRequest) -> CheckResult:
+    @activity.defn(name=calls.pair_test.name)
+    async def pair_test(self, req: PairTestInput) -> CheckResult:
         return self.world.pair_test(self.name)
 
-    @activity.defn(name="alignment_test")
-    async def alignment_test(self, req: DiagnosticRequest) -> CheckResult:
+    @activity.defn(name=calls.alignment_test.name)
+    async def alignment_test(self, req: DiagnosticInput) -> CheckResult:
         return self.world.alignment_test(self.name)
 
 
@@ -496,30 +497,30 @@ class SimController:
             self.record_incident,
         ]
 
-    @activity.defn(name="reserve_nodes")
-    async def reserve_nodes(self, req: ReserveRequest) -> ReserveResult:
+    @activity.defn(name=calls.reserve_nodes.name)
+    async def reserve_nodes(self, req: ReserveInput) -> ReserveResult:
         return self.world.reserve(req.count)
 
-    @activity.defn(name="release_nodes")
-    async def release_nodes(self, req: ReleaseRequest) -> int:
+    @activity.defn(name=calls.release_nodes.name)
+    async def release_nodes(self, req: ReleaseInput) -> int:
         return len(self.world.names)
 
-    @activity.defn(name="evict_nodes")
-    async def evict_nodes(self, req: EvictRequest) -> EvictResult:
+    @activity.defn(name=calls.evict_nodes.name)
+    async def evict_nodes(self, req: EvictInput) -> EvictResult:
         return self.world.evict(req)
 
-    @activity.defn(name="latest_checkpoint")
+    @activity.defn(name=calls.latest_checkpoint.name)
     async def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
         return self.world.checkpoint(inp)
 
-    @activity.defn(name="commit_checkpoint")
+    @activity.defn(name=calls.commit_checkpoint.name)
     async def commit_checkpoint(self, inp: CommitCheckpointInput) -> CheckpointRef:
         return CheckpointRef(step=inp.step, uri=f"sim://{inp.job_id}/{inp.step}", shards=inp.shards)
 
-    @activity.defn(name="localize_stacks")
+    @activity.defn(name=calls.localize_stacks.name)
     async def localize_stacks(self, inp: LocalizeStacksInput) -> StackFinding:
         return self.world.localize()
 
-    @activity.defn(name="record_incident")
+    @activity.defn(name=calls.record_incident.name)
     async def record_incident(self, inp: IncidentTelemetryInput) -> bool:
         return True

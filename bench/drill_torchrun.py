@@ -39,7 +39,6 @@ nearest equivalent:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -60,7 +59,8 @@ from bench.drill_progress import ProgressTrace, corrupt_from, nonfinite, product
 from bench.drill_run import FaultRow, Injected, Observation, Outcome, SystemResult, not_reached
 from infra.processes import kill_pid, pid_alive, start_ticks, stop_pid
 from trainguard.job_state import combined_param_hash
-from trainguard.models import InjectRequest
+from trainguard.models import InjectInput
+from trainguard.runtime import protocol
 from trainguard.runtime.env import inheritable_environ
 from trainguard.spec import JobSpec
 from trainguard.topology import all_groups
@@ -148,8 +148,8 @@ class RankLogs:
         self.paths = [log_dir / f"rank-{r}.jsonl" for r in range(world_size)]
         self.offsets = [0] * world_size
 
-    def poll(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
+    def poll(self) -> list[protocol.Message]:
+        out: list[protocol.Message] = []
         for r, path in enumerate(self.paths):
             try:
                 with path.open("rb") as f:
@@ -159,9 +159,7 @@ class RankLogs:
                 continue
             end = data.rfind(b"\n") + 1  # whole lines only; the rest is still being written
             self.offsets[r] += end
-            for line in data[:end].splitlines():
-                with contextlib.suppress(ValueError):
-                    out.append(json.loads(line))
+            out += [rec for line in data[:end].splitlines() if (rec := protocol.decode(line)) is not None]
         out.sort(key=lambda rec: rec.get("ts", 0.0))
         return out
 
@@ -228,7 +226,7 @@ class TorchrunSide:
         return self.launches[0].started_at
 
     # -- observing -------------------------------------------------------------------
-    def _on_record(self, rec: dict[str, Any]) -> None:
+    def _on_record(self, rec: protocol.Message) -> None:
         kind, rank, ts = rec.get("t"), int(rec.get("rank", -1)), float(rec.get("ts", 0.0))
         if not 0 <= rank < self.spec.world_size:
             return
@@ -291,7 +289,7 @@ class TorchrunSide:
 
     # -- faults ----------------------------------------------------------------------
     def _add_fault(self, fault: str, rank: int | None) -> None:
-        self.drills.add(InjectRequest(node=NODE, fault=fault, rank=rank), datetime.now(UTC))
+        self.drills.add(InjectInput(node=NODE, fault=fault, rank=rank), datetime.now(UTC))
 
     async def inject(self, fault: DrillFault, obs: Observation) -> Injected:
         name = fault.name

@@ -37,7 +37,7 @@ from trainguard.models import (
     ALL_FAULTS,
     CONTROLLER_QUEUE,
     NODE_NAME_RE,
-    InjectRequest,
+    InjectInput,
     InjectResult,
     PoolConfig,
     PoolState,
@@ -118,14 +118,14 @@ def check_node_name(node: str, field: str = "node") -> str:
     return node
 
 
-def inject_request(node: str, fault: str, **options: Any) -> InjectRequest:
+def inject_request(node: str, fault: str, **options: Any) -> InjectInput:
     """A fault drill request, validated: BadFault for an unknown fault, SpecError naming the
     option (``rank``, ``at_step``, ...) for anything else."""
     check_node_name(node)
     if fault not in ALL_FAULTS:
         raise BadFault(fault)
     try:
-        return InjectRequest(node=node, fault=fault, **options)
+        return InjectInput(node=node, fault=fault, **options)
     except ValidationError as exc:
         raise first_validation_error(exc) from None
 

@@ -19,12 +19,16 @@ import re
 import signal as signal_mod
 import statistics
 from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from trainguard.spec import DetectionSpec
+from trainguard.analysis.alignment import majority_vote
+from trainguard.spec import DetectionSpec, Topology
+from trainguard.topology import group_of
 
 # Kinds a machine itself is blamed for when reported with high confidence.
 MACHINE_KINDS = frozenset(
@@ -310,3 +314,50 @@ def incident_priority(kind: str, confidence: float, origin: bool) -> int:
     if kind in MACHINE_KINDS:
         return 60
     return 50
+
+
+def replica_mismatch(
+    hashes: Mapping[int, str], topology: Topology, placement: Mapping[int, str]
+) -> tuple[list[str], list[str]]:
+    """Machines whose data-parallel replicas hold parameters that differ from their group's
+    majority, with the evidence; every machine of a group without a unique majority (two
+    replicas that differ: there is no telling which one is right)."""
+    bad: list[str] = []
+    evidence: list[str] = []
+    for first in range(topology.world_size):
+        group = group_of(first, "dp", topology)
+        if group[0] != first or len({hashes[g] for g in group}) == 1:
+            continue
+        vote = majority_vote({g: hashes[g] for g in group}, need="plurality", no_winner="everyone")
+        bad += [placement[g] for g in vote.odd if placement[g] not in bad]
+        evidence.append(f"dp group {group}: " + ", ".join(f"rank {g} {hashes[g][7:19]}" for g in group))
+    return bad, evidence
+
+
+@dataclass(frozen=True)
+class SlowStreak:
+    """Fail-slow detection after one round: the machine slowest for ``rounds`` rounds in a row."""
+
+    suspect: str | None
+    rounds: int
+    # Set once the streak is long enough: the machine is failing slow.
+    evidence: str | None = None
+
+
+def fail_slow_round(
+    compute_s: Mapping[str, float], streak: SlowStreak, slow_factor: float, slow_rounds: int
+) -> SlowStreak:
+    """One round of fail-slow detection over each machine's compute time per step: a machine
+    ``slow_factor`` times slower than the fastest, round after round, is failing slow."""
+    fastest = min(compute_s.values())
+    node, slowest = max(compute_s.items(), key=lambda kv: kv[1])
+    if fastest <= 0 or slowest < slow_factor * fastest:
+        return SlowStreak(suspect=None, rounds=0)
+    rounds = streak.rounds + 1 if node == streak.suspect else 1
+    if rounds < slow_rounds:
+        return SlowStreak(suspect=node, rounds=rounds)
+    evidence = (
+        f"{node} computes {slowest:.3f}s per step vs {fastest:.3f}s on the fastest machine "
+        f"({slowest / fastest:.1f}x, threshold {slow_factor:g}x) for {rounds} rounds"
+    )
+    return SlowStreak(suspect=node, rounds=rounds, evidence=evidence)

@@ -14,8 +14,16 @@ from pydantic import BaseModel
 
 from trainguard import ettr
 from trainguard.code_versions import CodeEvent, CodeRelease, PendingUpdate
-from trainguard.models import CheckpointRef, Endpoint, InjectResult, JobGauges, NodeInfo, ShardInfo
-from trainguard.policy import JobHistory
+from trainguard.models import (
+    CheckpointRef,
+    Endpoint,
+    IncidentReport,
+    InjectResult,
+    JobGauges,
+    NodeInfo,
+    ShardInfo,
+)
+from trainguard.policy import Decision, IncidentFacts, JobHistory
 from trainguard.progress_series import ProgressSeries
 from trainguard.spec import JobSpec
 
@@ -49,6 +57,79 @@ class Incident(BaseModel):
     # Where the recovery restored from: memory (every machine's own snapshot) or s3; none: from scratch.
     restored_from: str | None = None
     attempt: int = 0
+
+    # -- its life, one transition each (the job keeps it in ``JobState.incidents``) -------------
+    @classmethod
+    def open(
+        cls,
+        number: int,
+        primary: IncidentReport,
+        others: list[IncidentReport],
+        suspects: list[str],
+        fault_at: datetime | None,
+        attempt: int,
+    ) -> Incident:
+        """Detected: the report that names the cause, and what the other machines saw."""
+        detection_s = round((primary.detected_at - fault_at).total_seconds(), 3) if fault_at else None
+        evidence = primary.evidence
+        seen_also = sorted({f"{o.node}: {o.kind}" for o in others if o.node != primary.node})
+        if seen_also:
+            evidence += " | also seen: " + ", ".join(seen_also)
+        return cls(
+            id=f"i-{number}",
+            kind=primary.kind,
+            detected_at=primary.detected_at,
+            fault_at=fault_at,
+            detection_s=detection_s,
+            suspects=suspects,
+            action="reattempt",
+            evidence=evidence[:2000],
+            attempt=attempt,
+        )
+
+    def facts(self, primary: IncidentReport) -> IncidentFacts:
+        """What the decision ladder (``trainguard.policy``) weighs."""
+        return IncidentFacts(
+            kind=primary.kind,
+            machines=self.suspects,
+            ranks=primary.ranks,
+            confidence=primary.confidence,
+            user_code=primary.user_code,
+            code_location=primary.code_location,
+            error_class=primary.error_class or "",
+            evidence=primary.evidence[:500],
+        )
+
+    def decided(self, at: datetime) -> None:
+        """The policy took its first decision (the control plane's reaction time ends here)."""
+        self.decided_at = at
+
+    def concluded(self, decisions: list[Decision], at: datetime) -> None:
+        """Diagnosis over: the last decision is the action, every decision's evidence is kept."""
+        self.decision_s = round((at - self.detected_at).total_seconds(), 3)
+        self.action = decisions[-1].action
+        self.evidence = f"{self.evidence} | {' -> '.join(d.evidence for d in decisions)}"[:3000]
+
+    def evicted_to(self, evicted: list[str], at: datetime) -> None:
+        """The pool swapped standbys in for ``evicted``."""
+        self.action = "evict"
+        self.evicted = list(evicted)
+        self.evicted_at = at
+
+    def not_evicted(self, why: str) -> None:
+        self.evidence = f"{self.evidence} | not evicted: {why}"[:2000]
+
+    def relaunched(self, at: datetime, lost_steps: int, restored_from: str | None) -> None:
+        """The next attempt's ranks were launched from a restore point ``lost_steps`` back."""
+        self.lost_steps = lost_steps
+        self.restored_from = restored_from
+        self.relaunched_at = at
+
+    def recovered(self, first_step_at: datetime) -> float:
+        """The first step after the incident: the job is back. Returns the recovery time (s)."""
+        self.recovered_at = first_step_at
+        self.recovery_s = round((first_step_at - self.detected_at).total_seconds(), 3)
+        return self.recovery_s
 
 
 class IncidentTelemetryInput(BaseModel):

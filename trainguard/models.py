@@ -58,7 +58,7 @@ class PoolNode(Msg):
     retest_at: datetime | None = None
 
 
-class ReserveRequest(Msg):
+class ReserveInput(Msg):
     job_id: str
     count: int = Field(ge=1)
 
@@ -72,11 +72,11 @@ class ReserveResult(Msg):
     standby: int | None = None
 
 
-class ReleaseRequest(Msg):
+class ReleaseInput(Msg):
     job_id: str
 
 
-class EvictRequest(Msg):
+class EvictInput(Msg):
     """Quarantine ``nodes`` (held by ``job_id``) and give the job spares in their places."""
 
     job_id: str
@@ -171,7 +171,7 @@ class LatestCheckpointInput(Msg):
 # -- ranks -----------------------------------------------------------------------
 
 
-class PortRequest(Msg):
+class PortInput(Msg):
     job_id: str
     attempt: int
 
@@ -260,7 +260,7 @@ MACHINE_FAULTS = ("gpu-lost", "gpu-xid", "ecc", "nic-down", "nic-flap", "disk-fu
 ALL_FAULTS = (*RANK_FAULTS, *MACHINE_FAULTS, "agent-kill")
 
 
-class InjectRequest(Msg):
+class InjectInput(Msg):
     node: str = Field(pattern=NODE_NAME_RE)
     fault: Literal[ALL_FAULTS]  # type: ignore[valid-type]
     rank: int | None = Field(default=None, ge=0, le=1 << 20)
@@ -283,11 +283,11 @@ class InjectResult(Msg):
     injected_at: datetime
 
 
-class ClearFaultsRequest(Msg):
+class ClearFaultsInput(Msg):
     node: str
 
 
-class StackRequest(Msg):
+class StackInput(Msg):
     job_id: str
     attempt: int
     # S3 key prefix for the dumps (under the job's checkpoint prefix).
@@ -313,7 +313,7 @@ class StackFinding(Msg):
     evidence: str
 
 
-class StopRanksRequest(Msg):
+class StopRanksInput(Msg):
     job_id: str
     attempt: int
     # The job run (RunRanksInput.chain): a stop that arrives before its attempt's ranks is kept
@@ -321,7 +321,7 @@ class StopRanksRequest(Msg):
     chain: str = ""
 
 
-class DiagnosticRequest(Msg):
+class DiagnosticInput(Msg):
     job_id: str
     attempt: int
     # Ranks per machine: the intra-machine collective test runs that many processes.
@@ -329,7 +329,7 @@ class DiagnosticRequest(Msg):
     timeout_s: float = Field(20.0, gt=0, le=600)
 
 
-class PairTestRequest(Msg):
+class PairTestInput(Msg):
     """One machine's side of a pairwise inter-machine check (rank 0 hosts the rendezvous)."""
 
     job_id: str

@@ -25,16 +25,16 @@ from temporalio.service import RPCError, RPCStatusCode
 from trainguard.models import (
     CONTROLLER_QUEUE,
     POOL_WORKFLOW_ID,
-    EvictRequest,
+    EvictInput,
     EvictResult,
-    InjectRequest,
+    InjectInput,
     InjectResult,
     NodeInfo,
     PoolConfig,
     PoolNode,
     PoolState,
-    ReleaseRequest,
-    ReserveRequest,
+    ReleaseInput,
+    ReserveInput,
     ReserveResult,
 )
 
@@ -95,24 +95,24 @@ async def deregister(client: Client, name: str) -> None:
     await client.get_workflow_handle(POOL_WORKFLOW_ID).execute_update("deregister", name)
 
 
-async def reserve(client: Client, req: ReserveRequest) -> ReserveResult:
+async def reserve(client: Client, req: ReserveInput) -> ReserveResult:
     return await _update(client, "reserve", req, ReserveResult)
 
 
 async def release(client: Client, job_id: str) -> int:
-    return await _update(client, "release", ReleaseRequest(job_id=job_id), int)
+    return await _update(client, "release", ReleaseInput(job_id=job_id), int)
 
 
 async def state(client: Client) -> PoolState:
     return await client.get_workflow_handle(POOL_WORKFLOW_ID).query("state", result_type=PoolState)
 
 
-async def evict(client: Client, req: EvictRequest) -> EvictResult:
+async def evict(client: Client, req: EvictInput) -> EvictResult:
     # A repeated update id joins the first update while it is still running.
     return await _update(client, "evict", req, EvictResult, req.request_id or None)
 
 
-async def inject(client: Client, req: InjectRequest) -> InjectResult:
+async def inject(client: Client, req: InjectInput) -> InjectResult:
     return await client.get_workflow_handle(POOL_WORKFLOW_ID).execute_update(
         "inject", req, result_type=InjectResult
     )

@@ -25,8 +25,8 @@ from trainguard.settings import Settings
 from trainguard.storage import S3Store
 from trainguard.temporal import connect
 from workers.common import run_until_signalled, setup_logging
+from workflows.job.workflow import TrainingJobWorkflow
 from workflows.node_pool import NodePoolWorkflow
-from workflows.training_job import TrainingJobWorkflow
 
 
 async def main(identity: str | None = None) -> None:

@@ -22,25 +22,25 @@ import contextlib
 from datetime import datetime, timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
+
+from workflows.job import calls
 
 with workflow.unsafe.imports_passed_through():
     from trainguard.models import (
         ALL_FAULTS,
-        CheckResult,
-        ClearFaultsRequest,
-        DiagnosticRequest,
-        EvictRequest,
+        ClearFaultsInput,
+        DiagnosticInput,
+        EvictInput,
         EvictResult,
-        InjectRequest,
+        InjectInput,
         InjectResult,
         NodeInfo,
         PoolConfig,
         PoolNode,
         PoolState,
-        ReleaseRequest,
-        ReserveRequest,
+        ReleaseInput,
+        ReserveInput,
         ReserveResult,
     )
     from trainguard.standby import standby_target
@@ -137,14 +137,12 @@ class NodePoolWorkflow:
         async def one(name: str) -> tuple[bool | None, str]:
             """(passed, evidence); passed is None when the self-test did not run."""
             try:
-                r: CheckResult = await workflow.execute_activity(
-                    "self_test",
-                    DiagnosticRequest(job_id="trainguard-pool", attempt=0),
+                # Longer than a job's check: the pool tests machines that may be starting up.
+                r = await calls.self_test(
+                    DiagnosticInput(job_id="trainguard-pool", attempt=0),
                     task_queue=before[name].info.task_queue,
-                    schedule_to_start_timeout=timedelta(seconds=30),
-                    start_to_close_timeout=timedelta(seconds=120),
-                    retry_policy=RetryPolicy(maximum_attempts=1),
-                    result_type=CheckResult,
+                    schedule_to_start=timedelta(seconds=30),
+                    start_to_close=timedelta(seconds=120),
                     summary=f"{name}: self-test ({before[name].state})",
                 )
                 return r.passed, r.evidence
@@ -228,7 +226,7 @@ class NodePoolWorkflow:
             raise ValueError("name and task_queue are required")
 
     @workflow.update
-    async def reserve(self, req: ReserveRequest) -> ReserveResult:
+    async def reserve(self, req: ReserveInput) -> ReserveResult:
         """Give ``req.job_id`` ``req.count`` standby machines, or nothing. Idempotent per job."""
         async with self.lock:
             held = sorted(
@@ -258,12 +256,12 @@ class NodePoolWorkflow:
             return ReserveResult(granted=True, nodes=[n.info for n in chosen], standby=len(self._standbys()))
 
     @reserve.validator
-    def _validate_reserve(self, req: ReserveRequest) -> None:
+    def _validate_reserve(self, req: ReserveInput) -> None:
         if req.count < 1:
             raise ValueError("count must be >= 1")
 
     @workflow.update
-    async def release(self, req: ReleaseRequest) -> int:
+    async def release(self, req: ReleaseInput) -> int:
         """Return a job's machines to standby (they were healthy with it); returns how many."""
         async with self.lock:
             now = workflow.now()
@@ -276,7 +274,7 @@ class NodePoolWorkflow:
             return released
 
     @workflow.update
-    async def evict(self, req: EvictRequest) -> EvictResult:
+    async def evict(self, req: EvictInput) -> EvictResult:
         """Quarantine machines (or make them suspect) and hand the job standbys in the same
         step, in the same places."""
         async with self.lock:
@@ -320,7 +318,7 @@ class NodePoolWorkflow:
             return res
 
     @evict.validator
-    def _validate_evict(self, req: EvictRequest) -> None:
+    def _validate_evict(self, req: EvictInput) -> None:
         if req.request_id in self.evictions:
             return
         for name in req.nodes:
@@ -353,15 +351,7 @@ class NodePoolWorkflow:
             raise ValueError(f"node: unknown node {name!r}")
 
     async def _clear(self, n: PoolNode) -> int:
-        return await workflow.execute_activity(
-            "clear_faults",
-            ClearFaultsRequest(node=n.info.name),
-            task_queue=n.info.task_queue,
-            schedule_to_start_timeout=timedelta(seconds=30),
-            start_to_close_timeout=timedelta(seconds=10),
-            retry_policy=RetryPolicy(maximum_attempts=1),
-            result_type=int,
-        )
+        return await calls.clear_faults(ClearFaultsInput(node=n.info.name), task_queue=n.info.task_queue)
 
     @release_node.validator
     def _validate_release_node(self, name: str) -> None:
@@ -369,18 +359,10 @@ class NodePoolWorkflow:
             raise ValueError(f"node: unknown node {name!r}")
 
     @workflow.update
-    async def inject(self, req: InjectRequest) -> InjectResult:
+    async def inject(self, req: InjectInput) -> InjectResult:
         """A fault drill: the machine's agent injects it; the job holding the machine hears of it."""
         node = self.nodes[req.node]
-        result: InjectResult = await workflow.execute_activity(
-            "inject_fault",
-            req,
-            task_queue=node.info.task_queue,
-            schedule_to_start_timeout=timedelta(seconds=10),
-            start_to_close_timeout=timedelta(seconds=10),
-            retry_policy=RetryPolicy(maximum_attempts=1),
-            result_type=InjectResult,
-        )
+        result = await calls.inject_fault(req, task_queue=node.info.task_queue)
         if node.job is not None:
             # So the job can measure detection latency from the moment of injection.
             try:
@@ -390,7 +372,7 @@ class NodePoolWorkflow:
         return result
 
     @inject.validator
-    def _validate_inject(self, req: InjectRequest) -> None:
+    def _validate_inject(self, req: InjectInput) -> None:
         n = self.nodes.get(req.node)
         if n is None:
             raise ValueError(f"node: unknown node {req.node!r}")

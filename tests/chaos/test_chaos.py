@@ -18,6 +18,7 @@ from infra.chaos import CONTROLLER
 from infra.local import node_names, start_controller
 from infra.stack import Stack
 from trainguard.client import TrainguardClient
+from workflows.job import calls
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -120,7 +121,7 @@ async def test_temporal_and_storage_restarted(runner: ChaosRun, reference: dict[
         e
         for e in history.events
         if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
-        and e.activity_task_scheduled_event_attributes.activity_type.name == "run_ranks"
+        and e.activity_task_scheduled_event_attributes.activity_type.name == calls.run_ranks.name
     ]
     assert len(run_ranks) > 2, "no run_ranks was re-attached"
 

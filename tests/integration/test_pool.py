@@ -16,7 +16,7 @@ from infra.stack import Stack
 from tests.integration.helpers import REPO
 from trainguard import pool_client
 from trainguard.client import TrainguardClient
-from trainguard.models import EvictRequest, PoolConfig, PoolNode, PoolState, ReserveRequest
+from trainguard.models import EvictInput, PoolConfig, PoolNode, PoolState, ReserveInput
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("healthy_pool")]
 
@@ -80,10 +80,10 @@ async def test_a_retried_eviction_is_answered_not_repeated(tg: TrainguardClient)
     # A controller that dies mid-eviction leaves its activity to be retried with the same request:
     # the pool must answer with the machines it swapped, not evict again or refuse.
     await pool_until(tg, lambda p: p.standby == 3)
-    held = await pool_client.reserve(tg.temporal, ReserveRequest(job_id="evict-retry", count=1))
+    held = await pool_client.reserve(tg.temporal, ReserveInput(job_id="evict-retry", count=1))
     assert held.granted
     victim = held.nodes[0].name
-    req = EvictRequest(
+    req = EvictInput(
         job_id="evict-retry", nodes=[victim], reason="test", current=[victim], request_id="run-1/7"
     )
     try:
@@ -108,10 +108,10 @@ async def test_a_machine_quarantined_while_no_retest_is_due_is_retested_on_time(
     try:
         pool = await pool_until(tg, lambda p: p.standby == 3)
         assert not [n for n in pool.nodes.values() if n.state == "quarantined"]
-        held = await pool_client.reserve(tg.temporal, ReserveRequest(job_id="retest", count=1))
+        held = await pool_client.reserve(tg.temporal, ReserveInput(job_id="retest", count=1))
         victim = held.nodes[0].name
         evicted = await pool_client.evict(
-            tg.temporal, EvictRequest(job_id="retest", nodes=[victim], reason="test", current=[victim])
+            tg.temporal, EvictInput(job_id="retest", nodes=[victim], reason="test", current=[victim])
         )
         assert evicted.replaced
         quarantined = node(await tg.nodes(), victim)

@@ -15,23 +15,26 @@ from temporalio.worker import Worker
 
 from infra.stack import find_binary
 from trainguard import pool_client
-from trainguard.models import CONTROLLER_QUEUE, CheckResult, DiagnosticRequest, NodeInfo, PoolState
+from trainguard.models import CONTROLLER_QUEUE, CheckResult, DiagnosticInput, NodeInfo, PoolState
+from workflows.job.calls import self_test
 from workflows.node_pool import SELF_TEST_MISSES, NodePoolWorkflow
+
+SELF_TEST = self_test.name
 
 
 async def test_a_missed_self_test_is_retried_and_only_repeated_misses_quarantine() -> None:
     calls = 0
 
-    @activity.defn(name="self_test")
-    async def busy_once(req: DiagnosticRequest) -> CheckResult:
+    @activity.defn(name=SELF_TEST)
+    async def busy_once(req: DiagnosticInput) -> CheckResult:
         nonlocal calls
         calls += 1
         if calls == 1:
             raise ApplicationError("agent busy", non_retryable=True)
         return CheckResult(node="busy", passed=True, evidence="all checks passed")
 
-    @activity.defn(name="self_test")
-    async def never(req: DiagnosticRequest) -> CheckResult:
+    @activity.defn(name=SELF_TEST)
+    async def never(req: DiagnosticInput) -> CheckResult:
         raise ApplicationError("agent away", non_retryable=True)
 
     env = await WorkflowEnvironment.start_time_skipping(

@@ -17,8 +17,8 @@ from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
+from workflows.job.workflow import TrainingJobWorkflow
 from workflows.node_pool import NodePoolWorkflow
-from workflows.training_job import TrainingJobWorkflow
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json.gz"))
 

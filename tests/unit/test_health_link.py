@@ -14,7 +14,7 @@ from activities import drills
 from activities.drills import DrillActivities, DrillProbe, DrillState, LinkControl
 from trainguard.health.events import HealthEvent
 from trainguard.health.link import LinkProbe
-from trainguard.models import ClearFaultsRequest, InjectRequest
+from trainguard.models import ClearFaultsInput, InjectInput
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
@@ -117,7 +117,7 @@ def test_unknown_operstate_is_up(tmp_path: Path) -> None:
 
 
 def _inject(state: DrillState, fault: str, **kw: object) -> None:
-    state.add(InjectRequest(node="node-1", fault=fault, **kw), T0)  # type: ignore[arg-type]
+    state.add(InjectInput(node="node-1", fault=fault, **kw), T0)  # type: ignore[arg-type]
 
 
 def test_drill_probe_leaves_real_link_faults_to_the_link_probe(tmp_path: Path) -> None:
@@ -174,7 +174,7 @@ async def test_nic_down_drill_takes_the_link_down_and_restores_it_itself(
 ) -> None:
     monkeypatch.setattr(drills, "LINK_DELAY_S", 0.01)
     acts = DrillActivities(DrillState(tmp_path, "node-1"), LinkControl("eth0", tmp_path))
-    res = await acts.inject_fault(InjectRequest(node="node-1", fault="nic-down", duration_s=0.2))
+    res = await acts.inject_fault(InjectInput(node="node-1", fault="nic-down", duration_s=0.2))
     assert res.fault == "nic-down" and res.injected_at > datetime.now(UTC) - timedelta(seconds=1)
     stored = acts.state.load()[0]
     assert stored["duration_s"] == 0.2 and stored["rank"] is None
@@ -192,9 +192,9 @@ async def test_clear_faults_ends_a_flap_drill_with_the_link_up(
 ) -> None:
     monkeypatch.setattr(drills, "LINK_DELAY_S", 0.01)
     acts = DrillActivities(DrillState(tmp_path, "node-1"), LinkControl("eth0", tmp_path))
-    await acts.inject_fault(InjectRequest(node="node-1", fault="nic-flap", count=5, duration_s=30))
+    await acts.inject_fault(InjectInput(node="node-1", fault="nic-flap", count=5, duration_s=30))
     await asyncio.sleep(0.1)
-    assert await acts.clear_faults(ClearFaultsRequest(node="node-1")) == 1
+    assert await acts.clear_faults(ClearFaultsInput(node="node-1")) == 1
     assert not acts.tasks and acts.link is not None and acts.link.holds == 0
     lines = fake_ip.read_text().splitlines()
     assert lines.count("link set eth0 down") == 1

@@ -8,7 +8,7 @@ from typing import Any
 
 from activities.ranks import STOPPED_KEPT, RankActivities
 from activities.stacks import StackActivities
-from trainguard.models import Endpoint, NodeInfo, RunRanksInput, StopRanksRequest
+from trainguard.models import Endpoint, NodeInfo, RunRanksInput, StopRanksInput
 from trainguard.spec import parse_spec
 
 
@@ -36,7 +36,7 @@ def _inp(attempt: int, chain: str) -> RunRanksInput:
 async def test_a_stop_before_the_ranks_start_makes_their_run_end_at_once(tmp_path: Path) -> None:
     agent = _agent(tmp_path)
     stacks = StackActivities(agent.store, agent)
-    assert await stacks.stop_ranks(StopRanksRequest(job_id="job", attempt=2, chain="run-a")) is False
+    assert await stacks.stop_ranks(StopRanksInput(job_id="job", attempt=2, chain="run-a")) is False
     result = await agent.run_ranks(_inp(2, "run-a"))
     assert (result.ok, result.message) == (False, "ranks stopped")  # what the workflow reads as stopped
     assert agent.sessions == {}  # nothing was started

@@ -8,7 +8,6 @@ later, real-time checks. A report never blocks on the network.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import statistics
@@ -27,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from trainguard.runtime import backup, faults, shardfile
+from trainguard.runtime import backup, faults, protocol, shardfile
 from trainguard.runtime.env import RankEnv, backup_shard_name, shard_name
 from trainguard.runtime.snapshots import Snapshot, SnapshotPipeline
 from trainguard.runtime.state import param_hash
@@ -89,14 +88,14 @@ class Context:
         return self._groups[kind]
 
     # -- reports --------------------------------------------------------------
-    def _send(self, record: dict[str, Any]) -> None:
+    def _send(self, record: protocol.Message) -> None:
         if self._report is None:
             return
         record["rank"] = self.rank
         record["ts"] = time.time()
         try:
             with self._send_lock:  # the snapshot thread reports too
-                self._report.write(json.dumps(record) + "\n")
+                self._report.write(protocol.encode(record))
         except BrokenPipeError:
             # The agent went away; the rank will be stopped by it or its replacement.
             self._report = None
@@ -124,7 +123,7 @@ class Context:
         norm = float(sq.sqrt())
         finite = math.isfinite(norm)
         # Sent now, before the all-reduce spreads a NaN or a spike to every rank.
-        local: dict[str, Any] = {"t": "local", "step": step, "local_grad_norm": norm if finite else None}
+        local: protocol.Local = {"t": "local", "step": step, "local_grad_norm": norm if finite else None}
         if not finite:
             local["local_nonfinite"] = True
         self._send(local)
@@ -135,7 +134,7 @@ class Context:
 
     def _fault_fired(self, fault: dict[str, Any]) -> None:
         self._faults.used.add(str(fault.get("id")))
-        self._send({"t": "fault", "id": fault.get("id"), "fault": fault.get("fault")})
+        self._send(protocol.Fault(t="fault", id=fault.get("id"), fault=fault.get("fault")))
 
     def _median_step_s(self) -> float:
         return statistics.median(self._step_times) if self._step_times else 0.1
@@ -152,7 +151,7 @@ class Context:
         self._last_report_t = now
         if step_time is not None:
             self._step_times = [*self._step_times[-49:], step_time]
-        rec: dict[str, Any] = {"t": "step", "step": step, "step_time_s": step_time, **self._local}
+        rec: protocol.Step = {"t": "step", "step": step, "step_time_s": step_time, **self._local}  # type: ignore[typeddict-item]
         self._local = {}
         if loss is not None:
             rec["loss"] = float(loss)
@@ -185,7 +184,7 @@ class Context:
         if self.env.resume_step is None:
             return None
         state = shardfile.load_shard(self._shard_path(self.env.resume_step))
-        self._send({"t": "restored", "step": self.env.resume_step})
+        self._send(protocol.Restored(t="restored", step=self.env.resume_step))
         return state
 
     def should_save(self, step: int) -> bool:
@@ -280,10 +279,18 @@ class Context:
             )
             for of_rank, (size, sha) in got.items():
                 self._send(
-                    {"t": "backup", "step": snap.step, "of_rank": of_rank, "bytes": size, "sha256": sha}
+                    protocol.Backup(t="backup", step=snap.step, of_rank=of_rank, bytes=size, sha256=sha)
                 )
-        record = {"t": "ckpt", "step": snap.step, "path": str(path), "bytes": len(data), "sha256": digest}
-        self._send({**record, "save_s": snap.blocked_s})
+        self._send(
+            protocol.Ckpt(
+                t="ckpt",
+                step=snap.step,
+                path=str(path),
+                bytes=len(data),
+                sha256=digest,
+                save_s=snap.blocked_s,
+            )
+        )
 
     def maybe_save(self, step: int, state_fn: Callable[[], dict[str, Any]] | None = None) -> Path | None:
         """Save when the job's checkpoint interval (or the last step) says so: what
@@ -297,7 +304,7 @@ class Context:
         """Declare this rank done with the hash of its final parameters."""
         self.wait_snapshot()
         self._fence_hook.remove()
-        self._send({"t": "final", "step": self.target_steps, "param_hash": param_hash})
+        self._send(protocol.Final(t="final", step=self.target_steps, param_hash=param_hash))
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
@@ -313,7 +320,7 @@ def _report_fatal_errors(ctx: Context) -> None:
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         text = "".join(traceback.format_exception(exc_type, exc, tb))
-        ctx._send({"t": "error", "traceback": text[-8000:]})
+        ctx._send(protocol.Error(t="error", traceback=text[-8000:]))
         if ctx._report is not None:
             ctx._report.flush()
         previous(exc_type, exc, tb)
@@ -345,6 +352,6 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> Context:
     ctx._make_groups()
     if env.restore_peers and env.resume_step is not None:
         ctx._restore_from_peers()
-    ctx._send({"t": "start", "pid": os.getpid(), "start_step": ctx.start_step})
+    ctx._send(protocol.Start(t="start", pid=os.getpid(), start_step=ctx.start_step))
     _report_fatal_errors(ctx)
     return ctx

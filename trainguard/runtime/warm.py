@@ -27,6 +27,8 @@ import sys
 import time
 from collections.abc import Mapping
 
+from trainguard.runtime import protocol
+
 # Flags a warm process honours: unbuffered output (already set), no bytecode, no user site.
 HARMLESS_FLAGS = ("-u", "-B", "-s", "-E")
 # What a rank imports before its first step. torch._dynamo alone is 1.7 s on a 2-core machine:
@@ -52,7 +54,7 @@ def activatable(argv: list[str]) -> bool:
 
 # Written to the report pipe once the preload is done: the agent hands out preloaded processes
 # first. The rank's own reports follow on the same pipe; the agent ignores this record there.
-READY_LINE = b'{"t": "warm"}\n'
+READY_LINE = protocol.READY_LINE
 # Events in the pool's log (warm.log): when each process was ready, and which were used.
 PRELOADED = "preloaded"
 ACTIVATED = "activated"

@@ -1,6 +1,6 @@
 """The job under trainguard: the workflow's incident handling, step by step, in simulated time.
 
-Follows ``TrainingJobWorkflow._on_failure``: detection, stopping the ranks (and
+Follows ``workflows.job.recovery.Recovery.recover``: detection, stopping the ranks (and
 for a hang, taking every rank's stack), :func:`trainguard.policy.decide`, the
 diagnosis it asks for ending in the matching ``outcome_after_*`` decision,
 :func:`~trainguard.policy.record_incident`, then acting: evict through the pool

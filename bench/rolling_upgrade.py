@@ -1,0 +1,75 @@
+"""Rolling upgrade of the controller: a job started by an older checkout's controller finishes
+on this checkout's controller, through a crash recovered after the switch, with the parameter
+hash of an uninterrupted run.
+
+The old controller runs a fault-free job (the reference hash), then starts a second one; at
+step 25 it is stopped as a rolling deploy would (SIGTERM) and this checkout's controller takes
+over, replaying both workflows' histories (the job's and the pool's) written by the old code.
+At step 45 a rank crashes: the recovery runs on the new code.
+
+    python -m bench.rolling_upgrade --old /path/to/older/checkout
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.private_stack import connect, run_bench
+from infra.local import start_controller
+from infra.stack import Stack
+from tests.integration.helpers import example_spec, run_to_end, wait_until
+
+OLD = "controller-old"
+
+
+async def _roll(state_dir: Path, old: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    stack = Stack.load(state_dir)
+    stack.stop("controller")
+    argv = [sys.executable, "-m", "workers.controller", "--identity", OLD]
+    stack.start_process(OLD, argv, {"PYTHONPATH": str(old)}, cwd=old)
+    tg = await connect(state_dir)
+    ref = await run_to_end(await tg.submit(example_spec("roll-ref")))
+    log(f"reference on the old controller: {ref['phase']}, {ref['result']}")
+    job = await tg.submit(example_spec("roll"))
+    at = (await wait_until(job, lambda s: s["step"] >= 25))["step"]
+    t0 = time.monotonic()
+    Stack.load(state_dir).stop(OLD)
+    start_controller(Stack.load(state_dir))
+    log(f"controller rolled at step {at}")
+    resumed = (await wait_until(job, lambda s: s["step"] >= 45))["step"]
+    log(f"new controller drives the job: step {resumed} after {time.monotonic() - t0:.1f}s")
+    await tg.inject("node-1", "crash", rank=1)
+    final = await run_to_end(job)
+    incidents = [(i["kind"], i["action"]) for i in final["incidents"]]
+    log(f"rolled job: {final['phase']}, {final['result']}, incidents {incidents}")
+    return {
+        "reference_hash": ref["result"]["param_hash"],
+        "rolled_hash": (final.get("result") or {}).get("param_hash"),
+        "phase": final["phase"],
+        "rolled_at_step": at,
+        "incidents": incidents,
+        "same_hash": final["phase"] == "completed"
+        and final["result"]["param_hash"] == ref["result"]["param_hash"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--old", type=Path, required=True, help="a checkout of the older code")
+    args = ap.parse_args()
+    old = args.old.resolve()
+    if not (old / "workers" / "controller.py").is_file():
+        print(f"old: {old} holds no workers/controller.py", file=sys.stderr)
+        sys.exit(2)
+    result = run_bench("tg-roll-", 3, lambda d, log: _roll(d, old, log))
+    print(result)
+    sys.exit(0 if result["same_hash"] else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""One attempt: pick the restore point, start ``run_ranks`` on every machine (each on its own
+task queue), fold their progress in while they run, and return how the attempt ended."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.exceptions import ActivityError, CancelledError, TimeoutType
+from temporalio.exceptions import TimeoutError as ActivityTimeout
+
+from workflows.job import calls, patches
+from workflows.job.outcome import (
+    AttemptOutcome,
+    Handles,
+    cancel_all,
+    collect_failure,
+    failed,
+    hung,
+    localize_hang,
+    stop_request,
+)
+from workflows.job.progress import Progress, apply_version
+from workflows.job.visibility import Visibility
+
+with workflow.unsafe.imports_passed_through():
+    from trainguard import checkpoints
+    from trainguard.code_versions import spec_for
+    from trainguard.job_state import CheckpointStatus, JobInput, JobState, RunningAttempt
+    from trainguard.models import (
+        CheckpointRef,
+        LatestCheckpointInput,
+        PortInput,
+        RunRanksInput,
+        RunRanksResult,
+    )
+    from trainguard.topology import ranks_on
+
+# How long a live agent may take to pick up the re-attach (it polls its queue all the time, but
+# after a server outage its pollers retry on a backoff of up to 10 s), and how often one
+# machine may be re-attached in one attempt.
+REATTACH_PICKUP_S = 20.0
+MAX_REATTACH = 3
+
+
+def history_full(inp: JobInput) -> bool:
+    info = workflow.info()
+    return info.get_current_history_length() > inp.max_history_events or info.is_continue_as_new_suggested()
+
+
+async def latest_checkpoint(s: JobState) -> CheckpointRef | None:
+    spec = s.spec
+    return await calls.latest_checkpoint(
+        LatestCheckpointInput(
+            job_id=spec.name,
+            prefix=spec.checkpoint.s3_prefix,
+            world_size=spec.world_size,
+            max_step=s.max_resume_step,
+        )
+    )
+
+
+class Attempt:
+    def __init__(
+        self, inp: JobInput, s: JobState, vis: Visibility, progress: Progress, stopping: Callable[[], bool]
+    ) -> None:
+        self.inp = inp
+        self.s = s
+        self.vis = vis
+        self.progress = progress
+        self.stopping = stopping  # the user asked the job to stop
+
+    async def begin(self) -> None:
+        """The restore point (memory, a peer's backup or S3) and the rendezvous for a new attempt."""
+        s, spec = self.s, self.s.spec
+        if s.pending_update is not None:
+            # Nothing runs between attempts: an urgent, due or lazy update takes effect now.
+            apply_version(s, s.pending_update.event)
+        if s.suspect_attempt == s.attempt:
+            # The corrupt attempt is over: every step it reached (it may have trained on while
+            # the corruption was diagnosed) may be in a checkpoint.
+            s.suspect_until = max(s.suspect_until or 0, s.ledger.high_water_step)
+        s.attempt += 1
+        s.progress_at_attempt_start = s.ledger.high_water_step
+        resume = await latest_checkpoint(s)
+        in_memory = checkpoints.memory_restore_point(
+            s.memory, [n.name for n in s.nodes], spec.ranks_per_node, spec.name, s.max_resume_step, s.backups
+        )
+        peers: dict[int, tuple[int, str]] = {}
+        if in_memory is not None and (
+            resume is None
+            or in_memory[0].step > resume.step
+            or (in_memory[0].step == resume.step and workflow.patched(patches.MEMORY_ON_TIE))
+        ):
+            # The machines still hold a step in memory (their own or a peer's backup) at least as
+            # new as S3's: no download, and less recompute when it is newer.
+            resume, peers = in_memory
+        if resume is not None:
+            tier = ("peer" if peers else "memory") if checkpoints.is_memory(resume) else "s3"
+            s.checkpoint = CheckpointStatus(step=resume.step, tier=tier, uri=resume.uri)
+        master = await calls.pick_master_port(
+            PortInput(job_id=spec.name, attempt=s.attempt),
+            task_queue=s.nodes[0].task_queue,
+            schedule_to_start=timedelta(seconds=self.inp.schedule_to_start_s),
+        )
+        started = workflow.now()
+        s.running = RunningAttempt(
+            attempt=s.attempt, master=master, resume=resume, started_at=started, peers=peers
+        )
+        s.step = resume.step if resume else 0
+        s.resumed_from_step = resume.step if resume else None
+        s.compute_s, s.slow_suspect, s.slow_rounds = {}, None, 0
+        s.ckpt_block_s = {}
+        s.replica_hashes = {}
+        if s.incidents and s.incidents[-1].attempt == s.attempt - 1:
+            # Steps reached before the failure that must be computed again.
+            s.incidents[-1].relaunched(
+                started,
+                lost_steps=max(0, s.ledger.high_water_step - s.step),
+                restored_from=s.checkpoint.tier if resume and s.checkpoint else None,
+            )
+        self.vis.set_phase("running")
+
+    def _ranks_input(self, index: int, attach: bool) -> RunRanksInput:
+        spec = self.s.spec
+        run = self.s.running
+        assert run is not None
+        return RunRanksInput(
+            job_id=spec.name,
+            workflow_id=workflow.info().workflow_id,
+            chain=workflow.info().first_execution_run_id,
+            attempt=run.attempt,
+            node=self.s.nodes[index],
+            node_index=index,
+            ranks=ranks_on(index, spec.ranks_per_node),
+            spec=spec_for(spec, self.s.releases[self.s.code_version]),
+            master=run.master,
+            ckpt_prefix=checkpoints.job_prefix(spec.checkpoint.s3_prefix, spec.name),
+            resume=run.resume,
+            restore_peers=dict(run.peers),
+            attach_only=attach,
+        )
+
+    def _start_ranks(
+        self, index: int, attach: bool, pickup_s: float | None = None
+    ) -> workflow.ActivityHandle[RunRanksResult]:
+        """``run_ranks`` on machine ``index``: start its ranks, or attach to the running ones."""
+        node = self.s.nodes[index]
+        inp = self._ranks_input(index, attach)
+        return calls.run_ranks.start(
+            inp,
+            task_queue=node.task_queue,
+            schedule_to_start=timedelta(seconds=pickup_s or self.inp.schedule_to_start_s),
+            heartbeat=timedelta(seconds=self.inp.heartbeat_timeout_s),
+            cancellation=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+            summary=f"{node.name}: ranks {inp.ranks[0]}-{inp.ranks[-1]} (attempt {inp.attempt})",
+        )
+
+    @staticmethod
+    def _heartbeat_lost(h: workflow.ActivityHandle[RunRanksResult]) -> bool:
+        """Whether ``h`` ended because the server heard no heartbeat in time."""
+        if not h.done():
+            return False
+        try:
+            h.result()
+        except ActivityError as err:
+            cause = err.cause
+            return isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.HEARTBEAT
+        return False
+
+    def _reattach(self, handles: Handles, reattached: dict[str, int]) -> bool:
+        """Ask machines whose heartbeats timed out to re-attach to their ranks; True if any was.
+
+        An agent that is alive picks it up at once and adopts the ranks it kept running; a dead
+        one lets it time out in ``REATTACH_PICKUP_S``, and a restarted one answers that its
+        ranks are gone: both then count as lost."""
+        lost = [name for name, h in handles.items() if self._heartbeat_lost(h)]
+        lost = [name for name in lost if reattached.get(name, 0) < MAX_REATTACH]
+        if not lost or not workflow.patched(patches.REATTACH):
+            return False
+        index = {n.name: i for i, n in enumerate(self.s.nodes)}
+        for name in lost:
+            reattached[name] = reattached.get(name, 0) + 1
+            handles[name] = self._start_ranks(index[name], attach=True, pickup_s=REATTACH_PICKUP_S)
+        return True
+
+    async def run(self, attach: bool) -> AttemptOutcome:
+        handles = {node.name: self._start_ranks(i, attach) for i, node in enumerate(self.s.nodes)}
+        reattached: dict[str, int] = {}
+        seen_done = 0
+        progress = self.progress
+        while True:
+            # Wake on news only: a machine that finished early must not make this spin.
+            # A lazy code update also wakes it at its deadline (a timer only while one waits).
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(
+                    lambda: (
+                        bool(progress.inbox)
+                        or self.stopping()
+                        or sum(h.done() for h in handles.values()) > seen_done  # noqa: B023 - read at once
+                        or progress.found is not None
+                        or history_full(self.inp)
+                        or self.update_due()
+                    ),
+                    timeout=self._until_update_due(),
+                )
+            seen_done = sum(h.done() for h in handles.values())
+            progress.drain()
+            if self.stopping():
+                await self.stop_ranks_now(handles)
+                return AttemptOutcome(kind="stopped")
+            if self.update_due() and not any(failed(h) for h in handles.values()):
+                return await self._stop_for_update(handles)
+            if progress.found is None and self._reattach(handles, reattached):
+                seen_done = sum(h.done() for h in handles.values())
+                continue
+            if progress.found is not None or any(failed(h) for h in handles.values()):
+                finding = await localize_hang(self.s, self.vis) if hung(handles) else None
+                return await collect_failure(self.s, progress, handles, finding)
+            if all(h.done() for h in handles.values()):
+                return AttemptOutcome(kind="completed", results=[h.result() for h in handles.values()])
+            if history_full(self.inp):
+                return AttemptOutcome(kind="continue")
+
+    def update_due(self) -> bool:
+        p = self.s.pending_update
+        return p is not None and workflow.now() >= p.deadline
+
+    def _until_update_due(self) -> timedelta | None:
+        p = self.s.pending_update
+        if p is None or p.event.how == "urgent":
+            return None
+        return max(p.deadline - workflow.now(), timedelta(seconds=1))
+
+    async def _stop_for_update(self, handles: Handles) -> AttemptOutcome:
+        """Stop the ranks for a code update, keeping the checkpoints they already sent."""
+        p = self.s.pending_update
+        assert p is not None
+        if p.event.how == "lazy":
+            # Its window passed without a recovery: forced now.
+            forced = p.event.model_copy(update={"how": "forced"})
+            self.s.pending_update = p.model_copy(update={"event": forced})
+        self.vis.set_phase("recovering")
+        await self.stop_ranks_now(handles, wait_commits=False)
+        self.s.running = None
+        return AttemptOutcome(kind="update")
+
+    async def stop_ranks_now(self, handles: Handles, wait_commits: bool = True) -> None:
+        """Stop the attempt's ranks on purpose (user stop, code update), keeping what they saved."""
+        run = self.s.running
+        assert run is not None
+        # Directly: a cancellation reaches the agents only with their next heartbeat, seconds later.
+        await calls.on_machines(calls.stop_ranks, stop_request(self.s, run.attempt), self.s.nodes)
+        await cancel_all(handles)
+        for h in handles.values():
+            # Machines whose ranks stop_ranks ended returned a result: it names their snapshots.
+            with contextlib.suppress(ActivityError, CancelledError):
+                self.progress.note_memory(h.result())
+        self.progress.drain()
+        if wait_commits or not workflow.patched(patches.UPDATE_AT_ONCE):
+            # Checkpoints already uploaded are committed, so the status names the one a resubmit uses.
+            await self.progress.wait_commits()

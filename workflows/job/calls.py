@@ -1,0 +1,208 @@
+"""The activity contract: every activity the workflows call, written once.
+
+Each entry is a typed call: the activity's name, its input model, its result type and its
+options (task queue, timeouts, retry). Names and types only: the implementations (under
+``activities/``, which import torch, boto3 and subprocess) never enter the workflow sandbox,
+and they, like the bench fakes, register under the names given here
+(``@activity.defn(name=calls.run_ranks.name)``).
+
+Machine activities run on the machine's own task queue, passed per call (``task_queue=``);
+controller activities run on ``CONTROLLER_QUEUE``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Generic, TypeVar, cast
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+
+with workflow.unsafe.imports_passed_through():
+    from trainguard.job_state import IncidentTelemetryInput
+    from trainguard.models import (
+        CONTROLLER_QUEUE,
+        CheckpointRef,
+        CheckResult,
+        ClearFaultsInput,
+        CommitCheckpointInput,
+        DiagnosticInput,
+        Endpoint,
+        EvictInput,
+        EvictResult,
+        InjectInput,
+        InjectResult,
+        LatestCheckpointInput,
+        LocalizeStacksInput,
+        NodeInfo,
+        PairTestInput,
+        PortInput,
+        ReleaseInput,
+        ReserveInput,
+        ReserveResult,
+        RunRanksInput,
+        RunRanksResult,
+        StackDump,
+        StackFinding,
+        StackInput,
+        StopRanksInput,
+    )
+
+I = TypeVar("I")  # noqa: E741 - the input, beside R the result
+R = TypeVar("R")
+
+SHORT = timedelta(seconds=30)
+NO_RETRY = RetryPolicy(maximum_attempts=1)
+# Controller activities are retried: any controller may pick them up, a dead one is replaced.
+CONTROLLER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
+TELEMETRY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
+
+
+@dataclass(frozen=True)
+class Options:
+    """How an activity is scheduled; ``task_queue`` None: the machine's, given per call."""
+
+    task_queue: str | None = None
+    schedule_to_start: timedelta | None = None
+    start_to_close: timedelta | None = None
+    heartbeat: timedelta | None = None
+    retry: RetryPolicy = dataclasses.field(default_factory=lambda: NO_RETRY)
+    cancellation: workflow.ActivityCancellationType = workflow.ActivityCancellationType.TRY_CANCEL
+
+
+ON_CONTROLLER = Options(task_queue=CONTROLLER_QUEUE, start_to_close=SHORT, retry=CONTROLLER_RETRY)
+# A short check on a machine: one that cannot answer within seconds is skipped or fails the check.
+ON_MACHINE = Options(schedule_to_start=timedelta(seconds=10), start_to_close=timedelta(seconds=60))
+
+
+@dataclass(frozen=True)
+class Activity(Generic[I, R]):
+    """One activity: ``await calls.x(arg)`` runs it, ``calls.x.start(arg)`` starts it; keyword
+    arguments override its options for one call."""
+
+    name: str
+    input: type[I]
+    result: Any  # R at run time (a union for optional results)
+    options: Options
+
+    def _kwargs(self, summary: str | None, over: dict[str, Any]) -> dict[str, Any]:
+        o = dataclasses.replace(self.options, **over) if over else self.options
+        if o.task_queue is None:
+            raise ValueError(f"{self.name}: a machine activity needs its machine's task_queue")
+        return {
+            "task_queue": o.task_queue,
+            "result_type": self.result,
+            "schedule_to_start_timeout": o.schedule_to_start,
+            "start_to_close_timeout": o.start_to_close,
+            "heartbeat_timeout": o.heartbeat,
+            "retry_policy": o.retry,
+            "cancellation_type": o.cancellation,
+            "summary": summary,
+        }
+
+    async def __call__(self, arg: I, *, summary: str | None = None, **over: Any) -> R:
+        return cast(R, await workflow.execute_activity(self.name, arg, **self._kwargs(summary, over)))
+
+    def start(self, arg: I, *, summary: str | None = None, **over: Any) -> workflow.ActivityHandle[R]:
+        return cast(
+            "workflow.ActivityHandle[R]",
+            workflow.start_activity(self.name, arg, **self._kwargs(summary, over)),
+        )
+
+
+# -- the pool (controller) --------------------------------------------------------------------
+reserve_nodes: Activity[ReserveInput, ReserveResult] = Activity(
+    "reserve_nodes", ReserveInput, ReserveResult, ON_CONTROLLER
+)
+release_nodes: Activity[ReleaseInput, int] = Activity("release_nodes", ReleaseInput, int, ON_CONTROLLER)
+evict_nodes: Activity[EvictInput, EvictResult] = Activity(
+    "evict_nodes", EvictInput, EvictResult, ON_CONTROLLER
+)
+
+# -- checkpoints, stacks, telemetry (controller) ----------------------------------------------
+latest_checkpoint: Activity[LatestCheckpointInput, CheckpointRef | None] = Activity(
+    "latest_checkpoint", LatestCheckpointInput, CheckpointRef | None, ON_CONTROLLER
+)
+# Short: a controller that dies mid-commit is noticed by this timeout, then retried.
+commit_checkpoint: Activity[CommitCheckpointInput, CheckpointRef] = Activity(
+    "commit_checkpoint", CommitCheckpointInput, CheckpointRef, ON_CONTROLLER
+)
+localize_stacks: Activity[LocalizeStacksInput, StackFinding] = Activity(
+    "localize_stacks", LocalizeStacksInput, StackFinding, ON_CONTROLLER
+)
+# Spans and metrics of a recovered incident: the job does not wait for them, nor fail with them.
+record_incident: Activity[IncidentTelemetryInput, bool] = Activity(
+    "record_incident",
+    IncidentTelemetryInput,
+    bool,
+    dataclasses.replace(ON_CONTROLLER, retry=TELEMETRY_RETRY),
+)
+
+# -- on a machine (its own task queue) --------------------------------------------------------
+pick_master_port: Activity[PortInput, Endpoint] = Activity(
+    "pick_master_port", PortInput, Endpoint, dataclasses.replace(ON_MACHINE, start_to_close=SHORT)
+)
+# Runs as long as the ranks: the heartbeat (given per job) tells a dead machine.
+run_ranks: Activity[RunRanksInput, RunRanksResult] = Activity(
+    "run_ranks", RunRanksInput, RunRanksResult, Options(start_to_close=timedelta(days=30))
+)
+stop_ranks: Activity[StopRanksInput, bool] = Activity("stop_ranks", StopRanksInput, bool, ON_MACHINE)
+dump_stacks: Activity[StackInput, StackDump] = Activity("dump_stacks", StackInput, StackDump, ON_MACHINE)
+self_test: Activity[DiagnosticInput, CheckResult] = Activity(
+    "self_test", DiagnosticInput, CheckResult, ON_MACHINE
+)
+collective_test: Activity[DiagnosticInput, CheckResult] = Activity(
+    "collective_test", DiagnosticInput, CheckResult, ON_MACHINE
+)
+alignment_test: Activity[DiagnosticInput, CheckResult] = Activity(
+    "alignment_test", DiagnosticInput, CheckResult, ON_MACHINE
+)
+pair_test: Activity[PairTestInput, CheckResult] = Activity(
+    "pair_test", PairTestInput, CheckResult, ON_MACHINE
+)
+inject_fault: Activity[InjectInput, InjectResult] = Activity(
+    "inject_fault",
+    InjectInput,
+    InjectResult,
+    dataclasses.replace(ON_MACHINE, start_to_close=timedelta(seconds=10)),
+)
+clear_faults: Activity[ClearFaultsInput, int] = Activity(
+    "clear_faults",
+    ClearFaultsInput,
+    int,
+    Options(schedule_to_start=timedelta(seconds=30), start_to_close=timedelta(seconds=10)),
+)
+
+# Every activity of the contract.
+ALL: tuple[Activity[Any, Any], ...] = (
+    reserve_nodes,
+    release_nodes,
+    evict_nodes,
+    latest_checkpoint,
+    commit_checkpoint,
+    localize_stacks,
+    record_incident,
+    pick_master_port,
+    run_ranks,
+    stop_ranks,
+    dump_stacks,
+    self_test,
+    collective_test,
+    alignment_test,
+    pair_test,
+    inject_fault,
+    clear_faults,
+)
+
+
+async def on_machines(
+    activity: Activity[I, R], arg: I, nodes: list[NodeInfo], only: list[str] | None = None
+) -> list[R]:
+    """Run one short activity on every machine of ``nodes`` (or ``only`` these) at once;
+    machines that cannot answer are skipped."""
+    runs = [activity(arg, task_queue=n.task_queue) for n in nodes if only is None or n.name in only]
+    results = await asyncio.gather(*runs, return_exceptions=True)
+    return [r for r in results if not isinstance(r, BaseException)]

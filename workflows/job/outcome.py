@@ -1,0 +1,187 @@
+"""How an attempt ended: stopping its ranks everywhere and naming the cause among every
+machine's reports (a crash on one machine makes its peers' collectives fail a moment later;
+waiting for every machine's outcome lets the cause outrank its consequences)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from temporalio import workflow
+from temporalio.exceptions import ActivityError, CancelledError
+
+from workflows.job import calls, patches
+from workflows.job.progress import Progress
+from workflows.job.visibility import Visibility
+
+with workflow.unsafe.imports_passed_through():
+    from pydantic import BaseModel
+
+    from trainguard import checkpoints
+    from trainguard.detection import incident_priority
+    from trainguard.job_state import JobState
+    from trainguard.models import (
+        IncidentReport,
+        LocalizeStacksInput,
+        RunRanksResult,
+        StackFinding,
+        StackInput,
+        StopRanksInput,
+    )
+
+Handles = dict[str, workflow.ActivityHandle[RunRanksResult]]  # machine -> its run_ranks
+
+
+class AttemptOutcome(BaseModel):
+    kind: str  # completed | failed | stopped | continue | update
+    results: list[RunRanksResult] = []
+    primary: IncidentReport | None = None
+    others: list[IncidentReport] = []
+    # Machines the diagnosis says to evict (stack aggregation for a hang).
+    evict: list[str] = []
+
+
+def stop_request(s: JobState, attempt: int, job_id: str | None = None) -> StopRanksInput:
+    # The run's chain: a machine that gets the stop before the attempt's run_ranks refuses it then.
+    return StopRanksInput(
+        job_id=job_id or s.spec.name, attempt=attempt, chain=workflow.info().first_execution_run_id
+    )
+
+
+def machine_lost(node: str, err: ActivityError) -> IncidentReport:
+    cause = err.cause
+    what = f"{type(cause).__name__}: {cause}" if cause is not None else str(err)
+    return IncidentReport(
+        kind="machine-lost",
+        node=node,
+        evidence=f"{node}'s agent stopped answering ({what})",
+        confidence=1.0,
+        origin=True,
+        detected_at=workflow.now(),
+    )
+
+
+def failed(h: workflow.ActivityHandle[RunRanksResult]) -> bool:
+    if not h.done():
+        return False
+    try:
+        return not h.result().ok
+    except ActivityError:
+        return True
+
+
+def hung(handles: Handles) -> bool:
+    for h in handles.values():
+        if not h.done():
+            continue
+        try:
+            r = h.result()
+        except ActivityError:
+            continue
+        if r.incident is not None and r.incident.kind == "hang":
+            return True
+    return False
+
+
+async def cancel_all(handles: Handles) -> None:
+    pending = [h for h in handles.values() if not h.done()]
+    for h in pending:
+        h.cancel()
+    for h in pending:
+        # The outcome of a cancelled attempt no longer matters; that it ended does.
+        with contextlib.suppress(ActivityError, CancelledError):
+            await h
+
+
+async def localize_hang(s: JobState, vis: Visibility) -> StackFinding:
+    """Hung ranks are kept alive: dump every rank's stack, then find the outliers' group."""
+    vis.set_phase("diagnosing")
+    spec = s.spec
+    run = s.running
+    assert run is not None
+    prefix = checkpoints.job_prefix(spec.checkpoint.s3_prefix, spec.name)
+    dumps = await calls.on_machines(
+        calls.dump_stacks, StackInput(job_id=spec.name, attempt=run.attempt, prefix=prefix), s.nodes
+    )
+    return await calls.localize_stacks(
+        LocalizeStacksInput(
+            dumps=dumps,
+            topology=spec.topology,
+            ranks_per_node=spec.ranks_per_node,
+            nodes=[n.name for n in s.nodes],
+        )
+    )
+
+
+async def collect_failure(
+    s: JobState, progress: Progress, handles: Handles, finding: StackFinding | None = None
+) -> AttemptOutcome:
+    """Stop the attempt everywhere, then name the cause among every machine's reports."""
+    if finding is None and workflow.patched(patches.STOP_AT_ONCE):
+        still = [name for name, h in handles.items() if not h.done()]
+        run = s.running
+        if still and run is not None:
+            await calls.on_machines(calls.stop_ranks, stop_request(s, run.attempt), s.nodes, only=still)
+    await cancel_all(handles)
+    # Cancelled machines sent their last progress (memory snapshots) before they ended.
+    progress.drain()
+    if finding is not None:
+        # Ranks kept for their stacks are stopped now.
+        run = s.running
+        assert run is not None
+        await calls.on_machines(calls.stop_ranks, stop_request(s, run.attempt), s.nodes)
+    reports: list[IncidentReport] = [progress.found] if progress.found else []
+    progress.found = None
+    results: list[RunRanksResult] = []
+    for name, h in handles.items():
+        try:
+            r = h.result()
+        except ActivityError as err:
+            if isinstance(err.cause, CancelledError):
+                continue
+            reports.append(machine_lost(name, err))
+            continue
+        results.append(r)
+        progress.note_memory(r)
+        if r.gone:
+            # Asked to re-attach after missing heartbeats: the agent restarted, its ranks died.
+            reports.append(
+                IncidentReport(
+                    kind="machine-lost",
+                    node=name,
+                    evidence=f"{name}'s agent restarted: {r.message}",
+                    confidence=1.0,
+                    origin=True,
+                    detected_at=workflow.now(),
+                )
+            )
+        elif r.incident is not None:
+            reports.append(r.incident)
+        elif not r.ok and r.message != "ranks stopped":
+            reports.append(
+                IncidentReport(
+                    kind="crash", node=name, evidence=r.message or "ranks failed", detected_at=workflow.now()
+                )
+            )
+    if not reports:
+        reports.append(
+            IncidentReport(
+                kind="crash",
+                node=s.nodes[0].name,
+                evidence="attempt ended without a report",
+                detected_at=workflow.now(),
+            )
+        )
+    reports.sort(key=lambda r: (-incident_priority(r.kind, r.confidence, r.origin), r.detected_at))
+    primary = reports[0]
+    if finding is not None and primary.kind == "hang":
+        primary = primary.model_copy(
+            update={
+                "suspects": finding.machines or primary.suspects,
+                "origin": bool(finding.machines),
+                "evidence": f"{primary.evidence} | {finding.evidence}",
+            }
+        )
+        return AttemptOutcome(
+            kind="failed", primary=primary, others=reports[1:], evict=finding.machines, results=results
+        )
+    return AttemptOutcome(kind="failed", primary=primary, others=reports[1:], results=results)

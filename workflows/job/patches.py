@@ -1,0 +1,37 @@
+"""``workflow.patched`` ids of the job workflow, each with the change it guards.
+
+A history recorded before a change replays without it (the id is absent there); the ids
+travel in recorded histories, so they never change.
+"""
+
+from __future__ import annotations
+
+# Recovered incidents are handed to a controller for their spans and metrics.
+INCIDENT_TELEMETRY = "incident-telemetry"
+# Progress-driven choices (search-attribute rate, fail-slow rounds) read the reports' own clock,
+# not the workflow's: the same choice whenever the worker processes the signal (a query-driven
+# replay after a server restart processed them at an earlier workflow time than the task that
+# recorded them, and a history became nondeterministic).
+REPORT_CLOCK = "report-clock"
+# On a failure, the machines still training are told to stop at once, not by a cancellation
+# that waits for their next heartbeat (meanwhile a corrupt job trains on and writes checkpoints).
+STOP_AT_ONCE = "stop-at-once"
+# A machine whose run_ranks missed its heartbeats is asked to re-attach before it counts as lost:
+# when the Temporal server (not the machine) was away, its ranks trained on all along.
+REATTACH = "reattach-after-heartbeat-timeout"
+# A long job continues as new between attempts once its history is large: the next attempt
+# then starts in a fresh run instead of re-attaching to ranks that a mid-attempt
+# continue-as-new leaves running (weeks of incidents grow a history past the server's limits).
+CAN_BETWEEN_ATTEMPTS = "continue-as-new-between-attempts"
+# A memory copy of the same step as the newest S3 checkpoint is restored from memory, not
+# downloaded (a persist that committed just before the failure made the two equal).
+MEMORY_ON_TIE = "memory-on-tie"
+# A code update restarts without waiting for the S3 commits in flight, as a failure does: the
+# next attempt restores from memory, and with a persist every few seconds one is often under way.
+UPDATE_AT_ONCE = "update-without-commit-wait"
+# The step the machines' ranks had finished when the attempt ended (in their run_ranks results)
+# counts as progress before the failure is judged: a large job reports its step every few
+# minutes, and recoveries that trained between two reports looked like a crash loop.
+STEPS_FROM_RESULTS = "steps-from-results"
+# The decision ladder's first rung: a first failure is reattempted in place at once.
+FIRST_REATTEMPT = "first-reattempt"

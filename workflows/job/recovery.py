@@ -1,0 +1,149 @@
+"""Recovery: from a failed attempt's outcome to what the job does next.
+
+Record the incident, climb the decision ladder (``trainguard.policy``): evict a machine surely
+at fault, or diagnose (stop-time checks, stacks, the alignment test, replay) and act on the
+result, or reattempt; stop with a verdict when recoveries stop making progress. Returns the
+verdict when the job must stop; the workflow ends the job.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from temporalio import workflow
+
+from workflows.job import calls, patches
+from workflows.job.diagnosis import Diagnosis
+from workflows.job.outcome import AttemptOutcome
+from workflows.job.progress import Progress, apply_version
+from workflows.job.visibility import Visibility
+
+with workflow.unsafe.imports_passed_through():
+    from trainguard import checkpoints, ettr
+    from trainguard.code_versions import CodeEvent
+    from trainguard.job_state import Incident, JobInput, JobState, RunningAttempt
+    from trainguard.models import EvictInput, IncidentReport
+    from trainguard.policy import PolicyConfig, decide, record_incident
+
+
+def suspects(primary: IncidentReport, others: list[IncidentReport]) -> list[str]:
+    """The machine to blame, or every machine that saw the same thing when the
+    report cannot tell (a hang stalls every rank; stack aggregation narrows it)."""
+    if primary.suspects:
+        return list(primary.suspects)
+    if primary.origin:
+        return [primary.node]
+    same = [o.node for o in others if o.kind == primary.kind and o.node != primary.node]
+    return [primary.node, *dict.fromkeys(same)]
+
+
+class Recovery:
+    def __init__(
+        self, inp: JobInput, s: JobState, vis: Visibility, progress: Progress, diagnosis: Diagnosis
+    ) -> None:
+        self.inp = inp
+        self.s = s
+        self.vis = vis
+        self.progress = progress
+        self.diagnosis = diagnosis
+
+    def _fault_time(self, primary: IncidentReport, run: RunningAttempt | None) -> datetime | None:
+        """When the fault began: the machine's own record, else a drill injected this attempt."""
+        if primary.fault_at is not None:
+            return primary.fault_at
+        since = run.started_at if run else None
+        recent = [d.injected_at for d in self.s.drills if since is None or d.injected_at >= since]
+        return max(recent) if recent else None
+
+    async def recover(self, outcome: AttemptOutcome) -> str | None:
+        """Act on a failed attempt; the verdict when the job must stop, else None (the next
+        attempt follows)."""
+        s = self.s
+        primary = outcome.primary
+        assert primary is not None
+        if workflow.patched(patches.STEPS_FROM_RESULTS):
+            self.progress.note_last_steps(outcome.results)
+        run = s.running
+        s.running = None
+        if (
+            run is not None
+            and checkpoints.is_memory(run.resume)
+            and run.first_step_at is None
+            and not primary.restored
+        ):
+            # Restoring from memory may have failed (no step, the failing machine's ranks had not
+            # all loaded their shards): the next attempt uses S3.
+            s.memory, s.backups = {}, {}
+        self.vis.set_phase("diagnosing")
+        progressed = s.ledger.high_water_step > s.progress_at_attempt_start
+        s.attempts_without_progress = 0 if progressed else s.attempts_without_progress + 1
+        attempt = run.attempt if run else s.attempt
+        incident = Incident.open(
+            len(s.incidents) + 1,
+            primary,
+            outcome.others,
+            suspects(primary, outcome.others),
+            self._fault_time(primary, run),
+            attempt,
+        )
+        s.incidents.append(incident)
+        if incident.detection_s is not None:
+            s.ledger = ettr.add_badput(s.ledger, "detection", incident.detection_s)
+        facts = incident.facts(primary)
+        det = s.spec.detection
+        cfg = PolicyConfig(
+            evict_confidence=det.evict_confidence,
+            max_recoveries_without_progress=det.max_attempts,
+            # Histories recorded before the first-reattempt rung existed replay without it.
+            reattempt_first=det.reattempt_first and workflow.patched(patches.FIRST_REATTEMPT),
+        )
+        diagnosing_since = workflow.now()
+        decisions = [decide(facts, s.history, cfg)]
+        incident.decided(diagnosing_since)
+        follow = await self.diagnosis.run(decisions[0], outcome, attempt)
+        if follow is not None:
+            decisions.append(follow)
+        s.ledger = ettr.add_badput(s.ledger, "diagnosis", (workflow.now() - diagnosing_since).total_seconds())
+        final = decisions[-1]
+        incident.concluded(decisions, workflow.now())
+        s.history = record_incident(s.history, facts, decisions)
+        self.vis.set_phase("recovering")
+        if final.action == "evict":
+            # A whole group evicted for its stuck or slow outlier holds healthy machines too.
+            await self._evict(final.machines, incident, confirmed=final.rung != "stacks-culprit")
+        if final.action == "rollback" and final.rollback_to:
+            apply_version(
+                s,
+                CodeEvent(
+                    version=final.rollback_to,
+                    how="rollback",
+                    who="trainguard",
+                    why=f"{incident.id}: {final.evidence[:300]}",
+                    requested_at=workflow.now(),
+                ),
+            )
+        if final.action == "stop":
+            s.verdict = final.verdict or f"stopped after {primary.kind} on {primary.node}"
+            return s.verdict
+        return None
+
+    async def _evict(self, nodes: list[str], incident: Incident, confirmed: bool = True) -> None:
+        """Quarantine ``nodes`` (or, not ``confirmed``, make them suspect until they pass the
+        self-test); standbys take their places (same logical ranks)."""
+        res = await calls.evict_nodes(
+            EvictInput(
+                job_id=self.s.spec.name,
+                nodes=nodes,
+                reason=f"{incident.id} {incident.kind}: {incident.evidence[:300]}",
+                current=[n.name for n in self.s.nodes],
+                confirmed=confirmed,
+            )
+        )
+        if res.replaced:
+            self.s.nodes = list(res.nodes)
+            for name in res.evicted:
+                self.s.memory.pop(name, None)  # its snapshots left with it
+                self.s.backups.pop(name, None)
+            incident.evicted_to(res.evicted, workflow.now())
+        else:
+            incident.not_evicted(res.message)
