@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m trainguard.demo
+	$(BIN)/python -m trainguard.face.demo
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -8,9 +8,10 @@ import asyncio
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from trainguard import checkpoints, telemetry
-from trainguard.models import CheckpointRef, CommitCheckpointInput, LatestCheckpointInput
-from trainguard.storage import S3Store
+from trainguard.domain import checkpoints
+from trainguard.domain.messages import CheckpointRef, CommitCheckpointInput, LatestCheckpointInput
+from trainguard.services import telemetry
+from trainguard.services.storage import S3Store
 from workflows.job import calls
 
 

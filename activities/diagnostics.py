@@ -3,12 +3,12 @@
 ``self_test``: the machine's health probes right now (NVML where present, host,
 drills) plus a matmul checked bit for bit against its exact reference.
 ``collective_test``: the machine's ranks (one process each) all-gather,
-all-reduce and multiply with exact answers (``trainguard.collective_check``).
+all-reduce and multiply with exact answers (``trainguard.agent.collective_check``).
 ``pair_test``: this machine's side of an inter-machine pair running the same
 check; the controller pairs machines in two rounds (``analysis.pairing``).
 ``alignment_test``: one step of a tiny reference model from fixed weights and
 input, hashed; the controller compares it with the exact reference and with the
-other machines (``trainguard.selftest``). A drill fault standing on the machine
+other machines (``trainguard.agent.selftest``). A drill fault standing on the machine
 that damages compute (sdc, a lost or failing GPU, a crash that keeps recurring)
 makes these tests fail the way a faulty unit would; a slow unit (slow) makes
 its collectives late and an unreachable NIC (nic-down) keeps it out of them.
@@ -26,7 +26,7 @@ from temporalio import activity
 
 from activities.drills import DrillState
 from activities.health import HealthMonitor
-from trainguard.models import CheckResult, DiagnosticInput, PairTestInput
+from trainguard.domain.messages import CheckResult, DiagnosticInput, PairTestInput
 from workflows.job import calls
 
 # Standing drill faults that mean "this unit computes wrongly".
@@ -36,11 +36,11 @@ _SLOW_DELAY_S = 2.0
 
 
 async def _check_process(args: list[str], timeout_s: float) -> dict:
-    """Run one ``trainguard.collective_check`` participant; its JSON line, or why there is none."""
+    """Run one ``trainguard.agent.collective_check`` participant; its JSON line, or why there is none."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "trainguard.collective_check",
+        "trainguard.agent.collective_check",
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -77,7 +77,7 @@ class DiagnosticActivities:
 
     @activity.defn(name=calls.self_test.name)
     async def self_test(self, req: DiagnosticInput) -> CheckResult:
-        from trainguard import selftest  # torch: loaded only when a check runs
+        from trainguard.agent import selftest  # torch: loaded only when a check runs
 
         problems = [
             f"{e.source} {e.kind}: {e.message}"
@@ -148,7 +148,7 @@ class DiagnosticActivities:
 
     @activity.defn(name=calls.alignment_test.name)
     async def alignment_test(self, req: DiagnosticInput) -> CheckResult:
-        from trainguard import selftest
+        from trainguard.agent import selftest
 
         digest = await asyncio.to_thread(selftest.alignment_step, bool(self._damaged()))
         ok = digest == selftest.ALIGNMENT_REFERENCE

@@ -9,7 +9,7 @@ act inside the ranks (``trainguard.runtime.faults``), which read the same file.
 Real link faults: an agent started with ``--nic IF`` (``trainguard up --netns``,
 where each machine has its own network namespace) owns a real interface, and
 ``nic-down`` / ``nic-flap`` take it down with ``ip link set IF down`` instead of
-faking events; the link probe (``trainguard.health.link``) then reports what the
+faking events; the link probe (``trainguard.agent.health.link``) then reports what the
 kernel sees, and the ranks' collectives really break. While the link is down the
 agent cannot reach Temporal either: its heartbeats stop, exactly as with a real
 NIC failure, and no ``clear_faults`` can reach it. So the agent restores the link
@@ -34,8 +34,8 @@ from typing import Any
 
 from temporalio import activity
 
-from trainguard.health.events import HealthEvent, Probe, Severity
-from trainguard.models import MACHINE_FAULTS, ClearFaultsInput, InjectInput, InjectResult
+from trainguard.agent.health.events import HealthEvent, Probe, Severity
+from trainguard.domain.messages import MACHINE_FAULTS, ClearFaultsInput, InjectInput, InjectResult
 from workflows.job import calls
 
 log = logging.getLogger(__name__)

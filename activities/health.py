@@ -14,7 +14,7 @@ import logging
 from collections import deque
 from datetime import UTC, datetime
 
-from trainguard.health.events import HealthEvent, Probe
+from trainguard.agent.health.events import HealthEvent, Probe
 
 log = logging.getLogger(__name__)
 

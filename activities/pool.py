@@ -11,8 +11,8 @@ from __future__ import annotations
 from temporalio import activity
 from temporalio.client import Client
 
-from trainguard import pool_client, telemetry
-from trainguard.models import EvictInput, EvictResult, ReleaseInput, ReserveInput, ReserveResult
+from trainguard.domain.messages import EvictInput, EvictResult, ReleaseInput, ReserveInput, ReserveResult
+from trainguard.services import pool_client, telemetry
 from workflows.job import calls
 
 

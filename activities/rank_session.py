@@ -33,8 +33,9 @@ from typing import Any
 from activities.drills import DrillState
 from activities.health import HealthMonitor
 from activities.warm_pool import WarmPool
-from trainguard import checkpoints
-from trainguard.detection import (
+from trainguard.agent.health.events import HealthEvent
+from trainguard.domain import checkpoints
+from trainguard.domain.detection import (
     Anomaly,
     ExitInfo,
     TrainingMonitor,
@@ -42,8 +43,7 @@ from trainguard.detection import (
     exit_kind,
     incident_priority,
 )
-from trainguard.health.events import HealthEvent
-from trainguard.models import (
+from trainguard.domain.messages import (
     IncidentReport,
     ProgressReport,
     RankExit,
@@ -51,7 +51,7 @@ from trainguard.models import (
     RunRanksResult,
     ShardInfo,
 )
-from trainguard.reporting import report_interval
+from trainguard.domain.report_interval import report_interval
 from trainguard.runtime import protocol
 from trainguard.runtime.env import (
     RankEnv,
@@ -62,7 +62,7 @@ from trainguard.runtime.env import (
     step_dir_name,
 )
 from trainguard.runtime.warm import activatable, env_activatable
-from trainguard.storage import S3Store, sha256_file
+from trainguard.services.storage import S3Store, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -543,7 +543,7 @@ class RankSession:
         while True:
             await self._progress_dirty.wait()
             # The attempt's first step is news for every machine; the rest waits for the
-            # machine's routine interval (trainguard.reporting), re-checked at the fast rate.
+            # machine's routine interval (trainguard.domain.report_interval), re-checked at the fast rate.
             news = self.first_step_at is not None and not self._first_step_sent
             due = report_interval(detection, self.inp.node_index, news)
             wait = due - (time.monotonic() - last_sent)

@@ -20,9 +20,9 @@ from activities.drills import DrillState
 from activities.health import HealthMonitor
 from activities.rank_session import RankSession, RestoreUnavailable
 from activities.warm_pool import WarmPool
-from infra.ports import free_port
-from trainguard.models import Endpoint, PortInput, ProgressReport, RunRanksInput, RunRanksResult
-from trainguard.storage import S3Store
+from trainguard.agent.ports import free_port
+from trainguard.domain.messages import Endpoint, PortInput, ProgressReport, RunRanksInput, RunRanksResult
+from trainguard.services.storage import S3Store
 from workflows.job import calls
 
 HEARTBEAT_EVERY = timedelta(seconds=2)

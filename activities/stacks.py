@@ -5,7 +5,7 @@ machine runs for the attempt (ranks of a hung attempt are kept alive for this),
 the dump goes to S3 and only its URI comes back. On the controller
 (``localize_stacks``): the dumps are grouped by identical stacks, the dominant
 groups are taken as healthy, and the TP, PP or DP group shared by the outliers
-names the machines to evict (``trainguard.analysis.stacks``).
+names the machines to evict (``trainguard.domain.analysis.stacks``).
 """
 
 from __future__ import annotations
@@ -21,10 +21,16 @@ from typing import Any
 from temporalio import activity
 
 from activities.ranks import RankActivities
-from trainguard.analysis.stacks import localize_hang
-from trainguard.models import LocalizeStacksInput, StackDump, StackFinding, StackInput, StopRanksInput
-from trainguard.storage import S3Store
-from trainguard.topology import place_ranks
+from trainguard.domain.analysis.stacks import localize_hang
+from trainguard.domain.messages import (
+    LocalizeStacksInput,
+    StackDump,
+    StackFinding,
+    StackInput,
+    StopRanksInput,
+)
+from trainguard.domain.topology import place_ranks
+from trainguard.services.storage import S3Store
 from workflows.job import calls
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from collections import OrderedDict
 from opentelemetry import trace
 from temporalio import activity
 
-from trainguard import incident_trace, telemetry
-from trainguard.job_state import IncidentTelemetryInput
+from trainguard.domain.job_state import IncidentTelemetryInput
+from trainguard.services import incident_trace, telemetry
 from workflows.job import calls
 
 log = logging.getLogger(__name__)

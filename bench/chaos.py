@@ -58,14 +58,14 @@ from temporalio.client import WorkflowQueryFailedError  # noqa: E402
 from temporalio.service import RPCError  # noqa: E402
 from temporalio.worker import Replayer  # noqa: E402
 
-from bench.private_stack import choose, connect, log, run_bench  # noqa: E402
 from infra import chaos  # noqa: E402
 from infra.local import node_names, restore_pool  # noqa: E402
+from infra.private_stack import choose, connect, log, run_bench  # noqa: E402
 from infra.stack import SEAWEEDFS, TEMPORAL, Stack  # noqa: E402
 from tests.integration.helpers import example_spec  # noqa: E402
 from trainguard.client import ControllerUnavailable, JobHandle, TrainguardClient  # noqa: E402
-from trainguard.job_state import TERMINAL  # noqa: E402
-from trainguard.spec import JobSpec  # noqa: E402
+from trainguard.domain.job_state import TERMINAL  # noqa: E402
+from trainguard.domain.spec import JobSpec  # noqa: E402
 from workflows.job import calls  # noqa: E402
 from workflows.job.workflow import TrainingJobWorkflow  # noqa: E402
 

@@ -14,7 +14,7 @@ for ``--minutes``, stops them, and reads what happened from Temporal itself:
 - history events per job-day and the longest single run (continue-as-new keeps
   each run under the job's ``max_history_events``).
 
-The jobs run with a production reporting profile (``trainguard.reporting``: the
+The jobs run with a production reporting profile (``trainguard.domain.report_interval``: the
 first machine reports every ``--progress-interval-s``, the others every
 ``--peer-report-interval-s``; search attributes change at most every
 ``--search-attribute-interval-s``): a local drill's 5 s reports from every machine
@@ -46,13 +46,13 @@ from temporalio.api.enums.v1 import EventType  # noqa: E402
 from temporalio.client import Client  # noqa: E402
 
 from bench.controller_scale_sim import machine_name  # noqa: E402
-from bench.private_stack import connect, log  # noqa: E402
 from infra.local import bring_down, process_env  # noqa: E402
+from infra.private_stack import connect, log  # noqa: E402
 from infra.stack import Stack, StackConfig  # noqa: E402
 from trainguard.client import TrainguardClient  # noqa: E402
-from trainguard.job_state import TERMINAL  # noqa: E402
-from trainguard.models import PoolConfig  # noqa: E402
-from trainguard.spec import CheckpointSpec, DetectionSpec, JobSpec, Topology  # noqa: E402
+from trainguard.domain.job_state import TERMINAL  # noqa: E402
+from trainguard.domain.messages import PoolConfig  # noqa: E402
+from trainguard.domain.spec import CheckpointSpec, DetectionSpec, JobSpec, Topology  # noqa: E402
 
 # History events that are Temporal actions (what a Temporal Cloud namespace bills).
 ACTION_EVENTS = frozenset(

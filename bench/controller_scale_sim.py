@@ -36,9 +36,8 @@ from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from activities.pool import PoolActivities
-from trainguard import pool_client
-from trainguard.job_state import IncidentTelemetryInput
-from trainguard.models import (
+from trainguard.domain.job_state import IncidentTelemetryInput
+from trainguard.domain.messages import (
     CONTROLLER_QUEUE,
     CheckpointRef,
     CheckResult,
@@ -64,9 +63,10 @@ from trainguard.models import (
     StopRanksInput,
     node_queue,
 )
-from trainguard.reporting import report_interval
-from trainguard.settings import Settings
-from trainguard.temporal import connect
+from trainguard.domain.report_interval import report_interval
+from trainguard.services import pool_client
+from trainguard.services.settings import Settings
+from trainguard.services.temporal import connect
 from workers.common import run_until_signalled, setup_logging
 from workflows.job import calls
 from workflows.job.workflow import TrainingJobWorkflow

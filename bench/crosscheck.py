@@ -31,12 +31,12 @@ from temporalio.worker import Worker  # noqa: E402
 
 from bench.crosscheck_activities import SimController, SimWorld  # noqa: E402
 from infra.stack import SEARCH_ATTRIBUTES, find_binary  # noqa: E402
-from trainguard.job_state import JobInput  # noqa: E402
-from trainguard.models import CONTROLLER_QUEUE  # noqa: E402
+from trainguard.domain.job_state import JobInput  # noqa: E402
+from trainguard.domain.messages import CONTROLLER_QUEUE  # noqa: E402
+from trainguard.domain.spec import JobSpec  # noqa: E402
 from trainguard.sim.config import SimConfig  # noqa: E402
 from trainguard.sim.guarded import job_topology  # noqa: E402
-from trainguard.simulate import check_args, generate_trace, parse_config, run_policy  # noqa: E402
-from trainguard.spec import JobSpec  # noqa: E402
+from trainguard.sim.run import check_args, generate_trace, parse_config, run_policy  # noqa: E402
 from workflows.job.workflow import TrainingJobWorkflow  # noqa: E402
 
 JOB = "crosscheck"

@@ -32,9 +32,9 @@ from temporalio.client import Client, WorkflowUpdateStage
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from trainguard.code_versions import CodeUpdate
-from trainguard.job_state import IncidentTelemetryInput
-from trainguard.models import (
+from trainguard.domain.code_versions import CodeUpdate
+from trainguard.domain.job_state import IncidentTelemetryInput
+from trainguard.domain.messages import (
     CheckpointRef,
     CheckResult,
     CommitCheckpointInput,

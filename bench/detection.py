@@ -24,11 +24,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.private_stack import choose, connect, run_bench  # noqa: E402
 from infra.local import node_names, restore_pool  # noqa: E402
+from infra.private_stack import choose, connect, run_bench  # noqa: E402
 from tests.integration.helpers import example_spec, wait_until  # noqa: E402
-from trainguard.cli import exit_now  # noqa: E402
 from trainguard.client import JobHandle, TrainguardClient  # noqa: E402
+from trainguard.face.cli import exit_now  # noqa: E402
 
 FAULTS = [
     "crash", "hang", "nan", "loss-spike", "slow", "sdc", "gpu-lost", "gpu-xid", "ecc",

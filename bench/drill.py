@@ -35,14 +35,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.drill_mix import DEFAULT_GAP_STEPS, STANDARD_MIX, Mix, parse_faults, schedule  # noqa: E402
-from bench.drill_run import ProgressFn, SystemResult, drive  # noqa: E402
-from bench.drill_torchrun import TorchrunSide  # noqa: E402
-from bench.drill_trainguard import NODES, TrainguardSide  # noqa: E402
-from bench.private_stack import connect, log, run_bench  # noqa: E402
+from infra.private_stack import connect, log, run_bench  # noqa: E402
 from tests.integration.helpers import example_spec  # noqa: E402
-from trainguard.cli import exit_now  # noqa: E402
-from trainguard.spec import JobSpec, SpecError  # noqa: E402
+from trainguard.domain.spec import JobSpec, SpecError  # noqa: E402
+from trainguard.face.cli import exit_now  # noqa: E402
+from trainguard.face.drill.drive import ProgressFn, SystemResult, drive  # noqa: E402
+from trainguard.face.drill.mix import DEFAULT_GAP_STEPS, STANDARD_MIX, Mix, parse_faults, schedule  # noqa: E402
+from trainguard.face.drill.torchrun_side import TorchrunSide  # noqa: E402
+from trainguard.face.drill.trainguard_side import NODES, TrainguardSide  # noqa: E402
 
 # Warm rank processes per machine: the product default of `trainguard up`.
 WARM_RANKS = 2

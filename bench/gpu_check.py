@@ -93,7 +93,7 @@ def _failed(exc: BaseException) -> dict[str, Any]:
 
 def nvml_part(nvml: Any = None, node: str | None = None) -> dict[str, Any]:
     """Every field NvmlProbe reads, and its checks; ``nvml`` a pynvml stand-in (tests) or None."""
-    from trainguard.health.nvml import NvmlProbe
+    from trainguard.agent.health.nvml import NvmlProbe
 
     node = node or platform.node()
     t0 = time.perf_counter()
@@ -185,7 +185,7 @@ def _nvml_fields(inventory: dict[str, Any], refused: dict[str, str]) -> dict[str
 
 def _gpu_lost_path(nvml: Any, node: str, count: Any) -> dict[str, Any]:
     """The device-count path of gpu-lost, for real: a probe expecting one GPU more must say so."""
-    from trainguard.health.nvml import NvmlProbe
+    from trainguard.agent.health.nvml import NvmlProbe
 
     if not isinstance(count, int):
         return {"status": "failed", "error": f"device count not read: {count}"}
@@ -404,7 +404,7 @@ def _plain_dcp(model: Any, opt: Any, root: str | None) -> dict[str, Any]:
 
 def train_part(args: argparse.Namespace, world: int, backend: str) -> dict[str, Any]:
     """``world`` ranks in subprocesses of this script, rendezvous on a free loopback port."""
-    from infra.ports import free_port
+    from trainguard.agent.ports import free_port
 
     port = free_port("127.0.0.1")
     with tempfile.TemporaryDirectory(prefix="tg-gpu-check-run-") as d:
@@ -493,9 +493,9 @@ async def _run_fault_session(simulate: bool, probes: list[Any]) -> dict[str, Any
     from activities.drills import DrillState
     from activities.health import HealthMonitor
     from activities.rank_session import RankSession
-    from infra.ports import free_port
-    from trainguard.models import Endpoint, NodeInfo, RunRanksInput
-    from trainguard.spec import JobSpec
+    from trainguard.agent.ports import free_port
+    from trainguard.domain.messages import Endpoint, NodeInfo, RunRanksInput
+    from trainguard.domain.spec import JobSpec
 
     argv = ["python", "bench/gpu_check.py", "--fault-rank"] + (["--simulate"] if simulate else [])
     spec = JobSpec(name="gpu-check-fault", entrypoint=argv, nodes=1, ranks_per_node=1, target_steps=100)
@@ -563,7 +563,7 @@ async def _run_fault_session(simulate: bool, probes: list[Any]) -> dict[str, Any
 def fault_part(cuda: bool) -> dict[str, Any]:
     probes: list[Any] = []
     if cuda:
-        from trainguard.health.nvml import NvmlProbe
+        from trainguard.agent.health.nvml import NvmlProbe
 
         probes.append(NvmlProbe(platform.node()))  # did the driver log an Xid for the fault?
     try:

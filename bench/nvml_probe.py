@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainguard.health.nvml import NvmlProbe
+from trainguard.agent.health.nvml import NvmlProbe
 
 
 def main() -> int:

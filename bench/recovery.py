@@ -40,17 +40,17 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.private_stack import connect, run_bench  # noqa: E402
 from infra.local import node_names, restore_pool  # noqa: E402
+from infra.private_stack import connect, run_bench  # noqa: E402
 from infra.processes import pid_alive  # noqa: E402
 from tests.integration.helpers import example_spec, wait_until  # noqa: E402
-from trainguard.cli import exit_now  # noqa: E402
 from trainguard.client import JobHandle, TrainguardClient  # noqa: E402
-from trainguard.job_state import TERMINAL  # noqa: E402
+from trainguard.domain.job_state import TERMINAL  # noqa: E402
+from trainguard.domain.spec import CheckpointSpec, JobSpec  # noqa: E402
+from trainguard.face.cli import exit_now  # noqa: E402
 from trainguard.runtime.warm import ACTIVATED, PRELOADED  # noqa: E402
-from trainguard.settings import Settings  # noqa: E402
-from trainguard.spec import CheckpointSpec, JobSpec  # noqa: E402
-from trainguard.storage import S3Store  # noqa: E402
+from trainguard.services.settings import Settings  # noqa: E402
+from trainguard.services.storage import S3Store  # noqa: E402
 
 NODES = 3
 WARM_RANKS = 2  # warm rank processes per machine, as many as it runs ranks

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.private_stack import connect, run_bench
 from infra.local import start_controller
+from infra.private_stack import connect, run_bench
 from infra.stack import Stack
 from tests.integration.helpers import example_spec, run_to_end, wait_until
 

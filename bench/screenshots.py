@@ -26,7 +26,6 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.private_stack import connect, log  # noqa: E402
 from infra.browser import (  # noqa: E402
     Browser,
     BrowserError,
@@ -37,9 +36,10 @@ from infra.browser import (  # noqa: E402
     show_workflows,
 )
 from infra.local import bring_down, bring_up  # noqa: E402
+from infra.private_stack import connect, log  # noqa: E402
 from infra.stack import Stack, StackConfig  # noqa: E402
 from tests.integration.helpers import example_spec, run_to_end, wait_until  # noqa: E402
-from trainguard.cli import exit_now  # noqa: E402
+from trainguard.face.cli import exit_now  # noqa: E402
 
 JOB = "gpt-tiny"  # the example's own name, as in the README
 NODES = 3

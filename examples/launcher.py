@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.client import JobAlreadyRunning, TrainguardClient
-from trainguard.spec import JobSpec, SpecError, load_spec, parse_spec
+from trainguard.domain.spec import JobSpec, SpecError, load_spec, parse_spec
 
 HERE = Path(__file__).resolve().parent
 

@@ -27,13 +27,13 @@ from pathlib import Path
 
 from infra import netns as netns_mod
 from infra.netns import NetnsPlan
-from infra.ports import LOOPBACK, port_is_free
 from infra.processes import wait_for
 from infra.stack import Stack, StackConfig, addresses, client_env
-from trainguard import pool_client
+from trainguard.agent.ports import LOOPBACK, port_is_free
 from trainguard.client import TrainguardClient
-from trainguard.settings import Settings
-from trainguard.temporal import connect
+from trainguard.services import pool_client
+from trainguard.services.settings import Settings
+from trainguard.services.temporal import connect
 
 AGENT_READY_TIMEOUT_S = 120.0
 RELAY = "relay"

@@ -28,8 +28,8 @@ from typing import Any, ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from infra.ports import LOOPBACK, free_ports, port_is_free
 from infra.processes import kill_pid, pid_alive, spawn, start_ticks, stop_pid, wait_for
+from trainguard.agent.ports import LOOPBACK, free_ports, port_is_free
 
 TEMPORAL = "temporal"
 SEAWEEDFS = "seaweedfs"

@@ -17,7 +17,7 @@ from infra.stack import Stack, StackConfig, client_env
 from tests.integration.helpers import REPO, example_spec, run_to_end
 from tests.replay.record import export_histories
 from trainguard.client import TrainguardClient
-from trainguard.settings import Settings
+from trainguard.services.settings import Settings
 
 NODES = 3
 

@@ -1,5 +1,5 @@
 """``python -m trainguard`` is the ``trainguard`` command."""
 
-from trainguard.cli import main
+from trainguard.face.cli import main
 
 main()

@@ -1,7 +1,7 @@
 """The SDK for job launchers; the CLI is built on it.
 
     from trainguard.client import TrainguardClient
-    from trainguard.spec import load_spec
+    from trainguard.domain.spec import load_spec
 
     async def launch() -> None:
         tg = await TrainguardClient.connect()          # env vars, else the local stack
@@ -30,10 +30,9 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from trainguard import pool_client, telemetry
-from trainguard.code_versions import CodeUpdate
-from trainguard.job_state import JobInput
-from trainguard.models import (
+from trainguard.domain.code_versions import CodeUpdate
+from trainguard.domain.job_state import JobInput
+from trainguard.domain.messages import (
     ALL_FAULTS,
     CONTROLLER_QUEUE,
     NODE_NAME_RE,
@@ -42,9 +41,10 @@ from trainguard.models import (
     PoolConfig,
     PoolState,
 )
-from trainguard.settings import Settings
-from trainguard.spec import NAME_RE, JobSpec, SpecError, first_validation_error, shown
-from trainguard.temporal import connect
+from trainguard.domain.spec import NAME_RE, JobSpec, SpecError, first_validation_error, shown
+from trainguard.services import pool_client, telemetry
+from trainguard.services.settings import Settings
+from trainguard.services.temporal import connect
 
 T = TypeVar("T")
 TERMINAL_PHASES = ("completed", "failed", "stopped")

@@ -19,11 +19,11 @@ from activities.checkpoints import CheckpointActivities
 from activities.pool import PoolActivities
 from activities.stacks import StackActivities
 from activities.telemetry import TelemetryActivities
-from trainguard import telemetry
-from trainguard.models import CONTROLLER_QUEUE
-from trainguard.settings import Settings
-from trainguard.storage import S3Store
-from trainguard.temporal import connect
+from trainguard.domain.messages import CONTROLLER_QUEUE
+from trainguard.services import telemetry
+from trainguard.services.settings import Settings
+from trainguard.services.storage import S3Store
+from trainguard.services.temporal import connect
 from workers.common import run_until_signalled, setup_logging
 from workflows.job.workflow import TrainingJobWorkflow
 from workflows.node_pool import NodePoolWorkflow

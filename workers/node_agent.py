@@ -35,15 +35,15 @@ from activities.rank_session import rank_preexec
 from activities.ranks import RankActivities
 from activities.stacks import StackActivities
 from activities.warm_pool import WarmPool
-from trainguard import pool_client, telemetry
-from trainguard.health.events import Probe
-from trainguard.health.host import HostProbe
-from trainguard.health.link import LinkProbe
-from trainguard.health.nvml import NvmlProbe
-from trainguard.models import NODE_NAME_RE, NodeInfo, node_queue
-from trainguard.settings import Settings
-from trainguard.storage import S3Store
-from trainguard.temporal import connect
+from trainguard.agent.health.events import Probe
+from trainguard.agent.health.host import HostProbe
+from trainguard.agent.health.link import LinkProbe
+from trainguard.agent.health.nvml import NvmlProbe
+from trainguard.domain.messages import NODE_NAME_RE, NodeInfo, node_queue
+from trainguard.services import pool_client, telemetry
+from trainguard.services.settings import Settings
+from trainguard.services.storage import S3Store
+from trainguard.services.temporal import connect
 from workers.common import run_until_signalled, setup_logging
 
 # Checkpoint snapshots go to tmpfs only when it has this much room; else to the work disk.

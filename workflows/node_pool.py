@@ -11,7 +11,7 @@ by the pool in the background) passes, then ``standby``; jobs take standbys
 one outlier, makes it ``suspect`` again) and hands the job standbys in the same
 step. A quarantined machine re-runs its self-test every ``retest_s`` and
 returns when it passes, or when an operator releases it. The standby target
-(99th percentile of daily failures per job, ``trainguard.standby``) is shown
+(99th percentile of daily failures per job, ``trainguard.domain.standby``) is shown
 with the pool.
 """
 
@@ -27,7 +27,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 from workflows.job import calls
 
 with workflow.unsafe.imports_passed_through():
-    from trainguard.models import (
+    from trainguard.domain.messages import (
         ALL_FAULTS,
         ClearFaultsInput,
         DiagnosticInput,
@@ -43,7 +43,7 @@ with workflow.unsafe.imports_passed_through():
         ReserveInput,
         ReserveResult,
     )
-    from trainguard.standby import standby_target
+    from trainguard.domain.standby import standby_target
 
 # Continue-as-new well before Temporal's history limits; the state is small.
 MAX_HISTORY_EVENTS = 4000

@@ -66,8 +66,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainguard import runtime as tg
+from trainguard.domain.topology import rank_of
 from trainguard.runtime import Context
-from trainguard.topology import rank_of
 
 SEED = 1234
 VOCAB = 256  # byte-level

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.client import JobHandle
-from trainguard.settings import Settings
-from trainguard.spec import JobSpec, load_spec
+from trainguard.domain.spec import JobSpec, load_spec
+from trainguard.services.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 420.0  # a loaded 2-core CI machine runs the example several times slower

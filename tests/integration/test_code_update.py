@@ -9,7 +9,7 @@ import pytest
 
 from tests.integration.helpers import cli, example_spec, run_to_end, wait_until
 from trainguard.client import BadUpdate, TrainguardClient
-from trainguard.settings import Settings
+from trainguard.services.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("healthy_pool")]
 

@@ -9,7 +9,7 @@ the workflow's policy, diagnosis and recovery all show in the comparison.
 from __future__ import annotations
 
 from bench.crosscheck import crosscheck
-from trainguard.simulate import parse_config
+from trainguard.sim.run import parse_config
 
 
 async def test_workflow_ettr_matches_the_simulator() -> None:

@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 
-from infra.ports import free_port
+from trainguard.agent.ports import free_port
+from trainguard.domain.spec import Topology
+from trainguard.domain.topology import coords
 from trainguard.runtime.env import RankEnv, parse_step_dir
-from trainguard.spec import Topology
-from trainguard.topology import coords
 
 pytestmark = pytest.mark.integration
 

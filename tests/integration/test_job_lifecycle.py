@@ -14,10 +14,10 @@ import pytest
 import yaml
 
 from tests.integration.helpers import JOB_TIMEOUT_S, REPO, cli, example_spec, run_to_end, wait_until
-from trainguard import checkpoints
 from trainguard.client import JobAlreadyRunning, TrainguardClient
-from trainguard.settings import Settings
-from trainguard.storage import S3Store
+from trainguard.domain import checkpoints
+from trainguard.services.settings import Settings
+from trainguard.services.storage import S3Store
 
 pytestmark = pytest.mark.integration
 

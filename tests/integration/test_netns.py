@@ -22,7 +22,7 @@ from infra.local import bring_down, bring_up
 from infra.stack import Stack, StackConfig, client_env
 from tests.integration.helpers import REPO, example_spec, run_to_end, wait_until
 from trainguard.client import TrainguardClient
-from trainguard.settings import Settings
+from trainguard.services.settings import Settings
 
 _REASON = netns.unavailable_reason()
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]

@@ -10,9 +10,9 @@ from temporalio import workflow
 from temporalio.client import Client
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from trainguard.codec import new_key
-from trainguard.settings import Settings
-from trainguard.temporal import connect
+from trainguard.services.codec import new_key
+from trainguard.services.settings import Settings
+from trainguard.services.temporal import connect
 
 pytestmark = pytest.mark.integration
 

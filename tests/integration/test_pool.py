@@ -14,9 +14,9 @@ from temporalio.client import WorkflowUpdateFailedError
 from infra.local import start_agent
 from infra.stack import Stack
 from tests.integration.helpers import REPO
-from trainguard import pool_client
 from trainguard.client import TrainguardClient
-from trainguard.models import EvictInput, PoolConfig, PoolNode, PoolState, ReserveInput
+from trainguard.domain.messages import EvictInput, PoolConfig, PoolNode, PoolState, ReserveInput
+from trainguard.services import pool_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("healthy_pool")]
 

@@ -14,8 +14,8 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from infra.stack import find_binary
-from trainguard import pool_client
-from trainguard.models import CONTROLLER_QUEUE, CheckResult, DiagnosticInput, NodeInfo, PoolState
+from trainguard.domain.messages import CONTROLLER_QUEUE, CheckResult, DiagnosticInput, NodeInfo, PoolState
+from trainguard.services import pool_client
 from workflows.job.calls import self_test
 from workflows.node_pool import SELF_TEST_MISSES, NodePoolWorkflow
 

@@ -10,9 +10,9 @@ import pytest
 
 from infra.stack import SEAWEEDFS, Stack
 from tests.integration.helpers import evicted_after_restart_in_place, example_spec, run_to_end, wait_until
-from trainguard import checkpoints
 from trainguard.client import TrainguardClient
-from trainguard.storage import S3Store
+from trainguard.domain import checkpoints
+from trainguard.services.storage import S3Store
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("healthy_pool")]
 

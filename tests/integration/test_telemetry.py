@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from tests.integration.helpers import example_spec, run_to_end, wait_until
-from trainguard import telemetry
 from trainguard.client import TrainguardClient
+from trainguard.services import telemetry
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("healthy_pool")]
 

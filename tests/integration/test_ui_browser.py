@@ -30,7 +30,7 @@ from infra.local import bring_down, bring_up
 from infra.stack import Stack, StackConfig, client_env
 from tests.integration.helpers import REPO, example_spec, wait_until
 from trainguard.client import TrainguardClient
-from trainguard.settings import Settings
+from trainguard.services.settings import Settings
 
 pytestmark = pytest.mark.integration
 

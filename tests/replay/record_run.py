@@ -11,8 +11,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from bench.private_stack import connect, run_bench
 from infra.local import node_names, restore_pool
+from infra.private_stack import connect, run_bench
 from tests.integration.helpers import REPO, example_spec, run_to_end, wait_until
 from tests.replay.record import export_histories
 

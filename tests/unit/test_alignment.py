@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainguard.analysis.alignment import alignment_minority
+from trainguard.domain.analysis.alignment import alignment_minority
 
 
 def test_one_machine_differs() -> None:

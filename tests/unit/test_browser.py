@@ -22,8 +22,8 @@ from infra.browser import (
     show_workflows,
     workflows_url,
 )
-from infra.ports import LOOPBACK
 from infra.processes import pid_alive
+from trainguard.agent.ports import LOOPBACK
 
 DETAILS = "<p><strong>job-a</strong> — phase <code>running</code>, step 7/80</p>\n\n<p>ETTR 0.5</p>"
 

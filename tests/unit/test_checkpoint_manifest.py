@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainguard.checkpoints import (
+from trainguard.domain.checkpoints import (
     Manifest,
     choose_latest,
     manifest_complete,
@@ -10,7 +10,7 @@ from trainguard.checkpoints import (
     shard_key,
     steps_to_prune,
 )
-from trainguard.models import ShardInfo
+from trainguard.domain.messages import ShardInfo
 
 JP = "checkpoints/job"
 

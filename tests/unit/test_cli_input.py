@@ -15,7 +15,6 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from trainguard import cli
 from trainguard.client import (
     BadFault,
     BadUpdate,
@@ -25,9 +24,10 @@ from trainguard.client import (
     UnknownJob,
     UnknownNode,
 )
-from trainguard.codec import PayloadKeyError
-from trainguard.settings import Settings, SettingsError
-from trainguard.spec import SpecError
+from trainguard.domain.spec import SpecError
+from trainguard.face import cli
+from trainguard.services.codec import PayloadKeyError
+from trainguard.services.settings import Settings, SettingsError
 
 REPO = Path(__file__).resolve().parents[2]
 GOOD: dict[str, Any] = {

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 import pytest
 from pydantic import ValidationError
 
-from trainguard.code_versions import (
+from trainguard.domain.code_versions import (
     CodeEvent,
     CodeRelease,
     CodeUpdate,
@@ -16,7 +16,7 @@ from trainguard.code_versions import (
     first_release,
     spec_for,
 )
-from trainguard.spec import JobSpec, SpecError, first_validation_error, parse_spec
+from trainguard.domain.spec import JobSpec, SpecError, first_validation_error, parse_spec
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 

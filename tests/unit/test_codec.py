@@ -9,9 +9,9 @@ import pytest
 from temporalio.api.common.v1 import Payload
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from trainguard.codec import ENCODING, EncryptionCodec, PayloadKeyError, new_key, parse_key
-from trainguard.job_state import JobInput
-from trainguard.spec import parse_spec
+from trainguard.domain.job_state import JobInput
+from trainguard.domain.spec import parse_spec
+from trainguard.services.codec import ENCODING, EncryptionCodec, PayloadKeyError, new_key, parse_key
 
 SECRET = "hf_TOPSECRET_0123456789"
 

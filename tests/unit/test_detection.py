@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainguard.detection import TrainingMonitor, classify_exit, exit_kind, incident_priority
-from trainguard.spec import DetectionSpec
+from trainguard.domain.detection import TrainingMonitor, classify_exit, exit_kind, incident_priority
+from trainguard.domain.spec import DetectionSpec
 
 SPEC = DetectionSpec(spike_warmup_steps=0, hang_floor_s=2.0, hang_factor=10.0, startup_timeout_s=30.0)
 

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from bench.drill import document, render
-from bench.drill_mix import STANDARD_MIX, DrillFault, Mix, parse_faults, schedule
-from bench.drill_progress import ProgressTrace, corrupt_from, ettr, productive_seconds
-from bench.drill_run import FaultRow, Injected, Observation, Outcome, SystemResult, drive
-from bench.drill_torchrun import Attempt, Launch, RankLogs, TorchrunSide, training_script
-from bench.torchrun_resume import newest_complete_step, set_resume_step
 from tests.integration.helpers import example_spec
+from trainguard.domain.spec import SpecError
+from trainguard.face.drill.drive import FaultRow, Injected, Observation, Outcome, SystemResult, drive
+from trainguard.face.drill.mix import STANDARD_MIX, DrillFault, Mix, parse_faults, schedule
+from trainguard.face.drill.progress import ProgressTrace, corrupt_from, ettr, productive_seconds
+from trainguard.face.drill.torchrun_resume import newest_complete_step, set_resume_step
+from trainguard.face.drill.torchrun_side import Attempt, Launch, RankLogs, TorchrunSide, training_script
 from trainguard.runtime.env import shard_name
-from trainguard.spec import SpecError
 
 # -- the mix --------------------------------------------------------------------------------
 
@@ -246,7 +246,7 @@ def _obs(step: int, training: bool = True, ended: bool = False) -> Observation:
 async def test_faults_come_at_their_step_while_training_and_once_the_last_settled(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("bench.drill_run.POLL_S", 0.0)
+    monkeypatch.setattr("trainguard.face.drill.drive.POLL_S", 0.0)
     mix = Mix(faults=(DrillFault("crash", 3), DrillFault("nan", 5)), target_steps=9, gap_steps=3, seed=0)
     script = [_obs(1), _obs(3, training=False), _obs(4), _obs(5), _obs(6), _obs(7), _obs(9, ended=True)]
     side = _ScriptedSide(script, ready_after=2)
@@ -256,8 +256,8 @@ async def test_faults_come_at_their_step_while_training_and_once_the_last_settle
 
 
 async def test_a_silent_system_is_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("bench.drill_run.POLL_S", 0.0)
-    monkeypatch.setattr("bench.drill_run.SILENCE_LIMIT_S", 0.05)
+    monkeypatch.setattr("trainguard.face.drill.drive.POLL_S", 0.0)
+    monkeypatch.setattr("trainguard.face.drill.drive.SILENCE_LIMIT_S", 0.05)
     side = _ScriptedSide([_obs(1), None])
     mix = schedule(["crash"], gap_steps=20)
     result = await drive(side, mix, timeout_s=60, log=lambda _: None)
@@ -267,7 +267,7 @@ async def test_a_silent_system_is_given_up(monkeypatch: pytest.MonkeyPatch) -> N
 async def test_progress_reports_each_observation_with_the_faults_injected(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("bench.drill_run.POLL_S", 0.0)
+    monkeypatch.setattr("trainguard.face.drill.drive.POLL_S", 0.0)
     mix = Mix(faults=(DrillFault("crash", 2),), target_steps=5, gap_steps=2, seed=0)
     side = _ScriptedSide([_obs(1), _obs(2), _obs(3), _obs(5, ended=True)])
     seen: list[tuple[str, int, int, int, int]] = []

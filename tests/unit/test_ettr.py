@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from trainguard import ettr
+from trainguard.domain import ettr
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -15,7 +15,7 @@ import pynvml
 import pytest
 
 from tests.unit.fake_pynvml import FakeGpu, FakeNvml
-from trainguard.detection import classify_exit, exit_kind
+from trainguard.domain.detection import classify_exit, exit_kind
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench" / "gpu_check.py"

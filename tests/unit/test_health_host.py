@@ -8,8 +8,8 @@ import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from trainguard.health.events import HealthEvent
-from trainguard.health.host import HostProbe, parse_kmsg_line, pid_state
+from trainguard.agent.health.events import HealthEvent
+from trainguard.agent.health.host import HostProbe, parse_kmsg_line, pid_state
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 

@@ -12,9 +12,9 @@ import pytest
 
 from activities import drills
 from activities.drills import DrillActivities, DrillProbe, DrillState, LinkControl
-from trainguard.health.events import HealthEvent
-from trainguard.health.link import LinkProbe
-from trainguard.models import ClearFaultsInput, InjectInput
+from trainguard.agent.health.events import HealthEvent
+from trainguard.agent.health.link import LinkProbe
+from trainguard.domain.messages import ClearFaultsInput, InjectInput
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from trainguard.health.network import NetworkProbe, connect_all, flaps_exceed
+from trainguard.agent.health.network import NetworkProbe, connect_all, flaps_exceed
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 

@@ -10,8 +10,8 @@ import pynvml
 import pytest
 
 from tests.unit.fake_pynvml import FakeGpu, FakeNvml
-from trainguard.health.events import HealthEvent
-from trainguard.health.nvml import XID_CLASSES, XID_DEFAULT, NvmlProbe, classify_xid, pci_key
+from trainguard.agent.health.events import HealthEvent
+from trainguard.agent.health.nvml import XID_CLASSES, XID_DEFAULT, NvmlProbe, classify_xid, pci_key
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from trainguard.checkpoints import is_memory, memory_restore_point
-from trainguard.models import ShardInfo
+from trainguard.domain.checkpoints import is_memory, memory_restore_point
+from trainguard.domain.messages import ShardInfo
 
 
 def snap(ranks: list[int], *steps: int) -> list[ShardInfo]:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from infra import netns
-from infra.ports import free_port
 from infra.relay import parse_pair, serve
+from trainguard.agent.ports import free_port
 
 
 @pytest.fixture(autouse=True)

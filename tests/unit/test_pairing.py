@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainguard.analysis.pairing import PairResult, first_round, second_round, verdict
+from trainguard.domain.analysis.pairing import PairResult, first_round, second_round, verdict
 
 M = [f"m{i}" for i in range(6)]
 

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from trainguard.placement import backup_load, backup_machine, backup_plan
-from trainguard.spec import Topology
-from trainguard.topology import GroupKind, group_of, machines_of, place_ranks
+from trainguard.domain.placement import backup_load, backup_machine, backup_plan
+from trainguard.domain.spec import Topology
+from trainguard.domain.topology import GroupKind, group_of, machines_of, place_ranks
 
 # (tp, pp, dp, ranks per machine)
 WITH_OUTSIDE_MACHINES = [

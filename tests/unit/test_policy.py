@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from trainguard.analysis.replay import replay_grid
-from trainguard.policy import (
+from trainguard.domain.analysis.replay import replay_grid
+from trainguard.domain.policy import (
     Decision,
     IncidentFacts,
     IncidentRecord,

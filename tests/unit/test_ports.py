@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from infra import ports as ports_module
-from infra.ports import (
+from trainguard.agent import ports as ports_module
+from trainguard.agent.ports import (
     GRPC_TWIN_OFFSET,
     LOOPBACK,
     QUIET_PORTS_FROM,

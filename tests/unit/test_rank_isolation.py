@@ -12,9 +12,9 @@ import pytest
 
 from activities.rank_session import RankSession, resolve_argv
 from activities.warm_pool import WarmPool
-from trainguard.models import Endpoint, NodeInfo, RunRanksInput
+from trainguard.domain.messages import Endpoint, NodeInfo, RunRanksInput
+from trainguard.domain.spec import parse_spec
 from trainguard.runtime.env import inheritable_environ
-from trainguard.spec import parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("trainguard", "activities", "workers", "workflows", "infra", "bench", "examples")

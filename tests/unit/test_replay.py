@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.analysis.replay import replay_culprit, replay_grid
+from trainguard.domain.analysis.replay import replay_culprit, replay_grid
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,10 @@ the tie rule each caller needs."""
 
 from __future__ import annotations
 
-from trainguard.analysis.alignment import majority_vote
-from trainguard.detection import SlowStreak, fail_slow_round, replica_mismatch
-from trainguard.spec import Topology
-from trainguard.topology import place_ranks
+from trainguard.domain.analysis.alignment import majority_vote
+from trainguard.domain.detection import SlowStreak, fail_slow_round, replica_mismatch
+from trainguard.domain.spec import Topology
+from trainguard.domain.topology import place_ranks
 
 
 def test_a_tie_blames_everyone_or_no_one_as_asked() -> None:

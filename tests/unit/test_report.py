@@ -15,11 +15,12 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from trainguard import cli, ettr, progress_series, report
 from trainguard.client import UnknownJob
-from trainguard.job_state import Incident, JobState, status_json
-from trainguard.progress_series import ProgressSeries
-from trainguard.spec import parse_spec
+from trainguard.domain import ettr, progress_series
+from trainguard.domain.job_state import Incident, JobState, status_json
+from trainguard.domain.progress_series import ProgressSeries
+from trainguard.domain.spec import parse_spec
+from trainguard.face import cli, report
 
 T0 = datetime(2026, 11, 22, 8, 0, tzinfo=UTC)
 STEP_S = 2.0

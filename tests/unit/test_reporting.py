@@ -9,8 +9,8 @@ from typing import Any
 
 from activities import rank_session
 from activities.rank_session import RankSession
-from trainguard.reporting import report_interval
-from trainguard.spec import DetectionSpec
+from trainguard.domain.report_interval import report_interval
+from trainguard.domain.spec import DetectionSpec
 
 
 def test_without_a_peer_interval_every_machine_reports_at_the_progress_rate() -> None:

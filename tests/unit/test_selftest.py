@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainguard import selftest
+from trainguard.agent import selftest
 
 
 def test_matmul_matches_its_exact_reference() -> None:

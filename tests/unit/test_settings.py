@@ -9,9 +9,9 @@ import pytest
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import TLSConfig
 
-from trainguard.codec import EncryptionCodec, new_key
-from trainguard.settings import Settings, SettingsError
-from trainguard.temporal import connect_kwargs
+from trainguard.services.codec import EncryptionCodec, new_key
+from trainguard.services.settings import Settings, SettingsError
+from trainguard.services.temporal import connect_kwargs
 
 API_KEY = "tmprl_APIKEY_abcdef0123456789"
 S3_SECRET = "s3-SECRET-abcdef0123456789"

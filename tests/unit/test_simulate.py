@@ -10,15 +10,15 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from trainguard import cli
-from trainguard.ettr import BUCKETS
+from trainguard.domain.ettr import BUCKETS
+from trainguard.domain.spec import SpecError
+from trainguard.face import cli
 from trainguard.sim.config import SimConfig, load_config, parse_config
 from trainguard.sim.fleet import Defect, Fleet
 from trainguard.sim.guarded import TrainguardJob
 from trainguard.sim.pool import StandbyPool
+from trainguard.sim.run import Fault, Trace, generate_trace, run_policy, simulate, simulate_trace
 from trainguard.sim.trace import DAY_S, rate_per_day
-from trainguard.simulate import Fault, Trace, generate_trace, run_policy, simulate, simulate_trace
-from trainguard.spec import SpecError
 
 # Round numbers so that expected times can be written down exactly.
 EXACT = {

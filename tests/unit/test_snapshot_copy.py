@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 import torch
 
+from trainguard.domain.spec import Topology
 from trainguard.runtime import shardfile
 from trainguard.runtime.context import Context
 from trainguard.runtime.env import RankEnv
 from trainguard.runtime.shardfile import load_shard
 from trainguard.runtime.state import SnapshotBuffers, detached_copy, param_hash, rng_state
 from trainguard.runtime.tracked import TrackedState
-from trainguard.spec import Topology
 
 
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

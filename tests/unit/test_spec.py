@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from trainguard.spec import JobSpec, SpecError, load_spec, parse_spec
+from trainguard.domain.spec import JobSpec, SpecError, load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.analysis.stacks import (
+from trainguard.domain.analysis.stacks import (
     FailSlowTracker,
     StackGroup,
     culprit_group,
@@ -17,8 +17,8 @@ from trainguard.analysis.stacks import (
     normalize_stack,
     step_time_outliers,
 )
-from trainguard.spec import Topology
-from trainguard.topology import coords, machines_of, place_ranks
+from trainguard.domain.spec import Topology
+from trainguard.domain.topology import coords, machines_of, place_ranks
 
 
 def _pyspy(rank: int, *calls: str) -> list[str]:

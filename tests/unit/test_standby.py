@@ -9,7 +9,7 @@ from fractions import Fraction
 
 import pytest
 
-from trainguard.standby import DEFAULT_DAILY_FAILURE_RATE, binomial_p99, pool_deficit, standby_target
+from trainguard.domain.standby import DEFAULT_DAILY_FAILURE_RATE, binomial_p99, pool_deficit, standby_target
 
 PAPER = {128: 2, 256: 2, 512: 3, 1024: 4}
 # Edges of the rate interval that reproduces PAPER, found by bisection (see standby.py).

@@ -8,8 +8,8 @@ from typing import Any
 
 from activities.ranks import STOPPED_KEPT, RankActivities
 from activities.stacks import StackActivities
-from trainguard.models import Endpoint, NodeInfo, RunRanksInput, StopRanksInput
-from trainguard.spec import parse_spec
+from trainguard.domain.messages import Endpoint, NodeInfo, RunRanksInput, StopRanksInput
+from trainguard.domain.spec import parse_spec
 
 
 def _agent(tmp_path: Path) -> RankActivities:

@@ -20,10 +20,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from activities.telemetry import TelemetryActivities
-from trainguard import incident_trace, telemetry
-from trainguard.job_state import Incident, IncidentTelemetryInput
-from trainguard.models import JobGauges
-from trainguard.settings import Settings
+from trainguard.domain.job_state import Incident, IncidentTelemetryInput
+from trainguard.domain.messages import JobGauges
+from trainguard.services import incident_trace, telemetry
+from trainguard.services.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
@@ -405,7 +405,7 @@ def test_setup_installs_providers_once_per_process(tmp_path: Path) -> None:
 from pathlib import Path
 from opentelemetry import trace
 from trainguard import telemetry
-from trainguard.settings import Settings
+from trainguard.services.settings import Settings
 first = telemetry.setup(Settings(state_dir=Path({str(tmp_path)!r})), "first", environ={{}})
 again = telemetry.setup(Settings(state_dir=Path({str(tmp_path / "other")!r})), "second", environ={{}})
 tracer = trace.get_tracer("t")
@@ -433,7 +433,7 @@ async def test_every_client_carries_the_tracing_interceptor(monkeypatch: pytest.
     from temporalio.client import Client
     from temporalio.contrib.opentelemetry import TracingInterceptor
 
-    from trainguard import temporal
+    from trainguard.services import temporal
 
     seen: dict[str, Any] = {}
 

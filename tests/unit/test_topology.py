@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.spec import Topology
-from trainguard.topology import all_groups, coords, group_of, machines_of, place_ranks, rank_of, ranks_on
+from trainguard.domain.spec import Topology
+from trainguard.domain.topology import (
+    all_groups,
+    coords,
+    group_of,
+    machines_of,
+    place_ranks,
+    rank_of,
+    ranks_on,
+)
 
 
 def test_example_layout_puts_one_pipeline_per_machine() -> None:

@@ -1,7 +1,7 @@
 """Peer backups of memory snapshots, over the job's own process group.
 
 After each snapshot every rank sends its shard to its backup rank, a rank on a
-machine outside the sender's TP, PP and DP groups (``trainguard.placement``),
+machine outside the sender's TP, PP and DP groups (``trainguard.domain.placement``),
 and receives the shards of the ranks it backs up. The copies travel over the
 training fabric (gloo or NCCL point-to-point): no port is opened. When a
 machine is evicted, the ranks that replace it receive their shards back the
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainguard.placement import backup_plan
-from trainguard.spec import Topology
+from trainguard.domain.placement import backup_plan
+from trainguard.domain.spec import Topology
 
 
 def backup_ranks(topo: Topology, local_world: int) -> dict[int, int]:

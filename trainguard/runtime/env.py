@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict
 
-from trainguard.spec import Topology
+from trainguard.domain.spec import Topology
 
 REPORT_FD = "TG_REPORT_FD"
 # What a node agent holds that no rank may see: its S3 and Temporal credentials, the payload

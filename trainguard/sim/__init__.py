@@ -1,4 +1,4 @@
-"""The scale simulator's parts; :mod:`trainguard.simulate` puts them together.
+"""The scale simulator's parts; :mod:`trainguard.sim.run` puts them together.
 
 - ``config``: the failure mix and stage durations, with their sources.
 - ``trace``: the failure trace, drawn once and replayed under every policy.

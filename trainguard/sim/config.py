@@ -29,9 +29,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from trainguard.code_versions import DEFAULT_LAZY_WINDOW_S
-from trainguard.models import PoolConfig
-from trainguard.spec import CheckpointSpec, DetectionSpec, SpecError, first_validation_error
+from trainguard.domain.code_versions import DEFAULT_LAZY_WINDOW_S
+from trainguard.domain.messages import PoolConfig
+from trainguard.domain.spec import CheckpointSpec, DetectionSpec, SpecError, first_validation_error
 
 Cause = Literal["machine", "transient", "code", "update"]
 
@@ -120,7 +120,7 @@ def _cat(share: float, *variants: FaultVariant) -> FaultCategory:
 
 # ByteRobust Table 1 (percent of 55,365 incidents over 3 months). Variant splits: see the module doc.
 DEFAULT_CATEGORIES: dict[str, FaultCategory] = {
-    # CUDA errors. Most come with an Xid the kernel-log inspection reads in 2 s (trainguard.health.nvml:
+    # CUDA errors. Most come with an Xid the kernel-log inspection reads in 2 s (trainguard.agent.health.nvml:
     # critical Xids are confidence 1.0, evicted without tests); the rest surface as a rank's CUDA error.
     # Illegal memory access root causes on >2,000-GPU jobs: 41 user code vs 21 infrastructure.
     "cuda-error": _cat(
@@ -249,7 +249,7 @@ class SimConfig(_Frozen):
     # ByteRobust: per-step in-memory checkpoints cost 0.71% of throughput (0.01-0.04 s blocking per step).
     # Ours block the same way, only for the copy (trainguard.runtime.context: the rest runs on a thread).
     snapshot_cost_fraction: float = Field(0.0071, ge=0, lt=1)
-    # A lazy code update waits for the next recovery, at most this long (trainguard.code_versions).
+    # A lazy code update waits for the next recovery, at most this long (trainguard.domain.code_versions).
     lazy_window_s: float = Field(DEFAULT_LAZY_WINDOW_S, gt=0)
 
     # -- trainguard's stages --------------------------------------------------------------------------
@@ -284,7 +284,7 @@ class SimConfig(_Frozen):
     # assumed: how often the replay reproduces a machine defect that the checks missed.
     replay_find: float = Field(0.9, ge=0, le=1)
 
-    # -- the standby pool (trainguard.standby, workflows/node_pool.py) -------------------------------
+    # -- the standby pool (trainguard.domain.standby, workflows/node_pool.py) -------------------------------
     daily_failure_rate: float = Field(PoolConfig().daily_failure_rate, ge=0, le=1)
     min_standby: int = Field(PoolConfig().min_standby, ge=0, le=100_000)
     retest_s: float = Field(PoolConfig().retest_s, gt=0)

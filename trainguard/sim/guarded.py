@@ -1,14 +1,14 @@
 """The job under trainguard: the workflow's incident handling, step by step, in simulated time.
 
 Follows ``workflows.job.recovery.Recovery.recover``: detection, stopping the ranks (and
-for a hang, taking every rank's stack), :func:`trainguard.policy.decide`, the
+for a hang, taking every rank's stack), :func:`trainguard.domain.policy.decide`, the
 diagnosis it asks for ending in the matching ``outcome_after_*`` decision,
-:func:`~trainguard.policy.record_incident`, then acting: evict through the pool
+:func:`~trainguard.domain.policy.record_incident`, then acting: evict through the pool
 (all or nothing; when the pool is short the job restarts on the same machines,
 as the workflow does), reattempt, roll back, or stop with a verdict (a person
 then resubmits). Restarts restore the per-step memory snapshot (a peer's backup
 for an evicted machine); a resubmitted job restores the last S3 checkpoint.
-Progress after a restart calls :func:`~trainguard.policy.mark_progress`, as the
+Progress after a restart calls :func:`~trainguard.domain.policy.mark_progress`, as the
 workflow's progress handling does. Code updates are hot updates: urgent ones
 restart in place at once, lazy ones wait for the next recovery or their window.
 
@@ -21,9 +21,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from trainguard.analysis.replay import replay_grid
-from trainguard.analysis.stacks import localize_hang
-from trainguard.policy import (
+from trainguard.domain.analysis.replay import replay_grid
+from trainguard.domain.analysis.stacks import localize_hang
+from trainguard.domain.policy import (
     CodeVersion,
     Decision,
     IncidentFacts,
@@ -39,12 +39,12 @@ from trainguard.policy import (
     record_incident,
     start_over,
 )
+from trainguard.domain.spec import Topology
+from trainguard.domain.topology import place_ranks
 from trainguard.sim.config import FaultVariant, SimConfig
 from trainguard.sim.job import JobSim, Occurrence
 from trainguard.sim.pool import StandbyPool, pool_target
 from trainguard.sim.trace import Trace, draw
-from trainguard.spec import Topology
-from trainguard.topology import place_ranks
 
 
 def job_topology(machines: int, gpus_per_machine: int, max_stages: int) -> Topology:

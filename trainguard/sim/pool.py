@@ -6,7 +6,7 @@ quarantines the machine, which re-runs its self-test every ``retest_s`` and
 returns to standby when it passes; a machine evicted only as part of a group
 (stack aggregation's over-eviction) is a suspect that returns once one self-test
 passes. The target is the pool's own: the 99th percentile of daily failures
-(:func:`trainguard.standby.standby_target`), at least ``min_standby``.
+(:func:`trainguard.domain.standby.standby_target`), at least ``min_standby``.
 
 The pool workflow does not provision machines; a cluster's autoscaler or its
 operators do. Here that is a refill: whenever standbys plus machines on their way
@@ -21,9 +21,9 @@ import bisect
 import heapq
 import itertools
 
+from trainguard.domain.standby import pool_deficit, standby_target
 from trainguard.sim.config import SimConfig
 from trainguard.sim.fleet import Fleet
-from trainguard.standby import pool_deficit, standby_target
 
 
 def pool_target(machines_in_use: int, cfg: SimConfig) -> int:

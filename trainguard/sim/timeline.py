@@ -1,6 +1,6 @@
 """Where every simulated second of one job goes: training, or one badput bucket.
 
-Progress is kept in the workflow's own ETTR ledger (:mod:`trainguard.ettr`):
+Progress is kept in the workflow's own ETTR ledger (:mod:`trainguard.domain.ettr`):
 steps past the high-water mark are productive, steps done again after a restore
 are ``recompute``, and checkpoint blocking inside steps is moved to
 ``checkpoint``. Every other second is spent explicitly in a bucket, so productive
@@ -14,7 +14,7 @@ import itertools
 import math
 from datetime import UTC, datetime, timedelta
 
-from trainguard import ettr
+from trainguard.domain import ettr
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 HOUR_S = 3600.0

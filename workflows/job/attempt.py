@@ -26,17 +26,17 @@ from workflows.job.progress import Progress, apply_version
 from workflows.job.visibility import Visibility
 
 with workflow.unsafe.imports_passed_through():
-    from trainguard import checkpoints
-    from trainguard.code_versions import spec_for
-    from trainguard.job_state import CheckpointStatus, JobInput, JobState, RunningAttempt
-    from trainguard.models import (
+    from trainguard.domain import checkpoints
+    from trainguard.domain.code_versions import spec_for
+    from trainguard.domain.job_state import CheckpointStatus, JobInput, JobState, RunningAttempt
+    from trainguard.domain.messages import (
         CheckpointRef,
         LatestCheckpointInput,
         PortInput,
         RunRanksInput,
         RunRanksResult,
     )
-    from trainguard.topology import ranks_on
+    from trainguard.domain.topology import ranks_on
 
 # How long a live agent may take to pick up the re-attach (it polls its queue all the time, but
 # after a server outage its pollers retry on a backoff of up to 10 s), and how often one

@@ -22,8 +22,8 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from trainguard.job_state import IncidentTelemetryInput
-    from trainguard.models import (
+    from trainguard.domain.job_state import IncidentTelemetryInput
+    from trainguard.domain.messages import (
         CONTROLLER_QUEUE,
         CheckpointRef,
         CheckResult,

@@ -1,5 +1,5 @@
 """Diagnosis: the checks a decision asks for, run on the job's machines, and the decision their
-result leads to (``trainguard.policy.outcome_after_*``): stop-time checks (self-test,
+result leads to (``trainguard.domain.policy.outcome_after_*``): stop-time checks (self-test,
 intra-machine collective, pairwise rounds), stack aggregation, the alignment test and
 dual-phase replay."""
 
@@ -16,12 +16,12 @@ from workflows.job.attempt import latest_checkpoint
 from workflows.job.outcome import AttemptOutcome, stop_request
 
 with workflow.unsafe.imports_passed_through():
-    from trainguard import checkpoints
-    from trainguard.analysis import pairing
-    from trainguard.analysis.replay import replay_grid
-    from trainguard.code_versions import spec_for
-    from trainguard.job_state import JobInput, JobState
-    from trainguard.models import (
+    from trainguard.domain import checkpoints
+    from trainguard.domain.analysis import pairing
+    from trainguard.domain.analysis.replay import replay_grid
+    from trainguard.domain.code_versions import spec_for
+    from trainguard.domain.job_state import JobInput, JobState
+    from trainguard.domain.messages import (
         CheckpointRef,
         CheckResult,
         DiagnosticInput,
@@ -31,14 +31,14 @@ with workflow.unsafe.imports_passed_through():
         RunRanksInput,
         RunRanksResult,
     )
-    from trainguard.policy import (
+    from trainguard.domain.policy import (
         Decision,
         outcome_after_alignment,
         outcome_after_checks,
         outcome_after_replay,
         outcome_after_stacks,
     )
-    from trainguard.topology import ranks_on
+    from trainguard.domain.topology import ranks_on
 
 
 async def rendezvous_port(

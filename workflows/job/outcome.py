@@ -16,10 +16,10 @@ from workflows.job.visibility import Visibility
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
 
-    from trainguard import checkpoints
-    from trainguard.detection import incident_priority
-    from trainguard.job_state import JobState
-    from trainguard.models import (
+    from trainguard.domain import checkpoints
+    from trainguard.domain.detection import incident_priority
+    from trainguard.domain.job_state import JobState
+    from trainguard.domain.messages import (
         IncidentReport,
         LocalizeStacksInput,
         RunRanksResult,

@@ -2,7 +2,7 @@
 
 Steps and the ETTR ledger, memory snapshots and peer backups, checkpoint shards (committed
 once every rank's arrived), checkpoint blocking time, and the two detections that need every
-machine's reports at once (replica mismatch, fail-slow; decided by ``trainguard.detection``).
+machine's reports at once (replica mismatch, fail-slow; decided by ``trainguard.domain.detection``).
 """
 
 from __future__ import annotations
@@ -16,19 +16,19 @@ from workflows.job import calls
 from workflows.job.visibility import Visibility
 
 with workflow.unsafe.imports_passed_through():
-    from trainguard import ettr, progress_series
-    from trainguard.code_versions import CodeEvent
-    from trainguard.detection import SlowStreak, fail_slow_round, replica_mismatch
-    from trainguard.job_state import CheckpointStatus, JobState
-    from trainguard.models import (
+    from trainguard.domain import ettr, progress_series
+    from trainguard.domain.code_versions import CodeEvent
+    from trainguard.domain.detection import SlowStreak, fail_slow_round, replica_mismatch
+    from trainguard.domain.job_state import CheckpointStatus, JobState
+    from trainguard.domain.messages import (
         CheckpointRef,
         CommitCheckpointInput,
         IncidentReport,
         ProgressReport,
         RunRanksResult,
     )
-    from trainguard.policy import apply_code_version, mark_progress
-    from trainguard.topology import place_ranks
+    from trainguard.domain.policy import apply_code_version, mark_progress
+    from trainguard.domain.topology import place_ranks
 
 
 def apply_version(s: JobState, event: CodeEvent) -> None:

@@ -1,6 +1,6 @@
 """Recovery: from a failed attempt's outcome to what the job does next.
 
-Record the incident, climb the decision ladder (``trainguard.policy``): evict a machine surely
+Record the incident, climb the decision ladder (``trainguard.domain.policy``): evict a machine surely
 at fault, or diagnose (stop-time checks, stacks, the alignment test, replay) and act on the
 result, or reattempt; stop with a verdict when recoveries stop making progress. Returns the
 verdict when the job must stop; the workflow ends the job.
@@ -19,11 +19,11 @@ from workflows.job.progress import Progress, apply_version
 from workflows.job.visibility import Visibility
 
 with workflow.unsafe.imports_passed_through():
-    from trainguard import checkpoints, ettr
-    from trainguard.code_versions import CodeEvent
-    from trainguard.job_state import Incident, JobInput, JobState, RunningAttempt
-    from trainguard.models import EvictInput, IncidentReport
-    from trainguard.policy import PolicyConfig, decide, record_incident
+    from trainguard.domain import checkpoints, ettr
+    from trainguard.domain.code_versions import CodeEvent
+    from trainguard.domain.job_state import Incident, JobInput, JobState, RunningAttempt
+    from trainguard.domain.messages import EvictInput, IncidentReport
+    from trainguard.domain.policy import PolicyConfig, decide, record_incident
 
 
 def suspects(primary: IncidentReport, others: list[IncidentReport]) -> list[str]:

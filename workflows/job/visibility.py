@@ -12,9 +12,9 @@ from temporalio.common import SearchAttributeKey
 from workflows.job import calls, patches
 
 with workflow.unsafe.imports_passed_through():
-    from trainguard import ettr
-    from trainguard.job_state import Incident, IncidentTelemetryInput, JobInput, JobState, Phase
-    from trainguard.models import JobGauges
+    from trainguard.domain import ettr
+    from trainguard.domain.job_state import Incident, IncidentTelemetryInput, JobInput, JobState, Phase
+    from trainguard.domain.messages import JobGauges
 
 SA_PHASE = SearchAttributeKey.for_keyword("TgPhase")
 SA_STEP = SearchAttributeKey.for_int("TgStep")

@@ -27,8 +27,8 @@ from workflows.job.recovery import Recovery
 from workflows.job.visibility import Visibility
 
 with workflow.unsafe.imports_passed_through():
-    from trainguard import ettr
-    from trainguard.code_versions import (
+    from trainguard.domain import ettr
+    from trainguard.domain.code_versions import (
         CodeEvent,
         CodeRelease,
         CodeUpdate,
@@ -36,7 +36,7 @@ with workflow.unsafe.imports_passed_through():
         check_update,
         first_release,
     )
-    from trainguard.job_state import (
+    from trainguard.domain.job_state import (
         TERMINAL,
         JobInput,
         JobResult,
@@ -45,9 +45,15 @@ with workflow.unsafe.imports_passed_through():
         combined_param_hash,
         status_json,
     )
-    from trainguard.models import InjectResult, ProgressReport, ReleaseInput, ReserveInput, RunRanksResult
-    from trainguard.policy import CodeVersion, JobHistory
-    from trainguard.spec import SpecError
+    from trainguard.domain.messages import (
+        InjectResult,
+        ProgressReport,
+        ReleaseInput,
+        ReserveInput,
+        RunRanksResult,
+    )
+    from trainguard.domain.policy import CodeVersion, JobHistory
+    from trainguard.domain.spec import SpecError
 
 
 @workflow.defn

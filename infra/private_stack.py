@@ -1,0 +1,60 @@
+"""A private local stack for a benchmark: free ports, its own state dir, always torn down."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from infra.local import bring_down, bring_up  # noqa: E402
+from infra.stack import Stack, StackConfig, client_env  # noqa: E402
+from trainguard.client import TrainguardClient  # noqa: E402
+from trainguard.face.cli import exit_now  # noqa: E402
+from trainguard.services.settings import Settings  # noqa: E402
+
+Bench = Callable[[Path, Callable[[str], None]], Coroutine[Any, Any, dict[str, Any]]]
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def choose(field: str, value: str, known: Sequence[str]) -> list[str]:
+    """The comma-separated names of ``value``; exit 2 naming ``field`` if one is unknown."""
+    names = [n for n in value.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        print(f"error: {field}: unknown {unknown} (one of {', '.join(known)})", file=sys.stderr)
+        exit_now(2)
+    return names
+
+
+async def connect(state_dir: Path) -> TrainguardClient:
+    """A client of the private stack in ``state_dir``."""
+    cfg = Stack.load(state_dir).config
+    return await TrainguardClient.connect(Settings.from_mapping(client_env(cfg), state_dir))
+
+
+def run_bench(
+    prefix: str, nodes: int, bench: Bench, warm_ranks: int = 0, controllers: int = 1
+) -> dict[str, Any]:
+    """Bring up ``nodes`` machines (each keeping ``warm_ranks`` warm rank processes) and
+    ``controllers`` controller workers, run ``bench(state_dir, log)``, tear down; adds ``wall_s``."""
+    t0 = time.monotonic()
+    state_dir = Path(tempfile.mkdtemp(prefix=prefix))
+    config = StackConfig.for_tests(state_dir).model_copy(update={"warm_ranks": warm_ranks})
+    try:
+        bring_up(state_dir, nodes=nodes, config=config, code_dir=REPO, controllers=controllers)
+        result = asyncio.run(bench(state_dir, log))
+    finally:
+        bring_down(state_dir)
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    return result

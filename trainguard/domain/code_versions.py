@@ -1,0 +1,146 @@
+"""Code versions of a job: what each one runs, and who applied it when and why.
+
+A code version is a name (``v2``, a commit, an image tag) plus what the ranks
+run for it: the entrypoint (``{code_version}`` in an argument is replaced by the
+name, e.g. ``/opt/releases/{code_version}/train.py``) and environment overrides
+on top of the spec's ``env``. Versions are immutable once known: re-applying a
+known name switches back to exactly what it ran before.
+
+A hot update (``trainguard update JOB --code-version V``) is urgent (stop and
+resume at once on the same machines) or lazy (applied at the next recovery,
+forced once ``window_s`` has passed). The decision ladder's rollback goes
+through the same path. Pure functions; the workflow keeps the state.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trainguard.domain.spec import (
+    MAX_ARGS,
+    MAX_ENV_ENTRIES,
+    JobSpec,
+    SpecError,
+    check_argv,
+    check_env,
+    parse_spec,
+)
+
+VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+PLACEHOLDER = "{code_version}"
+DEFAULT_LAZY_WINDOW_S = 24 * 3600.0
+
+# How a version became current.
+How = Literal["submitted", "urgent", "lazy", "forced", "rollback"]
+
+
+class CodeUpdate(BaseModel):
+    """A request to change the job's code version (the ``update_code`` workflow update).
+
+    Its entrypoint and env obey the spec's rules, so a bad request is refused where it is
+    made, before anything is sent.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    version: str = Field(pattern=VERSION_PATTERN)
+    urgent: bool = False
+    # Entrypoint for this version; None keeps the submitted one (with its placeholder).
+    entrypoint: list[str] | None = Field(None, min_length=1, max_length=MAX_ARGS)
+    # Overrides on top of the spec's env for this version.
+    env: dict[str, str] = Field(default_factory=dict, max_length=MAX_ENV_ENTRIES)
+    who: str = Field("", max_length=200)
+    why: str = Field("", max_length=2000)
+    # Lazy: apply at the next recovery, or at the latest after this many seconds.
+    window_s: float = Field(DEFAULT_LAZY_WINDOW_S, gt=0, le=365 * 86400)
+
+    @model_validator(mode="after")
+    def _check(self) -> CodeUpdate:
+        if self.entrypoint is not None:
+            check_argv(self.entrypoint)
+        check_env(self.env)
+        return self
+
+
+class CodeRelease(BaseModel):
+    """What one version runs."""
+
+    model_config = ConfigDict(frozen=True)
+
+    version: str
+    entrypoint: list[str]
+    env: dict[str, str] = {}
+
+
+class CodeEvent(BaseModel):
+    """One change of the current version: the version history shown in status."""
+
+    model_config = ConfigDict(frozen=True)
+
+    version: str
+    how: How
+    who: str = ""
+    why: str = ""
+    requested_at: datetime
+    applied_at: datetime | None = None
+
+
+class PendingUpdate(BaseModel):
+    """A lazy update waiting for the next recovery (or its deadline)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    event: CodeEvent
+    deadline: datetime
+
+
+def first_release(spec: JobSpec) -> CodeRelease:
+    return CodeRelease(version=spec.code_version, entrypoint=list(spec.entrypoint))
+
+
+def spec_for(spec: JobSpec, release: CodeRelease) -> JobSpec:
+    """The spec the ranks run under ``release``: its entrypoint (placeholder filled) and env."""
+    argv = [a.replace(PLACEHOLDER, release.version) for a in release.entrypoint]
+    return spec.model_copy(
+        update={"entrypoint": argv, "env": {**spec.env, **release.env}, "code_version": release.version}
+    )
+
+
+def check_update(
+    spec: JobSpec,
+    releases: dict[str, CodeRelease],
+    current: str,
+    pending: PendingUpdate | None,
+    req: CodeUpdate,
+) -> CodeRelease:
+    """The release ``req`` asks for, or SpecError naming the field that makes it unusable."""
+    known = releases.get(req.version)
+    if known is None:
+        release = CodeRelease(
+            version=req.version,
+            entrypoint=list(req.entrypoint if req.entrypoint is not None else releases[current].entrypoint),
+            env=dict(req.env),
+        )
+    else:
+        same_argv = req.entrypoint is None or list(req.entrypoint) == known.entrypoint
+        if not same_argv or (req.env and req.env != known.env):
+            raise SpecError(
+                "version",
+                f"{req.version} already exists with a different entrypoint or env; "
+                "versions are immutable, choose a new name",
+            )
+        release = known
+    if req.version == current:
+        raise SpecError("version", f"{req.version} is already the current code version")
+    if pending is not None and pending.event.version == req.version and not req.urgent:
+        raise SpecError("version", f"{req.version} is already waiting to be applied")
+    # The result must be a spec that could have been submitted: same rules for argv and env.
+    parse_spec(spec_for(spec, release).model_dump(mode="json"))
+    return release
+
+
+def deadline(now: datetime, req: CodeUpdate) -> datetime:
+    return now + timedelta(seconds=req.window_s)

@@ -1,0 +1,302 @@
+"""Everything a TrainingJobWorkflow remembers, and the status JSON built from it.
+
+The state is one model so continue-as-new carries it whole. ``status_json`` is
+the shape promised in CONTRACT.md; the CLI, the SDK and the UI all read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from trainguard.domain import ettr
+from trainguard.domain.code_versions import CodeEvent, CodeRelease, PendingUpdate
+from trainguard.domain.messages import (
+    CheckpointRef,
+    Endpoint,
+    IncidentReport,
+    InjectResult,
+    JobGauges,
+    NodeInfo,
+    ShardInfo,
+)
+from trainguard.domain.policy import Decision, IncidentFacts, JobHistory
+from trainguard.domain.progress_series import ProgressSeries
+from trainguard.domain.spec import JobSpec
+
+Phase = Literal[
+    "pending", "running", "detecting", "diagnosing", "recovering", "completed", "failed", "stopped"
+]
+TERMINAL: tuple[Phase, ...] = ("completed", "failed", "stopped")
+
+
+class Incident(BaseModel):
+    id: str
+    kind: str
+    detected_at: datetime
+    fault_at: datetime | None = None
+    detection_s: float | None = None
+    # Detection to the final decision (diagnosis included).
+    decision_s: float | None = None
+    # When the policy took its first decision (the control plane's reaction time ends here).
+    decided_at: datetime | None = None
+    suspects: list[str] = []
+    evicted: list[str] = []
+    # When the pool had swapped standbys in for the evicted machines.
+    evicted_at: datetime | None = None
+    action: str = "reattempt"
+    evidence: str = ""
+    # When the next attempt's ranks were launched, its restore point chosen.
+    relaunched_at: datetime | None = None
+    recovered_at: datetime | None = None
+    recovery_s: float | None = None
+    lost_steps: int = 0
+    # Where the recovery restored from: memory (every machine's own snapshot) or s3; none: from scratch.
+    restored_from: str | None = None
+    attempt: int = 0
+
+    # -- its life, one transition each (the job keeps it in ``JobState.incidents``) -------------
+    @classmethod
+    def open(
+        cls,
+        number: int,
+        primary: IncidentReport,
+        others: list[IncidentReport],
+        suspects: list[str],
+        fault_at: datetime | None,
+        attempt: int,
+    ) -> Incident:
+        """Detected: the report that names the cause, and what the other machines saw."""
+        detection_s = round((primary.detected_at - fault_at).total_seconds(), 3) if fault_at else None
+        evidence = primary.evidence
+        seen_also = sorted({f"{o.node}: {o.kind}" for o in others if o.node != primary.node})
+        if seen_also:
+            evidence += " | also seen: " + ", ".join(seen_also)
+        return cls(
+            id=f"i-{number}",
+            kind=primary.kind,
+            detected_at=primary.detected_at,
+            fault_at=fault_at,
+            detection_s=detection_s,
+            suspects=suspects,
+            action="reattempt",
+            evidence=evidence[:2000],
+            attempt=attempt,
+        )
+
+    def facts(self, primary: IncidentReport) -> IncidentFacts:
+        """What the decision ladder (``trainguard.domain.policy``) weighs."""
+        return IncidentFacts(
+            kind=primary.kind,
+            machines=self.suspects,
+            ranks=primary.ranks,
+            confidence=primary.confidence,
+            user_code=primary.user_code,
+            code_location=primary.code_location,
+            error_class=primary.error_class or "",
+            evidence=primary.evidence[:500],
+        )
+
+    def decided(self, at: datetime) -> None:
+        """The policy took its first decision (the control plane's reaction time ends here)."""
+        self.decided_at = at
+
+    def concluded(self, decisions: list[Decision], at: datetime) -> None:
+        """Diagnosis over: the last decision is the action, every decision's evidence is kept."""
+        self.decision_s = round((at - self.detected_at).total_seconds(), 3)
+        self.action = decisions[-1].action
+        self.evidence = f"{self.evidence} | {' -> '.join(d.evidence for d in decisions)}"[:3000]
+
+    def evicted_to(self, evicted: list[str], at: datetime) -> None:
+        """The pool swapped standbys in for ``evicted``."""
+        self.action = "evict"
+        self.evicted = list(evicted)
+        self.evicted_at = at
+
+    def not_evicted(self, why: str) -> None:
+        self.evidence = f"{self.evidence} | not evicted: {why}"[:2000]
+
+    def relaunched(self, at: datetime, lost_steps: int, restored_from: str | None) -> None:
+        """The next attempt's ranks were launched from a restore point ``lost_steps`` back."""
+        self.lost_steps = lost_steps
+        self.restored_from = restored_from
+        self.relaunched_at = at
+
+    def recovered(self, first_step_at: datetime) -> float:
+        """The first step after the incident: the job is back. Returns the recovery time (s)."""
+        self.recovered_at = first_step_at
+        self.recovery_s = round((first_step_at - self.detected_at).total_seconds(), 3)
+        return self.recovery_s
+
+
+class IncidentTelemetryInput(BaseModel):
+    """A recovered incident, handed to a controller for its spans and metrics
+    (``trainguard.services.incident_trace``)."""
+
+    job_id: str
+    # The job run (first run id across continue-as-new): a resubmitted job numbers incidents anew.
+    run: str
+    incident: Incident
+    nodes: list[str]  # the job's machines after the recovery
+    gauges: JobGauges | None = None
+
+
+class CheckpointStatus(BaseModel):
+    step: int
+    tier: Literal["memory", "peer", "s3"] = "s3"
+    uri: str
+
+
+class JobResult(BaseModel):
+    final_step: int
+    param_hash: str
+
+
+class RunningAttempt(BaseModel):
+    """An attempt whose ranks may still be running: enough to re-attach after continue-as-new."""
+
+    attempt: int
+    master: Endpoint
+    resume: CheckpointRef | None = None
+    started_at: datetime
+    first_step_at: datetime | None = None
+    # Ranks restoring a peer's backup of their shard: dst rank -> (rank holding it, sha256).
+    peers: dict[int, tuple[int, str]] = {}
+
+
+class JobState(BaseModel):
+    spec: JobSpec
+    phase: Phase = "pending"
+    attempt: int = 0
+    step: int = 0
+    loss: float | None = None
+    step_time_s: float | None = None
+    code_version: str = "v1"
+    nodes: list[NodeInfo] = []
+    checkpoint: CheckpointStatus | None = None
+    incidents: list[Incident] = []
+    verdict: str | None = None
+    result: JobResult | None = None
+    ledger: ettr.Ledger = ettr.Ledger()
+    submitted_at: datetime | None = None
+    updated_at: datetime | None = None
+    running: RunningAttempt | None = None
+    # Shards uploaded but not yet committed under a manifest: step -> rank -> shard.
+    pending_shards: dict[int, dict[int, ShardInfo]] = {}
+    resumed_from_step: int | None = None
+    # Never resume past this step (set when replicas were found to disagree after it).
+    max_resume_step: int | None = None
+    # Checkpoints up to this step (the furthest reached when the corruption was found) may hold
+    # it; later attempts, resumed from clean state, overwrite them as they commit (same keys), so
+    # each of their commits moves max_resume_step up, and past this step the bound is gone.
+    suspect_until: int | None = None
+    suspect_attempt: int | None = None
+    drills: list[InjectResult] = []
+    # Fail-slow: the latest forward/backward time per machine, and the current streak.
+    compute_s: dict[str, float] = {}
+    slow_suspect: str | None = None
+    slow_rounds: int = 0
+    slow_round_at: datetime | None = None
+    # Replica check: step -> rank -> parameter hash, until every rank reported.
+    replica_hashes: dict[int, dict[int, str]] = {}
+    replicas_agreed_step: int | None = None
+    attempts_without_progress: int = 0
+    # What the decision ladder remembers: incidents, their actions, code versions.
+    history: JobHistory = JobHistory()
+    progress_at_attempt_start: int = 0
+    # Code versions: what each runs, every change of the current one, a lazy update waiting.
+    releases: dict[str, CodeRelease] = {}
+    code_history: list[CodeEvent] = []
+    pending_update: PendingUpdate | None = None
+    # Each machine's newest memory snapshots (ShardInfo with key ""): the fastest restore.
+    memory: dict[str, list[ShardInfo]] = {}
+    # Other machines' snapshots each machine keeps (peer backups), by the machine keeping them.
+    backups: dict[str, list[ShardInfo]] = {}
+    # Checkpoint blocking reported this attempt, per machine (cumulative).
+    ckpt_block_s: dict[str, float] = {}
+    # Step and productive time over wall time, bounded (trainguard report draws it).
+    progress_series: ProgressSeries = ProgressSeries()
+
+
+def status_json(state: JobState, now: datetime) -> dict[str, Any]:
+    """The status document of CONTRACT.md."""
+    return {
+        "job_id": state.spec.name,
+        "phase": state.phase,
+        "step": state.step,
+        "target_steps": state.spec.target_steps,
+        "attempt": state.attempt,
+        "code_version": state.code_version,
+        "code_history": [e.model_dump(mode="json") for e in state.code_history],
+        "pending_code_version": _pending(state),
+        "ettr": round(ettr.ettr(state.ledger, now), 4),
+        "ettr_window_1h": round(ettr.ettr_window(state.ledger, now), 4),
+        "badput_s": {k: round(v, 3) for k, v in state.ledger.badput_s.items()},
+        "nodes": {str(i): n.name for i, n in enumerate(state.nodes)},
+        "checkpoint": state.checkpoint.model_dump(mode="json") if state.checkpoint else None,
+        "resumed_from_step": state.resumed_from_step,
+        # The running attempt: when its ranks were launched and when its first step came.
+        "attempt_started_at": _iso(state.running.started_at if state.running else None),
+        "attempt_first_step_at": _iso(state.running.first_step_at if state.running else None),
+        "incidents": [i.model_dump(mode="json", exclude={"attempt"}) for i in state.incidents],
+        "verdict": state.verdict,
+        "result": state.result.model_dump(mode="json") if state.result else None,
+        "loss": state.loss,
+        "step_time_s": state.step_time_s,
+        "submitted_at": state.submitted_at.isoformat() if state.submitted_at else None,
+        "updated_at": state.updated_at.isoformat() if state.updated_at else None,
+        # When this document was made: a saved one still says how far its ETTR and open incident reach.
+        "as_of": now.isoformat(),
+        "progress": _progress(state.progress_series),
+    }
+
+
+def _iso(t: datetime | None) -> str | None:
+    return t.isoformat() if t else None
+
+
+def _progress(series: ProgressSeries) -> list[list[Any]]:
+    """[time, step, cumulative ETTR, cumulative productive seconds] per point; the last
+    makes the 1-hour window ETTR computable at any time (progress_series.ettr_over)."""
+    if not series.points:
+        return []
+    start = series.points[0][0]  # the ETTR ledger's start
+    out: list[list[Any]] = []
+    for t, step, productive in series.points:
+        wall = (t - start).total_seconds()
+        e = min(1.0, productive / wall) if wall > 0 else 0.0
+        out.append([t.isoformat(), step, round(e, 4), round(productive, 2)])
+    return out
+
+
+def _pending(state: JobState) -> dict[str, Any] | None:
+    p = state.pending_update
+    if p is None:
+        return None
+    return {"version": p.event.version, "how": p.event.how, "deadline": p.deadline.isoformat()}
+
+
+def combined_param_hash(final_hashes: dict[int, str]) -> str:
+    """One hash for the whole model: every rank's parameter hash, in rank order."""
+    h = hashlib.sha256()
+    for rank in sorted(final_hashes):
+        h.update(f"{rank}:{final_hashes[rank]}\n".encode())
+    return "sha256:" + h.hexdigest()
+
+
+class JobInput(BaseModel):
+    """What starts (or continues) a TrainingJobWorkflow run."""
+
+    spec: JobSpec
+    state: JobState | None = None
+    # Continue-as-new once the history passes this many events.
+    max_history_events: int = 5000
+    # How often search attributes may change with progress (phase changes go at once).
+    search_attribute_interval_s: float = 30.0
+    # A machine whose agent does not pick up its ranks within this is lost.
+    schedule_to_start_s: float = 60.0
+    heartbeat_timeout_s: float = 30.0
+    pool_retry_s: float = 5.0

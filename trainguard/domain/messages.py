@@ -1,0 +1,375 @@
+"""Messages between the workflows, the activities and the agents.
+
+One immutable model per message, carried by ``temporalio.contrib.pydantic``.
+Payloads stay small: checkpoint shards are referenced by S3 key, never inlined.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainguard.domain.spec import JobSpec, Topology
+
+CONTROLLER_QUEUE = "trainguard-controller"
+POOL_WORKFLOW_ID = "trainguard-pool"
+# Machine names become task queue names and directory names (host names fit).
+NODE_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+
+
+def node_queue(node: str) -> str:
+    """The task queue a node agent polls: work for that machine and no other."""
+    return f"node-{node}" if not node.startswith("node-") else node
+
+
+class Msg(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+# -- node pool -----------------------------------------------------------------
+
+
+class NodeInfo(Msg):
+    name: str
+    task_queue: str
+    host: str = "127.0.0.1"
+    gpus: int = 0
+
+
+# suspect: waiting for its self-test (new, returning, or evicted with a group); standby: passed it,
+# ready for a job; active: with a job; quarantined: failed a check or blamed for a fault.
+NodeState = Literal["active", "standby", "quarantined", "suspect", "lost"]
+
+
+class PoolNode(Msg):
+    info: NodeInfo
+    state: NodeState = "suspect"
+    job: str | None = None
+    reason: str | None = None
+    since: datetime | None = None
+    # The latest self-test: when, and what it said.
+    tested_at: datetime | None = None
+    evidence: str | None = None
+    # A suspect whose self-test did not run (its agent slow or away): how often in a row, and
+    # when to try again.
+    missed_tests: int = 0
+    retest_at: datetime | None = None
+
+
+class ReserveInput(Msg):
+    job_id: str
+    count: int = Field(ge=1)
+
+
+class ReserveResult(Msg):
+    granted: bool
+    nodes: list[NodeInfo] = []
+    free: int = 0
+    message: str = ""
+    # Machines on standby after this call (None from a pool that does not say).
+    standby: int | None = None
+
+
+class ReleaseInput(Msg):
+    job_id: str
+
+
+class EvictInput(Msg):
+    """Quarantine ``nodes`` (held by ``job_id``) and give the job spares in their places."""
+
+    job_id: str
+    nodes: list[str]
+    reason: str
+    current: list[str]  # the job's machines in rank-block order
+    # False when the machines are only suspected (a whole group evicted for one outlier): they
+    # go to ``suspect`` and back to standby once they pass the self-test, not to quarantine.
+    confirmed: bool = True
+    # Names this eviction across retries (the activity's run and id): a retried request gets the
+    # first one's answer instead of evicting again.
+    request_id: str = ""
+
+
+class EvictResult(Msg):
+    replaced: bool
+    nodes: list[NodeInfo] = []  # the job's machines after the swap, same order
+    evicted: list[str] = []
+    message: str = ""
+    # Machines on standby after this call (None from a pool that does not say).
+    standby: int | None = None
+
+
+class PoolConfig(Msg):
+    """How the pool sizes and heals itself."""
+
+    # Failures per machine per day: the standby target is the 99th percentile of
+    # Binomial(machines in use, rate) per job (trainguard.domain.standby).
+    daily_failure_rate: float = Field(0.0012, ge=0, le=1)
+    min_standby: int = Field(1, ge=0, le=10_000)
+    # A quarantined machine runs its self-test again this often; it returns when it passes.
+    retest_s: float = Field(1800.0, gt=0, le=30 * 86400)
+
+
+class PoolState(Msg):
+    nodes: dict[str, PoolNode] = {}
+    config: PoolConfig = PoolConfig()
+    # The latest evictions' answers by request id, so a retry is answered, not acted on twice.
+    evictions: dict[str, EvictResult] = {}
+    # Filled in by the ``state`` query: spares wanted for the jobs running now, and spares ready.
+    standby_target: int = 0
+    standby: int = 0
+
+
+# -- checkpoints -----------------------------------------------------------------
+
+
+class ShardInfo(Msg):
+    rank: int
+    step: int
+    key: str
+    size: int
+    sha256: str
+
+
+class CheckpointRef(Msg):
+    """A complete checkpoint: its manifest was written after every shard."""
+
+    step: int
+    uri: str
+    shards: list[ShardInfo]
+
+
+class JobGauges(Msg):
+    """A job's progress as metrics: handed to controller activities that run anyway."""
+
+    step: int
+    ettr: float
+    ettr_window_1h: float
+
+
+class CommitCheckpointInput(Msg):
+    job_id: str
+    prefix: str
+    step: int
+    world_size: int
+    shards: list[ShardInfo]
+    keep: int
+    # The newest step the replicas agreed on: the newest checkpoint at or before it is kept.
+    verified_step: int | None = None
+    # The job's progress when the commit started, recorded as metrics by the controller.
+    gauges: JobGauges | None = None
+
+
+class LatestCheckpointInput(Msg):
+    job_id: str
+    prefix: str
+    world_size: int
+    max_step: int | None = None
+
+
+# -- ranks -----------------------------------------------------------------------
+
+
+class PortInput(Msg):
+    job_id: str
+    attempt: int
+
+
+class Endpoint(Msg):
+    host: str
+    port: int
+
+
+class RunRanksInput(Msg):
+    job_id: str
+    workflow_id: str
+    # The job run (its first run id, constant across continue-as-new): a resubmitted job counts
+    # attempts from 1 again, and must never be handed the previous run's session.
+    chain: str = ""
+    attempt: int
+    node: NodeInfo
+    node_index: int
+    ranks: list[int]
+    spec: JobSpec
+    master: Endpoint
+    ckpt_prefix: str
+    resume: CheckpointRef | None = None
+    # Set after continue-as-new: join the ranks already running, never start new ones.
+    attach_only: bool = False
+    # Rank -> the rank whose checkpoint shard it restores (a replay on fewer replicas).
+    restore_from: dict[int, int] = {}
+    # Ranks whose resume shard is a peer backup: dst rank -> (rank holding it, sha256).
+    restore_peers: dict[int, tuple[int, str]] = {}
+    # A diagnostic run (dual-phase replay): nothing is uploaded and no progress is signalled.
+    dry_run: bool = False
+
+
+class RankExit(Msg):
+    rank: int
+    exit_code: int | None
+    signal: int | None = None
+    stderr_tail: str = ""
+
+
+class RunRanksResult(Msg):
+    node: str
+    attempt: int
+    ok: bool
+    last_step: int = 0
+    exits: list[RankExit] = []
+    final_hashes: dict[int, str] = {}
+    shards: list[ShardInfo] = []
+    message: str = ""
+    incident: IncidentReport | None = None
+    memory: list[ShardInfo] = []  # the newest memory snapshots when the ranks ended
+    backups: list[ShardInfo] = []  # other machines' snapshots kept here
+    # attach_only found no such ranks here: the agent restarted since it started them.
+    gone: bool = False
+
+
+class ProgressReport(Msg):
+    """What an agent tells the workflow, at a bounded rate, while its ranks run."""
+
+    node: str
+    attempt: int
+    step: int
+    loss: float | None = None
+    step_time_s: float | None = None
+    first_step_at: datetime | None = None
+    at: datetime
+    shards: list[ShardInfo] = []
+    # Median forward/backward time of this machine's ranks (fail-slow is judged across machines).
+    compute_s: float | None = None
+    # Parameter hashes of this machine's ranks at ``hash_step`` (replicas must agree).
+    hash_step: int | None = None
+    hashes: dict[int, str] = {}
+    # This machine's newest complete memory snapshots (key ""): restore needs no S3 when every
+    # machine still holds the same step.
+    memory: list[ShardInfo] = []
+    # Seconds training was blocked by checkpoint snapshots this attempt (slowest local rank per step).
+    ckpt_block_s: float = 0.0
+    # Other machines' snapshots this machine keeps (``rank`` is the rank they belong to).
+    backups: list[ShardInfo] = []
+
+
+# -- drills and incidents ---------------------------------------------------------
+
+RANK_FAULTS = ("crash", "hang", "nan", "loss-spike", "slow", "sdc")
+MACHINE_FAULTS = ("gpu-lost", "gpu-xid", "ecc", "nic-down", "nic-flap", "disk-full")
+ALL_FAULTS = (*RANK_FAULTS, *MACHINE_FAULTS, "agent-kill")
+
+
+class InjectInput(Msg):
+    node: str = Field(pattern=NODE_NAME_RE)
+    fault: Literal[ALL_FAULTS]  # type: ignore[valid-type]
+    rank: int | None = Field(default=None, ge=0, le=1 << 20)
+    at_step: int | None = Field(default=None, ge=1, le=1_000_000_000)
+    # How many times a one-shot fault acts; nic-flap: how many flaps (default 1, which the
+    # tolerance absorbs).
+    count: int | None = Field(default=None, ge=1, le=100_000)
+    # Real-NIC drills (agent run with --nic): how long nic-down keeps the link down before the
+    # agent restores it itself (default 20 s), or each nic-flap's down time (default 1 s).
+    duration_s: float | None = Field(default=None, gt=0, le=3600)
+    # The fault shows only under training load: stop-time checks do not see it, so only a
+    # reattempt, a rollback and the dual-phase replay can find it (drills of those rungs).
+    evades_checks: bool = False
+
+
+class InjectResult(Msg):
+    node: str
+    fault: str
+    fault_id: str
+    injected_at: datetime
+
+
+class ClearFaultsInput(Msg):
+    node: str
+
+
+class StackInput(Msg):
+    job_id: str
+    attempt: int
+    # S3 key prefix for the dumps (under the job's checkpoint prefix).
+    prefix: str
+
+
+class StackDump(Msg):
+    node: str
+    uri: str | None = None
+    ranks: list[int] = []
+    error: str = ""
+
+
+class LocalizeStacksInput(Msg):
+    dumps: list[StackDump]
+    topology: Topology
+    ranks_per_node: int
+    nodes: list[str]  # the job's machines in rank-block order
+
+
+class StackFinding(Msg):
+    machines: list[str] = []
+    evidence: str
+
+
+class StopRanksInput(Msg):
+    job_id: str
+    attempt: int
+    # The job run (RunRanksInput.chain): a stop that arrives before its attempt's ranks is kept
+    # for them, and must not stop a later run's attempt of the same number.
+    chain: str = ""
+
+
+class DiagnosticInput(Msg):
+    job_id: str
+    attempt: int
+    # Ranks per machine: the intra-machine collective test runs that many processes.
+    local_world: int = Field(1, ge=1, le=64)
+    timeout_s: float = Field(20.0, gt=0, le=600)
+
+
+class PairTestInput(Msg):
+    """One machine's side of a pairwise inter-machine check (rank 0 hosts the rendezvous)."""
+
+    job_id: str
+    attempt: int
+    rank: int = Field(ge=0, le=1)
+    master: Endpoint
+    timeout_s: float = Field(15.0, gt=0, le=600)
+
+
+class CheckResult(Msg):
+    node: str
+    passed: bool
+    digest: str | None = None
+    # The exact answer the digest should equal (alignment test).
+    reference: str | None = None
+    evidence: str = ""
+    elapsed_s: float | None = None
+
+
+class IncidentReport(Msg):
+    """What a machine saw when it ended its ranks' attempt: the first confirmed anomaly."""
+
+    kind: str
+    node: str
+    # Machines that may be at fault, when the report cannot name one (default: ``node``).
+    suspects: list[str] = []
+    ranks: list[int] = []
+    evidence: str
+    confidence: float = 0.5
+    # The anomaly started on this machine (vs. seen here as a consequence, e.g. after an all-reduce).
+    origin: bool = False
+    detected_at: datetime
+    fault_at: datetime | None = None
+    error_class: str | None = None
+    user_code: bool = False
+    code_location: str | None = None
+    step: int | None = None
+    # Every rank on this machine had loaded the checkpoint it was started from: a failure after
+    # that is not the checkpoint's fault.
+    restored: bool = False
+
+
+RunRanksResult.model_rebuild()

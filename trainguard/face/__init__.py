@@ -1,0 +1,3 @@
+"""What a person or a launcher touches: the command line, the timeline
+report, the demo and the fault drill. The SDK is `trainguard.client`.
+"""

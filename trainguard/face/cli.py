@@ -1,0 +1,718 @@
+"""The ``trainguard`` command line (CONTRACT.md), built on the SDK.
+
+Exit codes: 0 success, 1 the job or command failed, 2 bad input (one line on
+stderr naming the field or argument).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable, Coroutine
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, TypeVar
+
+import typer
+import typer.core
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from trainguard.client import (
+    TERMINAL_PHASES,
+    BadFault,
+    BadUpdate,
+    ControllerUnavailable,
+    JobAlreadyRunning,
+    TrainguardClient,
+    UnknownJob,
+    UnknownNode,
+    check_job_id,
+    check_node_name,
+    code_update,
+    inject_request,
+)
+from trainguard.domain.spec import SpecError, load_spec, shown
+from trainguard.services.codec import PayloadKeyError
+from trainguard.services.settings import Settings, SettingsError, state_dir_from_env
+from trainguard.services.telemetry import TelemetryError
+
+try:  # typer vendors click from 0.2x on
+    from typer._click.exceptions import UsageError
+except ImportError:  # pragma: no cover - older typer
+    from click.exceptions import UsageError  # type: ignore[no-redef]
+
+
+class _OneLineUsageErrors(typer.core.TyperGroup):
+    """Usage errors (a missing argument, a value of the wrong type or out of range) end like
+    every other bad input: one line on stderr naming the argument, exit 2."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except UsageError as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":
+                sys.exit(exc.exit_code)  # the help is already printed
+            where = f" (see {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+            _print_error(exc.format_message().rstrip(".") + where)
+            sys.exit(2)
+        except typer.Abort:
+            _print_error("aborted")
+            sys.exit(1)
+        # Without standalone mode an exit code comes back as the return value.
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+app = typer.Typer(
+    cls=_OneLineUsageErrors,
+    add_completion=False,
+    no_args_is_help=True,
+    help="Keep training jobs alive through failures.",
+)
+out = Console()
+err = Console(stderr=True)
+T = TypeVar("T")
+
+StateDir = Annotated[
+    Path | None,
+    typer.Option("--state-dir", help="local stack state (default $TRAINGUARD_STATE_DIR or ~/.trainguard)"),
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
+
+
+class BadInput(Exception):
+    """Bad input from the user: exit 2 with one line."""
+
+
+def _print_error(message: str) -> None:
+    # shown(): one line whatever the input held (newlines, escape sequences, megabytes).
+    err.print(f"error: {shown(message, 1000)}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _fail(code: int, message: str) -> NoReturn:
+    _print_error(message)
+    raise typer.Exit(code)
+
+
+def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Map known errors to one line and the contract's exit codes."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (
+            SpecError,
+            SettingsError,
+            PayloadKeyError,  # this process's payload key is not the cluster's
+            UnknownJob,
+            UnknownNode,
+            BadFault,
+            BadUpdate,
+            JobAlreadyRunning,
+            BadInput,
+            TelemetryError,
+        ) as exc:
+            _fail(2, str(exc))
+        except ControllerUnavailable as exc:
+            _fail(1, str(exc))
+        except ConnectionError as exc:
+            _fail(1, f"{exc} (is the stack up? run `trainguard up`)")
+        except RuntimeError as exc:
+            if "connect" in str(exc).lower():
+                _fail(1, f"cannot reach Temporal: {exc} (is the stack up? run `trainguard up`)")
+            raise
+
+    return wrapper
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+async def _client(state_dir: Path | None) -> TrainguardClient:
+    return await TrainguardClient.connect(Settings.load(state_dir))
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+# -- local stack -----------------------------------------------------------------------------
+
+
+@app.command()
+@handles_errors
+def up(
+    nodes: Annotated[int, typer.Option(min=1, max=64, help="machines (node agents) for jobs")] = 2,
+    standby: Annotated[int, typer.Option(min=0, max=64, help="extra machines kept as spares")] = 0,
+    netns: Annotated[
+        bool,
+        typer.Option(
+            "--netns",
+            help="each machine in its own network namespace on a private bridge (root): "
+            "nic-down / nic-flap drills take a real interface down",
+        ),
+    ] = False,
+    state_dir: StateDir = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Start the local stack: Temporal dev server, SeaweedFS S3, a controller, node agents."""
+    from infra.local import bring_up
+    from infra.netns import NetnsError
+
+    try:
+        addresses = bring_up(state_dir_from_env(state_dir), nodes=nodes, standby=standby, netns=netns)
+    except NetnsError as exc:
+        _fail(1, str(exc))
+    if json_out:
+        _print_json(addresses)
+        return
+    table = Table(title="trainguard local stack", show_header=False)
+    for k, v in addresses.items():
+        table.add_row(k, str(v))
+    out.print(table)
+
+
+@app.command()
+@handles_errors
+def down(state_dir: StateDir = None) -> None:
+    """Stop exactly what `up` started (by pid) and nothing else."""
+    from infra.local import bring_down
+
+    stopped = bring_down(state_dir_from_env(state_dir))
+    out.print(f"stopped {len(stopped)} processes" + (f": {', '.join(stopped)}" if stopped else ""))
+
+
+# -- jobs -----------------------------------------------------------------------------------
+
+
+@app.command()
+@handles_errors
+def submit(
+    spec_path: Annotated[Path, typer.Argument(metavar="SPEC.yaml", help="job spec (YAML)")],
+    wait: Annotated[bool, typer.Option("--wait", help="show progress until the job ends")] = False,
+    state_dir: StateDir = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Validate a job spec and start the job."""
+    spec = load_spec(spec_path)  # a bad spec stops here: nothing is reserved or started
+
+    async def go() -> dict[str, Any]:
+        c = await _client(state_dir)
+        job = await c.submit(spec)
+        if not wait:
+            return {"job_id": job.job_id, "phase": "pending"}
+        if json_out:
+            return await job.wait()
+        with Progress(
+            TextColumn("[bold]{task.fields[job]}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[phase]} loss {task.fields[loss]} ETTR {task.fields[ettr]}"),
+            TimeElapsedColumn(),
+            console=err,
+        ) as bar:
+            task = bar.add_task(
+                "train", total=spec.target_steps, job=spec.name, phase="pending", loss="-", ettr="-"
+            )
+
+            def show(st: dict[str, Any]) -> None:
+                loss = f"{st['loss']:.3f}" if st.get("loss") is not None else "-"
+                bar.update(task, completed=st["step"], phase=st["phase"], loss=loss, ettr=f"{st['ettr']:.2f}")
+
+            return await job.wait(on_progress=show)
+
+    st = _run(go())
+    if json_out:
+        _print_json(st)
+    elif wait:
+        _print_status(st)
+    else:
+        out.print(f"submitted {st['job_id']} (trainguard status {st['job_id']})")
+    if wait and st.get("phase") != "completed":
+        raise typer.Exit(1)
+
+
+@app.command()
+@handles_errors
+def status(
+    job: Annotated[str, typer.Argument(metavar="JOB")],
+    state_dir: StateDir = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Phase, step, ETTR, machines, checkpoint and incidents of a job."""
+    check_job_id(job)
+
+    async def go() -> dict[str, Any]:
+        return await (await _client(state_dir)).job(job).status()
+
+    st = _run(go())
+    if json_out:
+        _print_json(st)
+    else:
+        _print_status(st)
+
+
+def _print_status(st: dict[str, Any]) -> None:
+    t = Table(title=f"job {st['job_id']}", show_header=False)
+    t.add_row("phase", st["phase"])
+    t.add_row("step", f"{st['step']} / {st['target_steps']}")
+    t.add_row("attempt", str(st["attempt"]))
+    t.add_row("code version", st["code_version"])
+    t.add_row("ETTR", f"{st['ettr']:.3f} (1 h: {st['ettr_window_1h']:.3f})")
+    t.add_row("machines", ", ".join(f"{k}: {v}" for k, v in st["nodes"].items()))
+    if st.get("checkpoint"):
+        c = st["checkpoint"]
+        t.add_row("checkpoint", f"step {c['step']} ({c['tier']}) {c['uri']}")
+    if st.get("verdict"):
+        t.add_row("verdict", st["verdict"])
+    if st.get("result"):
+        t.add_row("param hash", st["result"]["param_hash"])
+    out.print(t)
+    if st["incidents"]:
+        it = Table(title="incidents")
+        for col in ("id", "kind", "suspects", "action", "lost steps", "evidence"):
+            it.add_column(col)
+        for i in st["incidents"]:
+            it.add_row(
+                i["id"],
+                i["kind"],
+                ", ".join(i["suspects"]),
+                i["action"],
+                str(i["lost_steps"]),
+                i["evidence"][:120],
+            )
+        out.print(it)
+
+
+@app.command("list")
+@handles_errors
+def list_jobs(state_dir: StateDir = None, json_out: JsonFlag = False) -> None:
+    """Jobs with phase, step and ETTR."""
+
+    async def go() -> list[dict[str, Any]]:
+        return await (await _client(state_dir)).list_jobs()
+
+    jobs = _run(go())
+    if json_out:
+        _print_json(jobs)
+        return
+    t = Table(title="jobs")
+    for col in ("job", "phase", "step", "ETTR", "code", "started"):
+        t.add_column(col)
+    for j in jobs:
+        ettr = f"{j['ettr']:.3f}" if j["ettr"] is not None else "-"
+        t.add_row(
+            j["job_id"], str(j["phase"]), str(j["step"]), ettr, str(j["code_version"]), str(j["started_at"])
+        )
+    out.print(t)
+
+
+@app.command()
+@handles_errors
+def nodes(
+    action: Annotated[
+        str | None,
+        typer.Argument(metavar="[release NODE]", help="release: return a quarantined machine to service"),
+    ] = None,
+    node: Annotated[str | None, typer.Argument(metavar="", show_default=False)] = None,
+    state_dir: StateDir = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """The node pool: each machine active with a job, on standby, suspect (in its self-test),
+    quarantined (and why) or lost; and the standby target for the jobs running now."""
+    if action is not None and (action != "release" or not node):
+        raise BadInput("action: expected `trainguard nodes` or `trainguard nodes release NODE`")
+    if node is not None:
+        check_node_name(node)
+
+    async def go() -> Any:
+        c = await _client(state_dir)
+        if action == "release" and node:
+            await c.release_node(node)
+        return await c.nodes()
+
+    pool = _run(go())
+    rows = [
+        {"node": n.info.name, "state": n.state, "job": n.job, "reason": n.reason, "queue": n.info.task_queue}
+        for n in sorted(pool.nodes.values(), key=lambda n: n.info.name)
+    ]
+    if json_out:
+        _print_json({"nodes": rows, "standby": pool.standby, "standby_target": pool.standby_target})
+        return
+    t = Table(title=f"node pool: {pool.standby} on standby, target {pool.standby_target}")
+    for col in ("node", "state", "job", "reason"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["node"], r["state"], r["job"] or "-", (r["reason"] or "-")[:80])
+    out.print(t)
+
+
+@app.command()
+@handles_errors
+def stop(job: Annotated[str, typer.Argument(metavar="JOB")], state_dir: StateDir = None) -> None:
+    """Stop a job; its last complete checkpoint stays, and submitting it again resumes there."""
+    check_job_id(job)
+
+    async def go() -> None:
+        handle = (await _client(state_dir)).job(job)
+        await handle.stop()
+
+    _run(go())
+    out.print(f"stop requested for {job}")
+
+
+@app.command()
+@handles_errors
+def update(
+    job: Annotated[str, typer.Argument(metavar="JOB")],
+    code_version: Annotated[str, typer.Option("--code-version", help="the version to run")],
+    urgent: Annotated[
+        bool, typer.Option(help="stop and resume now on the same machines (default: at the next recovery)")
+    ] = False,
+    env: Annotated[
+        list[str] | None, typer.Option("--env", metavar="KEY=VALUE", help="env override for this version")
+    ] = None,
+    why: Annotated[str, typer.Option(help="recorded in the job's version history")] = "",
+    state_dir: StateDir = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Hot update JOB to another code version (lazy unless --urgent); recorded with who, when and why."""
+    check_job_id(job)
+    overrides: dict[str, str] = {}
+    for item in env or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise BadInput(f"env: '{shown(item)}' is not KEY=VALUE")
+        if key in overrides:
+            raise BadInput(f"env.{shown(key)}: given twice")
+        overrides[key] = value
+    code_update(code_version, urgent, env=overrides, why=why)  # a bad request never connects
+
+    async def go() -> dict[str, Any]:
+        handle = (await _client(state_dir)).job(job)
+        return await handle.update_code(code_version, urgent, env=overrides, why=why)
+
+    res = _run(go())
+    if json_out:
+        _print_json(res)
+    elif urgent:
+        out.print(f"{job} now runs code version {res['current']}")
+    else:
+        when = f"at the next recovery, at the latest {res['deadline']}"
+        out.print(f"{job} will run code version {res['version']} {when}")
+
+
+@app.command()
+@handles_errors
+def inject(
+    node: Annotated[str, typer.Argument(metavar="NODE")],
+    fault: Annotated[
+        str,
+        typer.Argument(
+            metavar="FAULT",
+            help="crash, hang, nan, loss-spike, slow, gpu-lost, "
+            "gpu-xid, ecc, nic-down, nic-flap, disk-full, sdc, agent-kill; or clear",
+        ),
+    ],
+    rank: Annotated[int | None, typer.Option(min=0, max=1 << 20, help="only this rank (rank faults)")] = None,
+    at_step: Annotated[
+        int | None, typer.Option(min=1, max=1_000_000_000, help="act from this step on")
+    ] = None,
+    count: Annotated[
+        int | None,
+        typer.Option(min=1, max=100_000, help="how many times a one-shot fault acts; nic-flap: flaps"),
+    ] = None,
+    evades_checks: Annotated[
+        bool, typer.Option("--evades-checks", help="stop-time checks do not see it (drills the replay rung)")
+    ] = False,
+    duration_s: Annotated[
+        float | None,
+        typer.Option(
+            "--duration-s",
+            min=0.1,
+            max=3600,
+            help="real NIC (up --netns): nic-down time before the agent restores the link (20), "
+            "or each nic-flap's down time (1)",
+        ),
+    ] = None,
+    state_dir: StateDir = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Fault drill: inject FAULT on NODE through its agent (it stands until cleared or evicted)."""
+    check_node_name(node)
+    if fault != "clear":  # a bad drill never connects
+        inject_request(
+            node,
+            fault,
+            rank=rank,
+            at_step=at_step,
+            count=count,
+            duration_s=duration_s,
+            evades_checks=evades_checks,
+        )
+
+    async def go() -> dict[str, Any]:
+        c = await _client(state_dir)
+        if fault == "clear":
+            return {"node": node, "cleared": await c.clear_faults(node)}
+        r = await c.inject(
+            node,
+            fault,
+            rank=rank,
+            at_step=at_step,
+            count=count,
+            duration_s=duration_s,
+            evades_checks=evades_checks,
+        )
+        return r.model_dump(mode="json")
+
+    res = _run(go())
+    if json_out:
+        _print_json(res)
+    elif fault == "clear":
+        out.print(f"cleared {res['cleared']} faults on {node}")
+    else:
+        out.print(f"injected {fault} on {node} at {res['injected_at']} ({res['fault_id']})")
+
+
+@app.command()
+@handles_errors
+def report(
+    job: Annotated[str | None, typer.Argument(metavar="JOB", help="the job (or give --from-json)")] = None,
+    out_png: Annotated[
+        Path | None,
+        typer.Option("--out", metavar="FILE.png", help="the plot (default JOB-timeline.png unless --html)"),
+    ] = None,
+    html_out: Annotated[
+        Path | None,
+        typer.Option("--html", metavar="FILE.html", help="one self-contained page: plot, incidents, badput"),
+    ] = None,
+    from_json: Annotated[
+        Path | None,
+        typer.Option(
+            "--from-json", metavar="STATUS.json", help="draw a saved `trainguard status JOB --json` instead"
+        ),
+    ] = None,
+    state_dir: StateDir = None,
+) -> None:
+    """Timeline of a job: step over wall time with each incident's detection, diagnosis and
+    recovery shaded and evictions marked, and cumulative and 1-hour ETTR below."""
+    from trainguard.face import report as timeline_report
+
+    if (job is None) == (from_json is None):
+        raise BadInput("JOB: give a job name or --from-json STATUS.json (one of them)")
+    for flag, path in (("out", out_png), ("html", html_out)):
+        if path is not None:
+            _check_output(flag, path)
+    now: datetime | None = None
+    if from_json is not None:
+        st = _read_status(from_json)
+    else:
+        assert job is not None
+        check_job_id(job)
+
+        async def go() -> dict[str, Any]:
+            return await (await _client(state_dir)).job(job).status()
+
+        st = _run(go())
+        if st.get("phase") not in TERMINAL_PHASES:
+            now = datetime.now(UTC)  # a running job's plot reaches the present
+    if out_png is None and html_out is None:
+        out_png = Path(f"{st.get('job_id') or job}-timeline.png")
+    try:
+        png = timeline_report.png_bytes(st, now)  # a bad document stops here, before any file is written
+        page = timeline_report.html_page(st, now, png) if html_out is not None else None
+    except timeline_report.ReportError as exc:
+        raise BadInput(str(exc)) from None
+    for flag, path, data in (("out", out_png, png), ("html", html_out, page)):
+        if path is None or data is None:
+            continue
+        try:
+            if isinstance(data, bytes):
+                path.write_bytes(data)
+            else:
+                path.write_text(data, encoding="utf-8")
+        except OSError as exc:
+            raise BadInput(f"{flag}: cannot write {path}: {exc.strerror or exc}") from None
+        out.print(f"wrote {path}")
+
+
+def _check_output(flag: str, path: Path) -> None:
+    """Fail before asking the stack, not after drawing."""
+    if path.is_dir():
+        raise BadInput(f"{flag}: {path} is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise BadInput(f"{flag}: directory {path.parent} does not exist")
+
+
+def _read_status(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BadInput(f"from-json: {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInput(f"from-json: cannot read {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise BadInput(f"from-json: {path} is not JSON ({exc.msg}, line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise BadInput(f"from-json: {path} is not a status document (trainguard status JOB --json)")
+    return data
+
+
+# -- fault drill suite --------------------------------------------------------------------------
+
+
+def _bench_module(name: str) -> Any:
+    """A module of the checkout's ``bench/`` (not part of an installed package)."""
+    import importlib
+
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / "bench" / f"{name}.py").is_file():
+        _fail(1, f"{repo / 'bench' / name}.py not found: the drill runs from a source checkout")
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    return importlib.import_module(f"bench.{name}")
+
+
+@app.command()
+@handles_errors
+def drill(
+    faults: Annotated[
+        str | None,
+        typer.Option(
+            help="comma-separated faults in drill order (default: the standard mix: crash, hang, nan, "
+            "gpu-lost, sdc, slow, nic-flap, bad-code, agent-kill, controller-kill)"
+        ),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="seed of the fault schedule (trigger steps, target ranks)")] = 0,
+    gap_steps: Annotated[
+        int, typer.Option(min=10, max=100_000, help="training steps between two faults")
+    ] = 50,
+    json_out: JsonFlag = False,
+) -> None:
+    """Fault drill suite: the example job through a fault mix on a private local stack, then the same
+    job and faults under plain torchrun --max-restarts 3; detection, action, recovery and lost steps
+    per fault, wall time, ETTR and completion per system. Takes minutes (torchrun waits out its
+    collective timeout after a hang: 30 min)."""
+    drill_mix = _bench_module("drill_mix")
+    names = drill_mix.parse_faults(faults) if faults is not None else list(drill_mix.STANDARD_MIX)
+    drill_mix.schedule(names, gap_steps, seed)  # bad input stops here, before any stack starts
+    bench_drill = _bench_module("drill")
+    with Progress(
+        TextColumn("[bold]{task.description:<10}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("steps, {task.fields[faults]} faults injected"),
+        TimeElapsedColumn(),
+        console=err,
+    ) as bar:
+        tasks: dict[str, Any] = {}
+
+        def show(system: str, step: int, target: int, injected: int, total: int) -> None:
+            if system not in tasks:
+                tasks[system] = bar.add_task(system, total=target, faults="0/0")
+            bar.update(tasks[system], completed=step, faults=f"{injected}/{total}")
+
+        doc = bench_drill.run_drill(names, seed, gap_steps, say=bar.console.log, progress=show)
+    if json_out:
+        _print_json(doc)
+    else:
+        out.print(bench_drill.render(doc), markup=False, highlight=False)
+    if not doc["systems"]["trainguard"]["completed"]:
+        raise typer.Exit(1)
+
+
+# -- scale simulation ---------------------------------------------------------------------------
+
+_BADPUT_COLUMNS = ("startup", "detection", "diagnosis", "recovery", "recompute", "checkpoint", "idle")
+
+
+@app.command()
+@handles_errors
+def simulate(
+    machines: Annotated[int, typer.Option(help="machines in the job")],
+    gpus_per_machine: Annotated[int, typer.Option(help="GPUs (ranks) per machine")],
+    days: Annotated[float, typer.Option(help="simulated days")],
+    seed: Annotated[int, typer.Option(help="seed of the failure trace")] = 0,
+    config: Annotated[
+        Path | None, typer.Option("--config", help="YAML/JSON file overriding simulator assumptions")
+    ] = None,
+    trace_out: Annotated[
+        Path | None, typer.Option("--trace-out", help="also write the failure trace here (JSON)")
+    ] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """ETTR at scale: one failure trace, handled by trainguard's own policy code and by two baselines
+    (requeue the whole job; restart in place). Needs no running stack."""
+    from trainguard.sim.run import BASELINES, check_args, generate_trace, load_config, simulate_trace
+    from trainguard.sim.run import SimConfig as _SimConfig
+
+    check_args(machines, gpus_per_machine, days)
+    cfg = load_config(config) if config is not None else _SimConfig()
+    trace = generate_trace(cfg, machines, gpus_per_machine, days, seed)
+    if trace_out is not None:
+        try:
+            trace_out.write_text(trace.model_dump_json(indent=1) + "\n")
+        except OSError as exc:
+            raise BadInput(f"trace-out: cannot write {trace_out}: {exc.strerror}") from None
+    report = simulate_trace(trace, cfg)
+    if json_out:
+        _print_json(report.contract_json())
+        return
+    topo = report.topology
+    names = ("trainguard", *BASELINES)
+    results = [report.results[n] for n in names]
+    t = Table(
+        title=f"{machines} machines x {gpus_per_machine} GPUs (tp={topo['tp']} pp={topo['pp']} "
+        f"dp={topo['dp']}), {days:g} days, seed {seed}: {report.faults} faults"
+    )
+    t.add_column("")
+    for name in names:
+        t.add_column(name, justify="right")
+    t.add_row("ETTR", *(f"{r.ettr:.4f}" for r in results))
+    t.add_row("worst hour ETTR", *(f"{r.worst_hour_ettr:.3f}" for r in results))
+    t.add_row("incidents handled", *(str(r.incidents) for r in results))
+    for bucket in _BADPUT_COLUMNS:
+        t.add_row(f"badput {bucket} (h)", *(f"{r.badput_s[bucket] / 3600:.1f}" for r in results))
+    out.print(t)
+    tg = report.trainguard
+    out.print(
+        f"standby pool: target {report.standby_target}, {tg.standby_used} machines used; evicted "
+        f"{tg.evicted} ({tg.healthy_evicted} healthy), {tg.refused_evictions} evictions refused (pool "
+        f"short); {tg.replaced_by_people} machines replaced by people; {tg.rollbacks} rollbacks; "
+        f"{tg.stops} stops resubmitted by people",
+        highlight=False,
+    )
+    out.print(
+        "trainguard resolutions: " + ", ".join(f"{k} {v}" for k, v in tg.resolutions.items()),
+        highlight=False,
+    )
+
+
+def main() -> None:
+    code = 0
+    try:
+        app()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    exit_now(code)
+
+
+def exit_now(code: int) -> None:
+    """Exit without interpreter finalization: the Temporal client's native threads can
+    abort a finalizing interpreter ("PyGILState_Release"), turning success into a crash."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Client-side calls into NodePoolWorkflow, shared by agents, activities and the CLI.
+
+Every call is an update-with-start, so whichever process comes first (agent or
+controller) creates the pool and nobody has to start it by hand.
+
+All of a machine's pool work runs through one workflow, and the server lets at most
+10 updates wait on a workflow at once (more are refused with RESOURCE_EXHAUSTED; a
+busy server aborts some with UNAVAILABLE). A controller serving 50 jobs that reserve
+or release together would send 50: each process queues its own updates in a lane a
+few wide, and the idempotent calls retry the refusals with jittered backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import weakref
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from temporalio.client import Client, WithStartWorkflowOperation
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.service import RPCError, RPCStatusCode
+
+from trainguard.domain.messages import (
+    CONTROLLER_QUEUE,
+    POOL_WORKFLOW_ID,
+    EvictInput,
+    EvictResult,
+    InjectInput,
+    InjectResult,
+    NodeInfo,
+    PoolConfig,
+    PoolNode,
+    PoolState,
+    ReleaseInput,
+    ReserveInput,
+    ReserveResult,
+)
+
+T = TypeVar("T")
+POOL_TASK_TIMEOUT = timedelta(seconds=60)
+LANE_WIDTH = 3  # pool updates one process keeps in flight
+_lanes: weakref.WeakKeyDictionary[Client, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+_PASSING = (RPCStatusCode.RESOURCE_EXHAUSTED, RPCStatusCode.UNAVAILABLE)
+
+
+def _lane(client: Client) -> asyncio.Semaphore:
+    lane = _lanes.get(client)
+    if lane is None:
+        lane = _lanes[client] = asyncio.Semaphore(LANE_WIDTH)
+    return lane
+
+
+async def _update(
+    client: Client,
+    name: str,
+    arg: Any,
+    result_type: type[T],
+    update_id: str | None = None,
+    max_delay_s: float = 5.0,
+) -> T:
+    """An idempotent pool update: queued in this process's lane, retried while the server
+    refuses or aborts it for being busy (the caller's own timeout bounds the wait)."""
+    op = WithStartWorkflowOperation(
+        "NodePoolWorkflow",
+        None,
+        id=POOL_WORKFLOW_ID,
+        task_queue=CONTROLLER_QUEUE,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        # Hundreds of machines make a long history: on a busy controller its replay can take more
+        # than the default 10 s, and a task that times out then only times out again.
+        task_timeout=POOL_TASK_TIMEOUT,
+    )
+    delay = 0.2
+    while True:
+        try:
+            async with _lane(client):
+                return await client.execute_update_with_start_workflow(
+                    name, arg, start_workflow_operation=op, id=update_id, result_type=result_type
+                )
+        except RPCError as exc:
+            if exc.status not in _PASSING:
+                raise
+        await asyncio.sleep(delay * (0.5 + random.random()))
+        delay = min(delay * 2, max_delay_s)
+
+
+async def register(client: Client, info: NodeInfo, max_delay_s: float = 5.0) -> PoolNode:
+    """Join the pool; hundreds of agents starting at once back off and try again."""
+    return await _update(client, "register", info, PoolNode, max_delay_s=max_delay_s)
+
+
+async def deregister(client: Client, name: str) -> None:
+    await client.get_workflow_handle(POOL_WORKFLOW_ID).execute_update("deregister", name)
+
+
+async def reserve(client: Client, req: ReserveInput) -> ReserveResult:
+    return await _update(client, "reserve", req, ReserveResult)
+
+
+async def release(client: Client, job_id: str) -> int:
+    return await _update(client, "release", ReleaseInput(job_id=job_id), int)
+
+
+async def state(client: Client) -> PoolState:
+    return await client.get_workflow_handle(POOL_WORKFLOW_ID).query("state", result_type=PoolState)
+
+
+async def evict(client: Client, req: EvictInput) -> EvictResult:
+    # A repeated update id joins the first update while it is still running.
+    return await _update(client, "evict", req, EvictResult, req.request_id or None)
+
+
+async def inject(client: Client, req: InjectInput) -> InjectResult:
+    return await client.get_workflow_handle(POOL_WORKFLOW_ID).execute_update(
+        "inject", req, result_type=InjectResult
+    )
+
+
+async def clear_faults(client: Client, name: str) -> int:
+    return await client.get_workflow_handle(POOL_WORKFLOW_ID).execute_update(
+        "clear_faults", name, result_type=int
+    )
+
+
+async def configure(client: Client, config: PoolConfig) -> PoolConfig:
+    return await _update(client, "configure", config, PoolConfig)
+
+
+async def release_node(client: Client, name: str) -> PoolNode:
+    return await client.get_workflow_handle(POOL_WORKFLOW_ID).execute_update(
+        "release_node", name, result_type=PoolNode
+    )

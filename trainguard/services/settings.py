@@ -1,0 +1,171 @@
+"""Where trainguard finds Temporal and S3, and the credentials to use them.
+
+Explicit environment variables win (production: point them at a Temporal cluster
+and any S3). Without them, the local stack's record in the state dir is used, so
+``trainguard up`` followed by ``trainguard submit`` needs no configuration.
+
+Production Temporal:
+
+| variable | meaning |
+|---|---|
+| ``TRAINGUARD_TEMPORAL_ADDRESS``, ``TRAINGUARD_NAMESPACE`` | the frontend (``host:port``) and namespace |
+| ``TRAINGUARD_TEMPORAL_TLS`` | ``true`` / ``false``; unset: TLS when an API key or TLS file is set |
+| ``TRAINGUARD_TEMPORAL_TLS_CA`` | PEM file of the CA that signed the server's certificate |
+| ``TRAINGUARD_TEMPORAL_TLS_CERT``, ``..._TLS_KEY`` | client certificate and key (mTLS), both or neither |
+| ``TRAINGUARD_TEMPORAL_TLS_SERVER_NAME`` | name the server certificate is checked against (SNI) |
+| ``TRAINGUARD_TEMPORAL_API_KEY`` | API key (Temporal Cloud), sent as a bearer token |
+| ``TRAINGUARD_PAYLOAD_KEY`` or ``..._PAYLOAD_KEY_FILE`` | encrypt every payload (``trainguard.services.codec``) |
+
+Every credential is a ``SecretStr``: the settings' repr, str and JSON never show it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, SecretStr
+
+DEFAULT_STATE_DIR = Path.home() / ".trainguard"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class SettingsError(ValueError):
+    """A setting that cannot work; the message starts with the variable's name."""
+
+
+def state_dir_from_env(explicit: str | Path | None = None) -> Path:
+    if explicit:
+        return Path(explicit).expanduser().resolve()
+    env = os.environ.get("TRAINGUARD_STATE_DIR")
+    return Path(env).expanduser().resolve() if env else DEFAULT_STATE_DIR
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    temporal_address: str = "127.0.0.1:7233"
+    namespace: str = "default"
+    # None: TLS exactly when an API key or a TLS file is set.
+    temporal_tls: bool | None = None
+    temporal_tls_cert: str | None = None
+    temporal_tls_key: str | None = None
+    temporal_tls_ca: str | None = None
+    temporal_tls_server_name: str | None = None
+    temporal_api_key: SecretStr | None = None
+    # The payload codec's key (base64 text, ``trainguard.services.codec.new_key()``), or a file holding it.
+    payload_key: SecretStr | None = None
+    payload_key_file: str | None = None
+    s3_endpoint: str | None = None
+    s3_bucket: str = "trainguard"
+    s3_region: str = "us-east-1"
+    aws_access_key_id: str | None = None
+    # SecretStr: repr, logs and status never show it.
+    aws_secret_access_key: SecretStr | None = None
+    state_dir: Path = DEFAULT_STATE_DIR
+
+    @classmethod
+    def load(cls, state_dir: str | Path | None = None) -> Settings:
+        """Environment first, then the local stack's record, then defaults."""
+        sd = state_dir_from_env(state_dir)
+        values: dict[str, str] = {}
+        record = sd / "stack.json"
+        if record.exists():
+            try:
+                from infra.stack import StackConfig, client_env
+
+                cfg = StackConfig.model_validate(json.loads(record.read_text())["config"])
+                values.update(client_env(cfg))
+            except (OSError, ValueError, KeyError, ImportError):
+                pass
+        values.update({k: v for k, v in os.environ.items() if k.startswith(("TRAINGUARD_", "AWS_"))})
+        if state_dir is not None:
+            values["TRAINGUARD_STATE_DIR"] = str(sd)
+        return cls.from_mapping(values, sd)
+
+    @classmethod
+    def from_mapping(cls, env: dict[str, str], state_dir: Path | None = None) -> Settings:
+        def get(key: str) -> str | None:
+            v = env.get(key)
+            return v if v else None
+
+        def secret(key: str) -> SecretStr | None:
+            v = get(key)
+            return SecretStr(v) if v else None
+
+        tls = (get("TRAINGUARD_TEMPORAL_TLS") or "").lower()
+        if tls and tls not in _TRUE + _FALSE:
+            raise SettingsError(f"TRAINGUARD_TEMPORAL_TLS: expected true or false, not {tls[:20]!r}")
+        cert, key = get("TRAINGUARD_TEMPORAL_TLS_CERT"), get("TRAINGUARD_TEMPORAL_TLS_KEY")
+        if bool(cert) != bool(key):
+            raise SettingsError(
+                "TRAINGUARD_TEMPORAL_TLS_CERT: a client certificate needs its key "
+                "(TRAINGUARD_TEMPORAL_TLS_KEY), and a key its certificate"
+            )
+        if get("TRAINGUARD_PAYLOAD_KEY") and get("TRAINGUARD_PAYLOAD_KEY_FILE"):
+            raise SettingsError("TRAINGUARD_PAYLOAD_KEY: set it or TRAINGUARD_PAYLOAD_KEY_FILE, not both")
+        return cls(
+            temporal_address=get("TRAINGUARD_TEMPORAL_ADDRESS") or "127.0.0.1:7233",
+            namespace=get("TRAINGUARD_NAMESPACE") or "default",
+            temporal_tls=(tls in _TRUE) if tls else None,
+            temporal_tls_cert=cert,
+            temporal_tls_key=key,
+            temporal_tls_ca=get("TRAINGUARD_TEMPORAL_TLS_CA"),
+            temporal_tls_server_name=get("TRAINGUARD_TEMPORAL_TLS_SERVER_NAME"),
+            temporal_api_key=secret("TRAINGUARD_TEMPORAL_API_KEY"),
+            payload_key=secret("TRAINGUARD_PAYLOAD_KEY"),
+            payload_key_file=get("TRAINGUARD_PAYLOAD_KEY_FILE"),
+            s3_endpoint=get("TRAINGUARD_S3_ENDPOINT"),
+            s3_bucket=get("TRAINGUARD_S3_BUCKET") or "trainguard",
+            s3_region=get("AWS_DEFAULT_REGION") or "us-east-1",
+            aws_access_key_id=get("AWS_ACCESS_KEY_ID"),
+            aws_secret_access_key=secret("AWS_SECRET_ACCESS_KEY"),
+            state_dir=Path(get("TRAINGUARD_STATE_DIR") or state_dir or DEFAULT_STATE_DIR),
+        )
+
+    def to_env(self) -> dict[str, str]:
+        """Variables that let a child process (worker, agent) load the same settings."""
+        env = {
+            "TRAINGUARD_TEMPORAL_ADDRESS": self.temporal_address,
+            "TRAINGUARD_NAMESPACE": self.namespace,
+            "TRAINGUARD_S3_BUCKET": self.s3_bucket,
+            "AWS_DEFAULT_REGION": self.s3_region,
+            "TRAINGUARD_STATE_DIR": str(self.state_dir),
+        }
+        if self.s3_endpoint:
+            env["TRAINGUARD_S3_ENDPOINT"] = self.s3_endpoint
+        if self.aws_access_key_id:
+            env["AWS_ACCESS_KEY_ID"] = self.aws_access_key_id
+        if self.aws_secret_access_key:
+            env["AWS_SECRET_ACCESS_KEY"] = self.aws_secret_access_key.get_secret_value()
+        if self.temporal_tls is not None:
+            env["TRAINGUARD_TEMPORAL_TLS"] = "true" if self.temporal_tls else "false"
+        for key, val in (
+            ("TRAINGUARD_TEMPORAL_TLS_CERT", self.temporal_tls_cert),
+            ("TRAINGUARD_TEMPORAL_TLS_KEY", self.temporal_tls_key),
+            ("TRAINGUARD_TEMPORAL_TLS_CA", self.temporal_tls_ca),
+            ("TRAINGUARD_TEMPORAL_TLS_SERVER_NAME", self.temporal_tls_server_name),
+            ("TRAINGUARD_PAYLOAD_KEY_FILE", self.payload_key_file),
+        ):
+            if val:
+                env[key] = val
+        if self.temporal_api_key:
+            env["TRAINGUARD_TEMPORAL_API_KEY"] = self.temporal_api_key.get_secret_value()
+        if self.payload_key:
+            env["TRAINGUARD_PAYLOAD_KEY"] = self.payload_key.get_secret_value()
+        return env
+
+    def payload_key_text(self) -> str | None:
+        """The payload codec's key as configured (read from its file if one is named), or None."""
+        if self.payload_key is not None:
+            return self.payload_key.get_secret_value()
+        if self.payload_key_file is None:
+            return None
+        try:
+            return Path(self.payload_key_file).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SettingsError(
+                f"TRAINGUARD_PAYLOAD_KEY_FILE: cannot read {self.payload_key_file}: {exc}"
+            ) from None

@@ -1,0 +1,110 @@
+"""S3 access for checkpoints, manifests and dumps (any S3: SeaweedFS, MinIO, AWS).
+
+Blocking boto3 calls; async callers run them in a thread. Every call has a
+bounded connect/read timeout and a small retry budget so a storage outage shows
+up as an error the caller can act on, not a hang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import ClientError
+
+from trainguard.services.settings import Settings
+
+CHUNK = 8 * 1024 * 1024
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+
+
+class S3Store:
+    def __init__(
+        self, settings: Settings, connect_timeout_s: float = 5.0, read_timeout_s: float = 60.0
+    ) -> None:
+        self.bucket = settings.s3_bucket
+        self._client = boto3.client(
+            "s3",
+            endpoint_url=settings.s3_endpoint,
+            region_name=settings.s3_region,
+            aws_access_key_id=settings.aws_access_key_id,
+            aws_secret_access_key=(
+                settings.aws_secret_access_key.get_secret_value() if settings.aws_secret_access_key else None
+            ),
+            config=Config(
+                connect_timeout=connect_timeout_s,
+                read_timeout=read_timeout_s,
+                retries={"max_attempts": 3, "mode": "standard"},
+                s3={"addressing_style": "path"},
+            ),
+        )
+
+    def uri(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    def put_file(self, key: str, path: Path) -> tuple[int, str]:
+        """Upload ``path`` to ``key``; returns (size, sha256) of what was sent."""
+        digest = sha256_file(path)
+        self._client.upload_file(str(path), self.bucket, key, ExtraArgs={"Metadata": {"sha256": digest}})
+        return path.stat().st_size, digest
+
+    def get_file(self, key: str, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".part")
+        self._client.download_file(self.bucket, key, str(tmp))
+        tmp.replace(path)
+
+    def put_json(self, key: str, data: Any) -> None:
+        self._client.put_object(
+            Bucket=self.bucket,
+            Key=key,
+            Body=json.dumps(data, indent=1).encode(),
+            ContentType="application/json",
+        )
+
+    def get_json(self, key: str) -> Any | None:
+        try:
+            body = self._client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise
+        return json.loads(body)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        try:
+            r = self._client.head_object(Bucket=self.bucket, Key=key)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise
+        return ObjectInfo(key=key, size=int(r["ContentLength"]))
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        out: list[ObjectInfo] = []
+        for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            out.extend(ObjectInfo(key=o["Key"], size=int(o["Size"])) for o in page.get("Contents", []))
+        return out
+
+    def delete(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):
+            batch = [{"Key": k} for k in keys[i : i + 1000]]
+            self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})

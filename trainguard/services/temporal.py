@@ -1,0 +1,81 @@
+"""One way to reach Temporal: the pydantic converter, TLS, the API key, the payload codec
+and tracing.
+
+The CLI, the SDK, the controller workers and the node agents all connect here, so
+one set of settings (``trainguard.services.settings``) secures every connection the same way.
+Every client carries Temporal's OpenTelemetry ``TracingInterceptor``; workers built on
+the client take it from there, so client calls, workflows and activities share traces
+(exported through the providers of ``trainguard.services.telemetry``; no-op until it is set up).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from temporalio.client import Client
+from temporalio.contrib.opentelemetry import TracingInterceptor
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.converter import DataConverter
+from temporalio.service import TLSConfig
+
+from trainguard.services.codec import PayloadKeyError, codec_from_text
+from trainguard.services.settings import Settings, SettingsError
+
+
+def _read(path: str | None, variable: str) -> bytes | None:
+    if not path:
+        return None
+    try:
+        return Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise SettingsError(f"{variable}: cannot read {path}: {exc.strerror}") from None
+
+
+def tls_config(settings: Settings) -> TLSConfig | bool:
+    """What ``Client.connect(tls=...)`` gets: False when switched off explicitly; a TLSConfig
+    when a CA, client certificate or server name is set; else TLS with the system's CAs
+    exactly when it is switched on or an API key is set (a bearer token never goes out in
+    clear unless TLS is switched off explicitly, e.g. behind a local TLS-terminating proxy)."""
+    custom = settings.temporal_tls_ca or settings.temporal_tls_cert or settings.temporal_tls_server_name
+    if settings.temporal_tls is False:
+        if custom:
+            raise SettingsError(
+                "TRAINGUARD_TEMPORAL_TLS: false, but TLS certificates or a server name are set"
+            )
+        return False
+    if custom:
+        return TLSConfig(
+            server_root_ca_cert=_read(settings.temporal_tls_ca, "TRAINGUARD_TEMPORAL_TLS_CA"),
+            domain=settings.temporal_tls_server_name,
+            client_cert=_read(settings.temporal_tls_cert, "TRAINGUARD_TEMPORAL_TLS_CERT"),
+            client_private_key=_read(settings.temporal_tls_key, "TRAINGUARD_TEMPORAL_TLS_KEY"),
+        )
+    return bool(settings.temporal_tls or settings.temporal_api_key)
+
+
+def data_converter(settings: Settings) -> DataConverter:
+    """The pydantic converter, with the payload codec when a payload key is configured."""
+    try:
+        codec = codec_from_text(settings.payload_key_text())
+    except PayloadKeyError as exc:
+        raise SettingsError(str(exc)) from None
+    if codec is None:
+        return pydantic_data_converter
+    return dataclasses.replace(pydantic_data_converter, payload_codec=codec)
+
+
+def connect_kwargs(settings: Settings) -> dict[str, Any]:
+    """Arguments of ``Client.connect`` for ``settings``; raises SettingsError before any connection."""
+    return {
+        "target_host": settings.temporal_address,
+        "namespace": settings.namespace,
+        "data_converter": data_converter(settings),
+        "tls": tls_config(settings),
+        "api_key": settings.temporal_api_key.get_secret_value() if settings.temporal_api_key else None,
+    }
+
+
+async def connect(settings: Settings) -> Client:
+    return await Client.connect(**connect_kwargs(settings), interceptors=[TracingInterceptor()])
