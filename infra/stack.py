@@ -461,6 +461,8 @@ class Stack:
         data = {
             "config": self.config.to_json_dict(),
             "processes": {n: r.model_dump(mode="json") for n, r in self.processes.items()},
+            # What Settings.load reads, so that no client has to import this module.
+            "client_env": client_env(self.config),
         }
         write_private(self.record_path(self.config.state_dir), json.dumps(data, indent=2) + "\n")
 

@@ -3,6 +3,7 @@ shows in their repr, str or JSON."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,19 @@ def test_settings_round_trip_through_the_environment_of_child_processes(tmp_path
     )
     assert Settings.from_mapping(s.to_env()) == s
     assert "TRAINGUARD_PAYLOAD_KEY" not in s.to_env()  # a key file stays a file
+
+
+def test_load_reads_the_local_stacks_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`trainguard up` then any client: the stack's record points settings at its servers."""
+    from infra.stack import Stack, StackConfig
+
+    for key in [k for k in os.environ if k.startswith(("TRAINGUARD_", "AWS_"))]:
+        monkeypatch.delenv(key)
+    cfg = StackConfig.default(tmp_path).model_copy(update={"temporal_port": 17233, "s3_port": 18433})
+    Stack(cfg).save()
+    s = Settings.load(tmp_path)
+    assert s.temporal_address == "127.0.0.1:17233"
+    assert s.s3_endpoint == "http://127.0.0.1:18433"
+    assert s.aws_access_key_id == cfg.access_key
+    assert s.aws_secret_access_key is not None
+    assert s.aws_secret_access_key.get_secret_value() == cfg.secret_key.get_secret_value()

@@ -27,7 +27,7 @@ from trainguard.domain.spec import load_spec
 from trainguard.face.cli import _print_status, exit_now
 from trainguard.services.settings import Settings
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 console = Console()
 
 

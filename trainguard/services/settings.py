@@ -14,7 +14,7 @@ Production Temporal:
 | ``TRAINGUARD_TEMPORAL_TLS_CERT``, ``..._TLS_KEY`` | client certificate and key (mTLS), both or neither |
 | ``TRAINGUARD_TEMPORAL_TLS_SERVER_NAME`` | name the server certificate is checked against (SNI) |
 | ``TRAINGUARD_TEMPORAL_API_KEY`` | API key (Temporal Cloud), sent as a bearer token |
-| ``TRAINGUARD_PAYLOAD_KEY`` or ``..._PAYLOAD_KEY_FILE`` | encrypt every payload (``trainguard.services.codec``) |
+| ``TRAINGUARD_PAYLOAD_KEY`` or ``..._PAYLOAD_KEY_FILE`` | encrypt every payload (``services.codec``) |
 
 Every credential is a ``SecretStr``: the settings' repr, str and JSON never show it.
 """
@@ -73,12 +73,12 @@ class Settings(BaseModel):
         values: dict[str, str] = {}
         record = sd / "stack.json"
         if record.exists():
+            # The stack writes the environment that points a client at it (infra/stack.py:
+            # Stack.save); read as plain JSON so that settings never import the dev stack.
             try:
-                from infra.stack import StackConfig, client_env
-
-                cfg = StackConfig.model_validate(json.loads(record.read_text())["config"])
-                values.update(client_env(cfg))
-            except (OSError, ValueError, KeyError, ImportError):
+                env = json.loads(record.read_text())["client_env"]
+                values.update({k: v for k, v in env.items() if isinstance(v, str)})
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 pass
         values.update({k: v for k, v in os.environ.items() if k.startswith(("TRAINGUARD_", "AWS_"))})
         if state_dir is not None:
