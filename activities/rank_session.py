@@ -35,6 +35,7 @@ from activities.health import HealthMonitor
 from activities.warm_pool import WarmPool
 from trainguard.agent.health.events import HealthEvent
 from trainguard.domain import checkpoints
+from trainguard.domain.checkpoints import parse_step_dir, shard_name, step_dir_name
 from trainguard.domain.detection import (
     Anomaly,
     ExitInfo,
@@ -53,14 +54,7 @@ from trainguard.domain.messages import (
 )
 from trainguard.domain.report_interval import report_interval
 from trainguard.runtime import protocol
-from trainguard.runtime.env import (
-    RankEnv,
-    backup_shard_name,
-    inheritable_environ,
-    parse_step_dir,
-    shard_name,
-    step_dir_name,
-)
+from trainguard.runtime.env import RankEnv, backup_shard_name, inheritable_environ
 from trainguard.runtime.warm import activatable, env_activatable
 from trainguard.services.storage import S3Store, sha256_file
 

@@ -25,9 +25,10 @@ from typing import Any
 import pytest
 
 from trainguard.agent.ports import free_port
+from trainguard.domain.checkpoints import parse_step_dir
 from trainguard.domain.spec import Topology
 from trainguard.domain.topology import coords
-from trainguard.runtime.env import RankEnv, parse_step_dir
+from trainguard.runtime.env import RankEnv
 
 pytestmark = pytest.mark.integration
 

@@ -12,18 +12,48 @@ a newer one is complete.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
 from trainguard.domain.messages import CheckpointRef, CommitCheckpointInput, ShardInfo
-from trainguard.runtime.env import parse_step_dir, shard_name, step_dir_name
-
-if TYPE_CHECKING:  # keeps boto3 out of workflow code that only needs the key layout
-    from trainguard.services.storage import S3Store
 
 MANIFEST = "manifest.json"
+
+
+class StoredObject(Protocol):
+    key: str
+    size: int
+
+
+class ObjectStore(Protocol):
+    """What the rules below need of a store (trainguard.services.storage.S3Store is one); a
+    protocol keeps boto3, and the services layer, out of the domain and of workflow code."""
+
+    def uri(self, key: str) -> str: ...
+    def put_json(self, key: str, data: Any) -> None: ...
+    def get_json(self, key: str) -> Any | None: ...
+    def head(self, key: str) -> StoredObject | None: ...
+    def list(self, prefix: str) -> Sequence[StoredObject]: ...
+    def delete(self, keys: list[str]) -> None: ...
+
+
+def step_dir_name(step: int) -> str:
+    # Zero-padded so lexical order is step order in S3 listings.
+    return f"step-{step:010d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    if name.startswith("step-") and name[5:].isdigit():
+        return int(name[5:])
+    return None
+
+
+def shard_name(step: int, rank: int) -> str:
+    """Relative path of one rank's shard of the checkpoint at ``step``, on disk and under the job's prefix."""
+    return f"{step_dir_name(step)}/rank-{rank:05d}.pt"
 
 
 class Manifest(BaseModel):
@@ -86,7 +116,7 @@ def steps_to_prune(
     )
 
 
-def _scan(store: S3Store, jprefix: str) -> tuple[dict[str, int], dict[int, list[str]]]:
+def _scan(store: ObjectStore, jprefix: str) -> tuple[dict[str, int], dict[int, list[str]]]:
     sizes: dict[str, int] = {}
     by_step: dict[int, list[str]] = {}
     for obj in store.list(jprefix + "/"):
@@ -98,7 +128,7 @@ def _scan(store: S3Store, jprefix: str) -> tuple[dict[str, int], dict[int, list[
     return sizes, by_step
 
 
-def _manifests(store: S3Store, jprefix: str, by_step: dict[int, list[str]]) -> list[Manifest]:
+def _manifests(store: ObjectStore, jprefix: str, by_step: dict[int, list[str]]) -> list[Manifest]:
     out = []
     for step, keys in by_step.items():
         mkey = manifest_key(jprefix, step)
@@ -112,7 +142,7 @@ def _manifests(store: S3Store, jprefix: str, by_step: dict[int, list[str]]) -> l
 
 
 def latest(
-    store: S3Store, jprefix: str, world_size: int, max_step: int | None = None
+    store: ObjectStore, jprefix: str, world_size: int, max_step: int | None = None
 ) -> CheckpointRef | None:
     """The newest complete checkpoint, optionally no newer than ``max_step``."""
     sizes, by_step = _scan(store, jprefix)
@@ -123,7 +153,7 @@ def latest(
     return CheckpointRef(step=m.step, uri=store.uri(manifest_key(jprefix, m.step)), shards=m.shards)
 
 
-def commit(store: S3Store, inp: CommitCheckpointInput) -> CheckpointRef:
+def commit(store: ObjectStore, inp: CommitCheckpointInput) -> CheckpointRef:
     """Verify every shard of ``inp.step`` is stored, write the manifest, then prune.
 
     Idempotent: committing the same step twice rewrites an identical manifest.
@@ -152,7 +182,7 @@ def commit(store: S3Store, inp: CommitCheckpointInput) -> CheckpointRef:
 
 
 def prune(
-    store: S3Store, jprefix: str, world_size: int, keep: int, verified_step: int | None = None
+    store: ObjectStore, jprefix: str, world_size: int, keep: int, verified_step: int | None = None
 ) -> list[int]:
     sizes, by_step = _scan(store, jprefix)
     complete = {

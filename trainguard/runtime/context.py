@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from trainguard.domain.checkpoints import shard_name
 from trainguard.domain.topology import GroupKind, all_groups, coords
 from trainguard.runtime import backup, faults, protocol, shardfile
-from trainguard.runtime.env import RankEnv, backup_shard_name, shard_name
+from trainguard.runtime.env import RankEnv, backup_shard_name
 from trainguard.runtime.snapshots import Snapshot, SnapshotPipeline
 from trainguard.runtime.state import param_hash
 from trainguard.runtime.tracked import TrackedState

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict
 
+from trainguard.domain.checkpoints import step_dir_name
 from trainguard.domain.spec import Topology
 
 REPORT_FD = "TG_REPORT_FD"
@@ -128,19 +129,3 @@ class RankEnv(BaseModel):
 def backup_shard_name(step: int, of_rank: int) -> str:
     """Relative path (in the receiving machine's snapshot dir) of another machine's rank's backup."""
     return f"backup/{step_dir_name(step)}/rank-{of_rank:05d}.pt"
-
-
-def shard_name(step: int, rank: int) -> str:
-    """Relative path of one rank's shard of the checkpoint at ``step``."""
-    return f"{step_dir_name(step)}/rank-{rank:05d}.pt"
-
-
-def step_dir_name(step: int) -> str:
-    # Zero-padded so lexical order is step order in S3 listings.
-    return f"step-{step:010d}"
-
-
-def parse_step_dir(name: str) -> int | None:
-    if name.startswith("step-") and name[5:].isdigit():
-        return int(name[5:])
-    return None
