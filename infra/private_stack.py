@@ -10,15 +10,13 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from infra.local import bring_down, bring_up
+from infra.stack import Stack, StackConfig, client_env
+from trainguard.client import TrainguardClient
+from trainguard.services.settings import Settings
 
-from infra.local import bring_down, bring_up  # noqa: E402
-from infra.stack import Stack, StackConfig, client_env  # noqa: E402
-from trainguard.client import TrainguardClient  # noqa: E402
-from trainguard.face.cli import exit_now  # noqa: E402
-from trainguard.services.settings import Settings  # noqa: E402
+# The source checkout this file sits in: the benches' agents run its examples.
+CHECKOUT = Path(__file__).resolve().parents[1]
 
 Bench = Callable[[Path, Callable[[str], None]], Coroutine[Any, Any, dict[str, Any]]]
 
@@ -28,12 +26,14 @@ def log(message: str) -> None:
 
 
 def choose(field: str, value: str, known: Sequence[str]) -> list[str]:
-    """The comma-separated names of ``value``; exit 2 naming ``field`` if one is unknown."""
+    """The comma-separated names of ``value``; exit 2 naming ``field`` if one is unknown.
+
+    Called while parsing arguments, before any Temporal client exists, so a plain exit is safe."""
     names = [n for n in value.split(",") if n]
     unknown = [n for n in names if n not in known]
     if unknown:
         print(f"error: {field}: unknown {unknown} (one of {', '.join(known)})", file=sys.stderr)
-        exit_now(2)
+        raise SystemExit(2)
     return names
 
 
@@ -44,15 +44,21 @@ async def connect(state_dir: Path) -> TrainguardClient:
 
 
 def run_bench(
-    prefix: str, nodes: int, bench: Bench, warm_ranks: int = 0, controllers: int = 1
+    prefix: str,
+    nodes: int,
+    bench: Bench,
+    warm_ranks: int = 0,
+    controllers: int = 1,
+    code_dir: Path = CHECKOUT,
 ) -> dict[str, Any]:
-    """Bring up ``nodes`` machines (each keeping ``warm_ranks`` warm rank processes) and
-    ``controllers`` controller workers, run ``bench(state_dir, log)``, tear down; adds ``wall_s``."""
+    """Bring up ``nodes`` machines (each keeping ``warm_ranks`` warm rank processes, their ranks
+    started in ``code_dir``) and ``controllers`` controller workers, run ``bench(state_dir, log)``,
+    tear down; adds ``wall_s``."""
     t0 = time.monotonic()
     state_dir = Path(tempfile.mkdtemp(prefix=prefix))
     config = StackConfig.for_tests(state_dir).model_copy(update={"warm_ranks": warm_ranks})
     try:
-        bring_up(state_dir, nodes=nodes, config=config, code_dir=REPO, controllers=controllers)
+        bring_up(state_dir, nodes=nodes, config=config, code_dir=code_dir, controllers=controllers)
         result = asyncio.run(bench(state_dir, log))
     finally:
         bring_down(state_dir)

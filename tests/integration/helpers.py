@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.client import JobHandle
-from trainguard.domain.spec import JobSpec, load_spec
+from trainguard.domain.spec import JobSpec
+from trainguard.face.drill.suite import example_spec as drill_example_spec
 from trainguard.services.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,26 +22,7 @@ JOB_TIMEOUT_S = 420.0  # a loaded 2-core CI machine runs the example several tim
 
 def example_spec(name: str, **over: Any) -> JobSpec:
     """The example job, shortened for tests: 80 steps, a checkpoint every 10, fast checks."""
-    spec = load_spec(REPO / "examples" / "gpt" / "job.yaml")
-    data = spec.model_dump()
-    data.update(
-        name=name,
-        target_steps=80,
-        # Memory snapshots every 5 steps keep 2-core CI fast; S3 every 10 (the product default is 1).
-        checkpoint={**data["checkpoint"], "every_steps": 10, "memory_every_steps": 5},
-        detection={
-            **data["detection"],
-            "progress_interval_s": 0.5,
-            "replica_check_every": 10,
-            "spike_warmup_steps": 15,
-            "hang_floor_s": 5.0,
-            "slow_round_s": 1.0,
-            "slow_rounds": 4,
-        },
-        env={"GPT_SEQ_LEN": "32", "GPT_STEP_SLEEP_S": "0.03"},
-    )
-    data.update(over)
-    return JobSpec.model_validate(data)
+    return drill_example_spec(REPO, name, **over)
 
 
 async def wait_until(

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench.drill import render, run_drill
+from trainguard.face.drill.suite import render, run_drill
 
 # The fixture runs both systems (minutes on a loaded 2-core machine) in whichever test comes first.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]

@@ -193,6 +193,7 @@ def test_a_good_spec_does_get_to_connecting(tmp_path: Path, connects: list[Setti
         (["drill", "--faults", ","], "faults"),
         (["drill", "--gap-steps", "3"], "--gap-steps"),
         (["drill", "--seed", "one"], "--seed"),
+        (["drill", "--faults", "crash", "--code-dir", "/nonexistent"], "code-dir"),
         (["frobnicate"], "frobnicate"),
         (["status", "job-1", "--no-such-flag"], "--no-such-flag"),
     ],

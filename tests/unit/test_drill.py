@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.drill import document, render
 from tests.integration.helpers import example_spec
 from trainguard.domain.checkpoints import shard_name
 from trainguard.domain.spec import SpecError
 from trainguard.face.drill.drive import FaultRow, Injected, Observation, Outcome, SystemResult, drive
 from trainguard.face.drill.mix import STANDARD_MIX, DrillFault, Mix, parse_faults, schedule
 from trainguard.face.drill.progress import ProgressTrace, corrupt_from, ettr, productive_seconds
+from trainguard.face.drill.suite import document, render
 from trainguard.face.drill.torchrun_resume import newest_complete_step, set_resume_step
 from trainguard.face.drill.torchrun_side import Attempt, Launch, RankLogs, TorchrunSide, training_script
 

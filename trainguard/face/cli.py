@@ -570,18 +570,6 @@ def _read_status(path: Path) -> dict[str, Any]:
 # -- fault drill suite --------------------------------------------------------------------------
 
 
-def _bench_module(name: str) -> Any:
-    """A module of the checkout's ``bench/`` (not part of an installed package)."""
-    import importlib
-
-    repo = Path(__file__).resolve().parents[1]
-    if not (repo / "bench" / f"{name}.py").is_file():
-        _fail(1, f"{repo / 'bench' / name}.py not found: the drill runs from a source checkout")
-    if str(repo) not in sys.path:
-        sys.path.insert(0, str(repo))
-    return importlib.import_module(f"bench.{name}")
-
-
 @app.command()
 @handles_errors
 def drill(
@@ -596,16 +584,26 @@ def drill(
     gap_steps: Annotated[
         int, typer.Option(min=10, max=100_000, help="training steps between two faults")
     ] = 50,
+    code_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--code-dir",
+            help="where the example job (examples/gpt) is; default: the current directory when it has "
+            "one, else the checkout trainguard runs from",
+        ),
+    ] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Fault drill suite: the example job through a fault mix on a private local stack, then the same
     job and faults under plain torchrun --max-restarts 3; detection, action, recovery and lost steps
     per fault, wall time, ETTR and completion per system. Takes minutes (torchrun waits out its
     collective timeout after a hang: 30 min)."""
-    drill_mix = _bench_module("drill_mix")
-    names = drill_mix.parse_faults(faults) if faults is not None else list(drill_mix.STANDARD_MIX)
-    drill_mix.schedule(names, gap_steps, seed)  # bad input stops here, before any stack starts
-    bench_drill = _bench_module("drill")
+    from trainguard.face.drill import mix, suite
+
+    names = mix.parse_faults(faults) if faults is not None else list(mix.STANDARD_MIX)
+    mix.schedule(names, gap_steps, seed)  # bad input stops here, before any stack starts
+    code_dir = (code_dir or suite.default_code_dir()).resolve()
+    suite.example_spec(code_dir, "gpt-drill")
     with Progress(
         TextColumn("[bold]{task.description:<10}"),
         BarColumn(),
@@ -621,11 +619,11 @@ def drill(
                 tasks[system] = bar.add_task(system, total=target, faults="0/0")
             bar.update(tasks[system], completed=step, faults=f"{injected}/{total}")
 
-        doc = bench_drill.run_drill(names, seed, gap_steps, say=bar.console.log, progress=show)
+        doc = suite.run_drill(names, seed, gap_steps, say=bar.console.log, progress=show, code_dir=code_dir)
     if json_out:
         _print_json(doc)
     else:
-        out.print(bench_drill.render(doc), markup=False, highlight=False)
+        out.print(suite.render(doc), markup=False, highlight=False)
     if not doc["systems"]["trainguard"]["completed"]:
         raise typer.Exit(1)
 

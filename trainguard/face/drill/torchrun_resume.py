@@ -29,12 +29,8 @@ import sys
 from collections.abc import MutableMapping
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from trainguard.domain.checkpoints import parse_step_dir, shard_name  # noqa: E402
-from trainguard.runtime.env import REPORT_FD  # noqa: E402
+from trainguard.domain.checkpoints import parse_step_dir, shard_name
+from trainguard.runtime.env import REPORT_FD
 
 
 def newest_complete_step(ckpt_dir: Path, world_size: int) -> int | None:

@@ -65,7 +65,10 @@ from trainguard.face.drill.progress import ProgressTrace, corrupt_from, nonfinit
 from trainguard.runtime import protocol
 from trainguard.runtime.env import inheritable_environ
 
-REPO = Path(__file__).resolve().parents[1]
+# torchrun's entrypoint for every rank: resume from the newest complete checkpoint, then the script.
+RESUME_WRAPPER = Path(__file__).with_name("torchrun_resume.py")
+# The folder that holds the trainguard package (a checkout or site-packages): the ranks import from it.
+PACKAGE_ROOT = Path(__file__).resolve().parents[3]
 SYSTEM = "torchrun"
 MAX_RESTARTS = 3
 STOP_GRACE_S = 30.0
@@ -82,12 +85,13 @@ def training_script(spec: JobSpec) -> tuple[str, list[str]]:
     raise ValueError(f"entrypoint {argv}: no Python script to hand to torchrun")
 
 
-def torchrun_env(spec: JobSpec, ckpt_dir: Path, fault_file: Path) -> dict[str, str]:
+def torchrun_env(spec: JobSpec, ckpt_dir: Path, fault_file: Path, code_dir: Path) -> dict[str, str]:
     """The ranks' environment: what trainguard's agent would give them, minus the agent."""
     env = inheritable_environ()
     env.update(spec.env)
     path = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + path if path else "")
+    roots = dict.fromkeys([str(code_dir), str(PACKAGE_ROOT)])
+    env["PYTHONPATH"] = os.pathsep.join([*roots, *([path] if path else [])])
     env.update(
         PYTHONUNBUFFERED="1",
         LOGLEVEL="INFO",  # torchrun then says when the worker group failed
@@ -115,7 +119,7 @@ def torchrun_argv(spec: JobSpec, report_log: Path) -> list[str]:
         "--nnodes", "1",
         "--nproc-per-node", str(spec.world_size),
         "--max-restarts", str(MAX_RESTARTS),
-        str(REPO / "bench" / "torchrun_resume.py"),
+        str(RESUME_WRAPPER),
         "--report-log", str(report_log),
         script, *args,
     ]  # fmt: skip
@@ -176,9 +180,13 @@ class Attempt:
 class TorchrunSide:
     name = SYSTEM
 
-    def __init__(self, spec: JobSpec, log: Any, workdir: Path | None = None) -> None:
+    def __init__(
+        self, spec: JobSpec, log: Any, workdir: Path | None = None, code_dir: Path | None = None
+    ) -> None:
         self.spec = spec
         self.log = log
+        # Where the spec's entrypoint (examples/gpt/train.py) is found: torchrun starts there.
+        self.code_dir = code_dir or PACKAGE_ROOT
         # Reports and torchrun's output stay for a look afterwards; checkpoints go to tmpfs
         # (trainguard's memory tier) and are removed at the end.
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="tg-drill-torchrun-"))
@@ -203,10 +211,10 @@ class TorchrunSide:
     # -- launching -------------------------------------------------------------------
     def _launch(self) -> None:
         assert self.ckpt_dir is not None
-        env = {**torchrun_env(self.spec, self.ckpt_dir, self.drills.path), **self.extra_env}
+        env = {**torchrun_env(self.spec, self.ckpt_dir, self.drills.path, self.code_dir), **self.extra_env}
         proc = subprocess.Popen(
             torchrun_argv(self.spec, self.report_log),
-            cwd=REPO,
+            cwd=self.code_dir,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

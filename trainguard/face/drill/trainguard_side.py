@@ -40,7 +40,6 @@ NODES = 3  # two for the job, one spare
 # A fault that should become an incident and has not after this long counts as undetected.
 SETTLE_TIMEOUT_S = 180.0
 BAD_VERSION = "v2"
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _t(iso: str | None) -> float | None:
@@ -57,10 +56,11 @@ def _incident_note(inc: dict[str, Any]) -> str:
 class TrainguardSide:
     name = SYSTEM
 
-    def __init__(self, tg: TrainguardClient, state_dir: Path, spec: JobSpec) -> None:
+    def __init__(self, tg: TrainguardClient, state_dir: Path, spec: JobSpec, code_dir: Path) -> None:
         self.tg = tg
         self.state_dir = state_dir
         self.spec = spec
+        self.code_dir = code_dir  # where restarted agents start the job's ranks
         self.job: JobHandle | None = None
         self.status: dict[str, Any] = {}
 
@@ -96,7 +96,7 @@ class TrainguardSide:
         if last.fault.expects_incident and not new and waited < SETTLE_TIMEOUT_S:
             return False
         if not last.settled:
-            await restore_pool(self.tg, self.state_dir, node_names(NODES, 0), REPO)
+            await restore_pool(self.tg, self.state_dir, node_names(NODES, 0), self.code_dir)
             last.settled = True
         return True
 
