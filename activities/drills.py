@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import signal
-import uuid
 from collections.abc import Coroutine
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any
 from temporalio import activity
 
 from trainguard.agent.health.events import HealthEvent, Probe, Severity
+from trainguard.agent.standing_faults import DrillState
 from trainguard.domain.messages import MACHINE_FAULTS, ClearFaultsInput, InjectInput, InjectResult
 from workflows.job import calls
 
@@ -46,56 +46,6 @@ FLAP_DOWN_S = 1.0
 FLAP_GAP_S = 2.0
 # The injection's answer must reach Temporal before the link it travels on goes.
 LINK_DELAY_S = 0.5
-
-
-class DrillState:
-    """The faults standing on this machine; the file is also what the ranks read."""
-
-    def __init__(self, workdir: Path, node: str) -> None:
-        self.path = workdir / "faults.json"
-        self.node = node
-
-    def load(self) -> list[dict]:
-        try:
-            return list(json.loads(self.path.read_text()).get("faults", []))
-        except (OSError, ValueError):
-            return []
-
-    def _write(self, faults: list[dict]) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"faults": faults}, indent=1))
-        os.replace(tmp, self.path)
-
-    def add(self, req: InjectInput, now: datetime) -> dict:
-        fault = {
-            "id": f"f-{uuid.uuid4().hex[:8]}",
-            "fault": req.fault,
-            "rank": req.rank,
-            "at_step": req.at_step,
-            "count": req.count,
-            "duration_s": req.duration_s,
-            "evades_checks": req.evades_checks,
-            "injected_at": now.isoformat(),
-        }
-        self._write([*self.load(), fault])
-        return fault
-
-    def consume(self, fault_id: str) -> None:
-        """A one-shot fault acted: count it down, and remove it when used up."""
-        faults = []
-        for f in self.load():
-            if f["id"] == fault_id:
-                left = int(f.get("count") or 1) - 1
-                if left <= 0:
-                    continue
-                f = {**f, "count": left}
-            faults.append(f)
-        self._write(faults)
-
-    def clear(self) -> int:
-        n = len(self.load())
-        self._write([])
-        return n
 
 
 # Machine faults as the real probes report them: severity, confidence, message, device, details.

@@ -53,8 +53,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
-from activities.drills import DrillState
 from infra.processes import kill_pid, pid_alive, start_ticks, stop_pid
+from trainguard.agent.standing_faults import DrillState
 from trainguard.domain.job_state import combined_param_hash
 from trainguard.domain.messages import InjectInput
 from trainguard.domain.spec import JobSpec
