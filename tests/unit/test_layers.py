@@ -1,0 +1,138 @@
+"""The house keeps its shape: every import between the project's layers runs the allowed way.
+
+Read from the source with ``ast`` (every import, inside functions and ``TYPE_CHECKING``
+blocks too), so a lazy import cannot slip an arrow past it. docs/architecture.md draws
+the same layers.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Longest prefix wins: a file or module belongs to the first layer whose prefix it starts with.
+LAYERS: list[tuple[str, str]] = [
+    ("trainguard/runtime/", "runtime"),
+    ("trainguard/domain/", "domain"),
+    ("trainguard/agent/", "agent"),
+    ("trainguard/services/", "services"),
+    ("trainguard/sim/", "sim"),
+    ("trainguard/face/", "face"),
+    ("trainguard/client.py", "face"),  # the SDK: public as trainguard.client
+    ("trainguard/__main__.py", "face"),
+    ("trainguard/__init__.py", "package"),
+    ("workflows/", "workflows"),
+    ("activities/", "activities"),
+    ("workers/", "workers"),
+    ("infra/", "infra"),
+    ("bench/", "bench"),
+    ("tests/", "tests"),
+]
+
+# What each layer may import (besides itself and anything outside the project).
+MAY_IMPORT: dict[str, set[str]] = {
+    "domain": set(),  # pure decisions and data
+    "runtime": {"domain"},  # inside a user's rank: torch and the domain's data, nothing that connects
+    "agent": {"domain", "runtime"},
+    "services": {"domain"},
+    "sim": {"domain"},
+    "workflows": {"domain"},  # the sandbox: no I/O, no activity implementations
+    "activities": {"domain", "services", "agent", "runtime"},
+    "workers": {"workflows", "activities", "domain", "services", "agent"},
+    "face": {"domain", "services", "sim", "runtime", "agent", "infra"},  # infra: `up`, `down`, demo, drill
+    "infra": {"domain", "services", "agent", "face"},  # the dev stack drives the SDK
+    "package": set(),
+}
+
+
+def layer_of(rel: str) -> str | None:
+    for prefix, name in LAYERS:
+        if rel == prefix or rel.startswith(prefix):
+            return name
+    return None
+
+
+def module_layer(module: str) -> str | None:
+    """Layer of a dotted module name (a module file, or a package folder)."""
+    path = module.replace(".", "/")
+    return layer_of(path + ".py") or layer_of(path + "/")
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import in ``path``; ``from a import b`` also counts ``a.b``."""
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.lineno, node.module))
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+@functools.cache
+def arrows() -> list[tuple[str, str, str]]:
+    """(file:line, from layer, to layer) for every import that crosses layers."""
+    found = []
+    for top in ("trainguard", "workflows", "activities", "workers", "infra"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            src = layer_of(rel)
+            assert src is not None, f"{rel} is on no layer: add it to LAYERS"
+            for line, module in imports(path):
+                dst = module_layer(module)
+                if dst is not None and dst != src:
+                    found.append((f"{rel}:{line} imports {module}", src, dst))
+    return found
+
+
+def test_every_import_runs_an_allowed_way() -> None:
+    wrong = [f"{where} ({src} -> {dst})" for where, src, dst in arrows() if dst not in MAY_IMPORT[src]]
+    assert not wrong, "imports against the layers:\n" + "\n".join(sorted(set(wrong)))
+
+
+@pytest.mark.parametrize("layer", ["workflows", "activities", "workers"])
+def test_what_runs_on_machines_and_in_workflows_never_imports_the_dev_stack_or_benches(layer: str) -> None:
+    assert "infra" not in MAY_IMPORT[layer] and "bench" not in MAY_IMPORT[layer]
+    wrong = [where for where, src, dst in arrows() if src == layer and dst in ("infra", "bench")]
+    assert not wrong, wrong
+
+
+def test_nothing_installed_imports_bench_or_tests() -> None:
+    wrong = [where for where, _, dst in arrows() if dst in ("bench", "tests")]
+    assert not wrong, wrong
+
+
+def test_trainguards_top_level_holds_only_the_layers_and_the_public_entry_points() -> None:
+    """New modules go into a layer; the top level keeps what users name: the SDK
+    (``trainguard.client``), ``python -m trainguard`` and the runtime package."""
+    top = {
+        p.name for p in (REPO / "trainguard").iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()
+    }
+    assert top == {
+        "__init__.py",
+        "__main__.py",
+        "client.py",
+        "runtime",
+        "domain",
+        "agent",
+        "services",
+        "sim",
+        "face",
+    }
+
+
+def test_the_rules_catch_a_wrong_arrow(tmp_path: Path) -> None:
+    """The reader sees an import made inside a function, and the table refuses it."""
+    f = tmp_path / "x.py"
+    f.write_text("def f():\n    from infra.stack import Stack\n    import trainguard.services.storage\n")
+    mods = [m for _, m in imports(f)]
+    assert "infra.stack" in mods and "trainguard.services.storage" in mods
+    assert module_layer("infra.stack") == "infra" and "infra" not in MAY_IMPORT["workflows"]
+    assert module_layer("trainguard.services.storage") == "services"
+    assert "services" not in MAY_IMPORT["domain"]
