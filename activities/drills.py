@@ -1,8 +1,8 @@
-"""Fault drills on this machine: injection, the standing-fault file, the drill probe.
+"""Fault drills on this machine: injection, and the drill probe over the standing faults.
 
 Injected faults are product features, not test hooks. They persist (in
-``<workdir>/faults.json``) until cleared or the machine is evicted, and act
-through the same paths as real faults: machine faults become the same
+``<workdir>/faults.json``, ``trainguard.agent.standing_faults``) until cleared or
+the machine is evicted, and act through the same paths as real faults: machine faults become the same
 ``HealthEvent`` kinds the NVML, host and network probes produce, and rank faults
 act inside the ranks (``trainguard.runtime.faults``), which read the same file.
 
