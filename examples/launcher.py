@@ -17,8 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainguard.client import JobAlreadyRunning, TrainguardClient
-from trainguard.domain.spec import JobSpec, SpecError, load_spec, parse_spec
+from trainguard.client import JobAlreadyRunning, JobSpec, SpecError, TrainguardClient, load_spec, parse_spec
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,7 +1,6 @@
 """The SDK for job launchers; the CLI is built on it.
 
-    from trainguard.client import TrainguardClient
-    from trainguard.domain.spec import load_spec
+    from trainguard.client import TrainguardClient, load_spec
 
     async def launch() -> None:
         tg = await TrainguardClient.connect()          # env vars, else the local stack
@@ -10,7 +9,8 @@
         print(final["result"]["param_hash"])
 
 A blocking facade, :class:`SyncClient`, wraps the same calls for scripts that
-are not async.
+are not async. The spec's own names (``JobSpec``, ``SpecError``, ``load_spec``,
+``parse_spec``) are handed on here, so a launcher imports this module alone.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ from trainguard.domain.messages import (
     PoolState,
 )
 from trainguard.domain.spec import NAME_RE, JobSpec, SpecError, first_validation_error, shown
+from trainguard.domain.spec import load_spec as load_spec
+from trainguard.domain.spec import parse_spec as parse_spec
 from trainguard.services import pool_client, telemetry
 from trainguard.services.settings import Settings
 from trainguard.services.temporal import connect

@@ -66,7 +66,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainguard import runtime as tg
-from trainguard.domain.topology import rank_of
 from trainguard.runtime import Context
 
 SEED = 1234
@@ -126,8 +125,8 @@ class Pipe:
         c, topo = ctx.coords, ctx.topology
         if topo.tp != 1:
             raise SystemExit(f"this example has no tensor parallelism; got tp={topo.tp}")
-        prev = rank_of(c.tp, c.pp - 1, c.dp, topo) if c.pp > 0 else None
-        nxt = rank_of(c.tp, c.pp + 1, c.dp, topo) if c.pp < topo.pp - 1 else None
+        prev = tg.rank_of(c.tp, c.pp - 1, c.dp, topo) if c.pp > 0 else None
+        nxt = tg.rank_of(c.tp, c.pp + 1, c.dp, topo) if c.pp < topo.pp - 1 else None
         return cls(stage=c.pp, n_stages=topo.pp, prev=prev, next=nxt)
 
 

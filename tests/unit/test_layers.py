@@ -136,3 +136,21 @@ def test_the_rules_catch_a_wrong_arrow(tmp_path: Path) -> None:
     assert module_layer("infra.stack") == "infra" and "infra" not in MAY_IMPORT["workflows"]
     assert module_layer("trainguard.services.storage") == "services"
     assert "services" not in MAY_IMPORT["domain"]
+
+
+def test_the_public_names_users_rely_on_resolve() -> None:
+    """What README and examples/ import, the console script, and ``python -m trainguard``."""
+    import tomllib
+
+    from trainguard import runtime as tg
+    from trainguard.client import JobSpec, SpecError, SyncClient, TrainguardClient, load_spec, parse_spec
+
+    assert issubclass(SpecError, ValueError) and parse_spec.__module__ == "trainguard.domain.spec"
+    assert JobSpec.__name__ == "JobSpec" and callable(TrainguardClient.connect) and callable(SyncClient)
+    assert load_spec(REPO / "examples" / "gpt" / "job.yaml").name == "gpt-tiny"
+    for name in tg.__all__:
+        assert callable(getattr(tg, name)), name
+    script = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["trainguard"]
+    module, _, attr = script.partition(":")
+    assert callable(getattr(__import__(module, fromlist=[attr]), attr))
+    assert "from trainguard.face.cli import main" in (REPO / "trainguard" / "__main__.py").read_text()

@@ -17,13 +17,14 @@ reports become no-ops and checkpoints go to ``./checkpoints``.
 
 from typing import Any
 
-__all__ = ["Context", "init", "load_shard", "param_hash", "restore_rng", "rng_state"]
+__all__ = ["Context", "init", "load_shard", "param_hash", "rank_of", "restore_rng", "rng_state"]
 
 _EXPORTS = {
     "Context": "trainguard.runtime.context",
     "init": "trainguard.runtime.context",
     "load_shard": "trainguard.runtime.shardfile",
     "param_hash": "trainguard.runtime.state",
+    "rank_of": "trainguard.domain.topology",
     "restore_rng": "trainguard.runtime.state",
     "rng_state": "trainguard.runtime.state",
 }
