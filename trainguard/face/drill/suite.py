@@ -16,7 +16,7 @@ computed again. Per system: wall time, ETTR (``progress``: productive step
 time over wall time, measured identically for both), whether the job completed.
 
     trainguard drill [--json] [--faults crash,hang] [--seed S] [--gap-steps N] [--code-dir DIR]
-    python bench/drill.py ...   (the same)
+    python bench/drill.py ...   (the same, without progress bars)
 
 The job is the example of the source tree or install in ``--code-dir`` (default: the
 current directory when it has ``examples/gpt``, else the checkout this package runs from):
@@ -25,11 +25,8 @@ its agents and torchrun start ``examples/gpt/train.py`` there.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,9 +34,8 @@ from typing import Any
 
 from infra.private_stack import connect, log, run_bench
 from trainguard.domain.spec import JobSpec, SpecError, load_spec
-from trainguard.face.cli import exit_now
 from trainguard.face.drill.drive import ProgressFn, SystemResult, drive
-from trainguard.face.drill.mix import DEFAULT_GAP_STEPS, STANDARD_MIX, Mix, parse_faults, schedule
+from trainguard.face.drill.mix import DEFAULT_GAP_STEPS, Mix, schedule
 from trainguard.face.drill.torchrun_side import TorchrunSide
 from trainguard.face.drill.trainguard_side import NODES, TrainguardSide
 
@@ -184,25 +180,3 @@ def render(doc: dict[str, Any]) -> str:
         cpus, (before, after) = doc["host"]["cpus"], doc["host"]["load_avg_1m"]
         lines.append(f"host: {cpus} CPUs, 1-minute load average {before} at the start, {after} at the end")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python bench/drill.py``: the same drill as ``trainguard drill``, without the progress bars."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--faults", default=",".join(STANDARD_MIX))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gap-steps", type=int, default=DEFAULT_GAP_STEPS)
-    ap.add_argument("--code-dir", type=Path, default=None)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    code_dir = args.code_dir or default_code_dir()
-    try:
-        names = parse_faults(args.faults)
-        schedule(names, args.gap_steps, args.seed)
-        example_spec(code_dir, "gpt-drill")
-    except SpecError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        exit_now(2)
-    doc = run_drill(names, args.seed, args.gap_steps, code_dir=code_dir)
-    print(json.dumps(doc) if args.json else render(doc))
-    exit_now(0 if doc["systems"]["trainguard"]["completed"] else 1)
