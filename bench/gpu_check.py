@@ -226,8 +226,9 @@ def train_worker(args: argparse.Namespace) -> None:
     import train as gpt
 
     from trainguard import runtime as tg
+    from trainguard.domain.checkpoints import parse_step_dir
     from trainguard.runtime.context import Context
-    from trainguard.runtime.env import RankEnv, parse_step_dir
+    from trainguard.runtime.env import RankEnv
 
     class PruningContext(Context):
         """Keeps only the two newest snapshots (the agent prunes on a real machine)."""

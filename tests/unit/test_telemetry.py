@@ -404,7 +404,7 @@ def test_setup_installs_providers_once_per_process(tmp_path: Path) -> None:
     script = f"""
 from pathlib import Path
 from opentelemetry import trace
-from trainguard import telemetry
+from trainguard.services import telemetry
 from trainguard.services.settings import Settings
 first = telemetry.setup(Settings(state_dir=Path({str(tmp_path)!r})), "first", environ={{}})
 again = telemetry.setup(Settings(state_dir=Path({str(tmp_path / "other")!r})), "second", environ={{}})
