@@ -23,7 +23,8 @@ from infra.processes import spawn, start_ticks, stop_pid, wait_for
 
 NODES = ("n1", "n2", "n3")
 PARTITION = "tg"
-_PACKAGES = {"slurmctld": "slurmctld", "slurmd": "slurmd", "srun": "slurm-client", "munged": "munge"}
+_EXECUTABLES = ("slurmctld", "slurmd", "srun", "sinfo", "squeue", "scancel", "munged")
+_PACKAGES = ("slurm-wlm", "munge")
 _INSTALL_TIMEOUT_S = 900.0
 _READY_TIMEOUT_S = 60.0
 
@@ -34,7 +35,7 @@ class SlurmUnavailable(RuntimeError):
 
 def ensure_slurm() -> None:
     """slurm-wlm and munge installed; apt-get them (after one `apt-get update`) when missing."""
-    missing = sorted({pkg for exe, pkg in _PACKAGES.items() if _which(exe) is None})
+    missing = [exe for exe in _EXECUTABLES if _which(exe) is None]
     if not missing:
         return
     if shutil.which("apt-get") is None:
@@ -42,7 +43,7 @@ def ensure_slurm() -> None:
     if os.geteuid() != 0:
         raise SlurmUnavailable(f"{', '.join(missing)} missing; installing them needs root (apt-get)")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for argv in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", *missing]):
+    for argv in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", *_PACKAGES]):
         done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=_INSTALL_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed: {done.stderr.strip()[-2000:]}")
