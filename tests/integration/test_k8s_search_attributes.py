@@ -13,8 +13,7 @@ import pytest
 from infra.ports import LOOPBACK, free_ports
 from infra.processes import spawn, start_ticks, stop_pid, wait_for
 from infra.stack import SEARCH_ATTRIBUTES
-from tests.unit.entrypoints import local_argv
-from tests.unit.test_k8s_manifests import by_kind, render
+from tests.unit.deploy import by_kind, local_argv, render
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "default"

