@@ -18,8 +18,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from infra.ports import free_ports
 from infra.processes import spawn, start_ticks, stop_pid, wait_for
+from trainguard.agent.ports import free_ports
 
 NODES = ("n1", "n2", "n3")
 PARTITION = "tg"

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from infra.ports import LOOPBACK, free_ports
 from infra.processes import spawn, start_ticks, stop_pid, wait_for
 from infra.stack import SEARCH_ATTRIBUTES
 from tests.unit.deploy import by_kind, local_argv, render
+from trainguard.agent.ports import LOOPBACK, free_ports
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "default"

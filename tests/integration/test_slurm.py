@@ -17,7 +17,7 @@ from infra.processes import spawn, start_ticks, stop_pid, wait_for
 from infra.stack import Stack, StackConfig, client_env
 from tests.integration.helpers import REPO, cli
 from tests.integration.slurm_cluster import NODES, SlurmCluster, SlurmUnavailable
-from trainguard.settings import Settings
+from trainguard.services.settings import Settings
 
 pytestmark = pytest.mark.integration
 AGENT_SCRIPT = REPO / "infra" / "slurm" / "trainguard-agent.sh"
