@@ -392,10 +392,25 @@ def summarize(
         "torchrun_step_s": _r(tr, 4),
         "trainguard_step_s": _r(tg, 4),
         "throughput_ratio": _r(tr / tg, 3),
+        # Per round (each pair ran back to back): the spread that a loaded machine adds.
+        "throughput_ratio_per_repeat": [
+            _r(a["step_s"] / b["step_s"], 3) for a, b in zip(runs["torchrun"], full, strict=True)
+        ],
         "snapshot_every": spec.checkpoint.memory_every_steps,
         "s3_every": spec.checkpoint.every_steps,
         "components_ms": {k: _r(v, 2) for k, v in comp.items() if v is not None},
         "components_method": {k: v for k, v in method.items() if comp.get(k) is not None},
+        # Each ablation against the full run of its own round, median over rounds (ms per step).
+        "ablation_saved_ms_paired": {
+            p: _r(
+                statistics.median(
+                    1e3 * (a["step_s"] - b["step_s"]) for a, b in zip(full, runs[p], strict=True)
+                ),
+                2,
+            )
+            for p in runs
+            if p not in ("torchrun", "trainguard")
+        },
         "ablation_step_s": {
             p: _r(_med(runs[p], lambda r: r["step_s"]), 4)
             for p in runs
