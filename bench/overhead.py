@@ -28,6 +28,11 @@ threads together; ``agent``: both node agents; ``control_plane``: controller,
 Temporal and SeaweedFS). On this 2-core machine the ranks use every core, so CPU
 taken beside training is taken from it. ``components_method`` says which is which.
 
+Step times on a shared, loaded machine swing by tens of percent between runs; CPU per
+step much less. ``cpu_ms_per_step`` (the ranks' CPU, plus for trainguard its agents'
+and control plane's), ``cpu_ratio`` and ``ablation_cpu_saved_ms`` (what each ablation
+saves of it) are the load-robust view of the same cost.
+
     python bench/overhead.py [--steps 400] [--repeats 3] [--parts hash,backup,s3,snapshot] [--json]
 """
 
@@ -384,6 +389,15 @@ def summarize(
         "control_plane": "controller, Temporal, SeaweedFS, CPU ms/step",
     }
     status = [r["status"] for r in full]
+
+    def cpu(r: dict[str, Any], torchrun: bool = False) -> float:
+        """CPU ms a step takes: the ranks, and for trainguard its agents and control plane too."""
+        rest = 0.0 if torchrun else r["agent_cpu_ms_per_step"] + r["control_plane_cpu_ms_per_step"]
+        return r["rank_cpu_ms_per_step"] + rest
+
+    cpu_tr = _med(runs["torchrun"], lambda r: cpu(r, torchrun=True))
+    cpu_tg = _med(full, cpu)
+    assert cpu_tr is not None and cpu_tg is not None
     return {
         "script": SCRIPT,
         "steps": steps,
@@ -413,6 +427,15 @@ def summarize(
         },
         "ablation_step_s": {
             p: _r(_med(runs[p], lambda r: r["step_s"]), 4)
+            for p in runs
+            if p not in ("torchrun", "trainguard")
+        },
+        # CPU per step, which a loaded machine disturbs far less than step times: on a machine
+        # whose cores the ranks fill, throughput follows it.
+        "cpu_ms_per_step": {"torchrun": _r(cpu_tr, 1), "trainguard": _r(cpu_tg, 1)},
+        "cpu_ratio": _r(cpu_tr / cpu_tg, 3),
+        "ablation_cpu_saved_ms": {
+            p: _r(cpu_tg - (_med(runs[p], cpu) or 0.0), 1)
             for p in runs
             if p not in ("torchrun", "trainguard")
         },
