@@ -26,13 +26,17 @@ def test_overhead_bench_prints_ratio_and_breakdown() -> None:
     comp = out["components_ms"]
     # Measured inside the ranks: every step reports and checks its gradients, every step
     # snapshots (copy, serialize, hash, write) and backs up; the agents read the reports.
-    for part in ("report", "grad_check", "copy", "serialize", "sha256", "memory_write", "backup_cpu", "agent"):
+    measured = ("report", "grad_check", "copy", "serialize", "sha256", "memory_write", "backup_cpu", "agent")
+    for part in measured:
         assert comp[part] > 0, (part, comp)
     assert "replica_hash" in comp and set(out["ablation_step_s"]) == {"hash"}, out
     assert out["ablation_step_s"]["hash"] > 0
     # The trainguard run's own accounting is there to compare with the measured throughput.
     assert len(out["status"]["ettr"]) == 1 and 0 < out["status"]["ettr"][0] <= 1, out
     assert [len(out["runs"][v]) for v in ("torchrun", "trainguard", "hash")] == [1, 1, 1]
+    # CPU per step, the view a loaded machine disturbs least: protection costs CPU.
+    assert out["cpu_ms_per_step"]["trainguard"] > out["cpu_ms_per_step"]["torchrun"] > 0, out
+    assert 0 < out["cpu_ratio"] < 1 and "hash" in out["ablation_cpu_saved_ms"], out
 
 
 def test_overhead_bench_refuses_bad_flags_naming_them() -> None:
