@@ -21,7 +21,8 @@ def test_overhead_bench_prints_ratio_and_breakdown() -> None:
     assert (out["script"], out["steps"], out["repeats"]) == ("examples/gpt/train.py", 20, 1)
     assert 0 < out["torchrun_step_s"] < 5 and 0 < out["trainguard_step_s"] < 5, out
     ratio = out["throughput_ratio"]
-    assert math.isfinite(ratio) and ratio == round(out["torchrun_step_s"] / out["trainguard_step_s"], 3), out
+    # From the unrounded medians: the rounded step times give it to within rounding.
+    assert math.isfinite(ratio) and abs(ratio - out["torchrun_step_s"] / out["trainguard_step_s"]) < 0.01, out
     assert out["snapshot_every"] == 1  # the example's default: a memory snapshot every step
     comp = out["components_ms"]
     # Measured inside the ranks: every step reports and checks its gradients, every step
