@@ -60,14 +60,14 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.overhead_rank import OUT_ENV  # noqa: E402
-from bench.private_stack import choose, connect, run_bench  # noqa: E402
+from infra.private_stack import choose, connect, run_bench  # noqa: E402
 from infra.processes import stop_pid  # noqa: E402
 from infra.stack import Stack  # noqa: E402
 from tests.integration.helpers import wait_until  # noqa: E402
-from trainguard.cli import exit_now  # noqa: E402
-from trainguard.job_state import TERMINAL  # noqa: E402
+from trainguard.domain.job_state import TERMINAL  # noqa: E402
+from trainguard.domain.spec import JobSpec, load_spec  # noqa: E402
+from trainguard.face.cli import exit_now  # noqa: E402
 from trainguard.runtime.env import inheritable_environ  # noqa: E402
-from trainguard.spec import JobSpec, load_spec  # noqa: E402
 
 SCRIPT = "examples/gpt/train.py"
 JOB_YAML = REPO / "examples" / "gpt" / "job.yaml"

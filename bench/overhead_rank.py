@@ -1,7 +1,7 @@
 """The entrypoint of ``bench/overhead.py``'s ranks: the training script, timed from inside.
 
 Runs the script (``examples/gpt/train.py``) in this process, as
-``bench/torchrun_resume.py`` does, with the rank runtime's own functions wrapped to
+``trainguard/face/drill/torchrun_resume.py`` does, with the rank runtime's own functions wrapped to
 record what each part of the protection costs. Both systems run through this same
 wrapper, so their step times are measured the same way:
 
