@@ -75,7 +75,16 @@ class _OneLineUsageErrors(typer.core.TyperGroup):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
+# Modules of the optional extras: a base install (launchers, the SDK) lacks them.
+_EXTRAS = {"torch": "agent", "pynvml": "agent", "matplotlib": "report"}
+
+
 def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in _EXTRAS:
+        extra = _EXTRAS[(exc.name or "").split(".")[0]]
+        return (
+            f"this needs {exc.name}, which comes with the '{extra}' extra: pip install 'trainguard[{extra}]'"
+        )
     text = str(exc).strip()
     return text if text else type(exc).__name__
 
