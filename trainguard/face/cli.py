@@ -666,6 +666,45 @@ def _read_status(path: Path) -> dict[str, Any]:
     return data
 
 
+@app.command("codec-server")
+@handles_errors
+def codec_server(
+    port: Annotated[int, typer.Option(min=0, max=65535, help="port to listen on")] = 8081,
+    host: Annotated[
+        str, typer.Option(help="address to listen on (it decrypts: keep it private)")
+    ] = "127.0.0.1",
+    origin: Annotated[
+        list[str] | None,
+        typer.Option("--origin", help="Web UI origin allowed by CORS (repeatable; default the local UI)"),
+    ] = None,
+    token_env: Annotated[
+        str, typer.Option(help="environment variable holding the bearer token callers must send")
+    ] = "TRAINGUARD_CODEC_TOKEN",
+    state_dir: StateDir = None,
+) -> None:
+    """Temporal codec server (POST /encode, /decode) with this cluster's payload keys, so the Web UI
+    (Settings > Codec Server) and `temporal --codec-endpoint` show decrypted payloads."""
+    from trainguard.services.codec import codec_from_text
+    from trainguard.services.codec_server import CodecServer
+
+    codec = codec_from_text(Settings.load(state_dir).payload_key_text())
+    if codec is None:
+        raise BadInput("TRAINGUARD_PAYLOAD_KEY: not set; the codec server needs the cluster's payload key")
+    origins = origin or ["http://localhost:8233", "http://127.0.0.1:8233"]
+    try:
+        server = CodecServer(codec, host, port, origins, token=os.environ.get(token_env))
+    except OSError as exc:
+        _fail(1, f"cannot listen on {host}:{port}: {exc.strerror or exc} (choose another --port)")
+    auth = f"bearer token from ${token_env}" if server.token else "no token"
+    err.print(f"codec server on {server.url} ({codec!r}; CORS {', '.join(origins)}; {auth})", highlight=False)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
 # -- fault drill suite --------------------------------------------------------------------------
 
 
