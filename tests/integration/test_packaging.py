@@ -50,7 +50,13 @@ def test_a_fresh_venv_with_the_base_install_runs_the_cli_and_imports_the_sdk(tmp
     version = run(venv / "bin" / "trainguard", "--version")
     assert version.returncode == 0 and version.stdout.startswith("trainguard "), version.stderr
     assert list((venv / "lib").glob("python*/site-packages/trainguard/py.typed"))
-    # A command that needs an extra says which, on one line.
+    # A command that needs an extra says which, on one line; so does the node agent.
+    agent = run(py, "-m", "workers.node_agent", "--name", "node-1", "--workdir", tmp_path / "agent")
+    assert agent.returncode == 1
+    assert agent.stderr.strip() == (
+        "error: the node agent needs torch, which comes with the 'agent' extra: "
+        "pip install 'trainguard[agent]'"
+    ), agent.stderr
     status = tmp_path / "st.json"
     status.write_text('{"job_id": "j", "phase": "completed", "incidents": [], "progress": []}')
     drawn = run(venv / "bin" / "trainguard", "report", "--from-json", status)
