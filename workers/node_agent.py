@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import re
@@ -192,6 +193,12 @@ def cli() -> None:
         help="rank processes kept started (torch imported) for fast restarts; ranks per machine is right",
     )
     args = parser.parse_args()
+    if importlib.util.find_spec("torch") is None:  # the ranks and the self-test train with it
+        parser.exit(
+            1,
+            "error: the node agent needs torch, which comes with the 'agent' extra: "
+            "pip install 'trainguard[agent]'\n",
+        )
     setup_logging(f"agent-{args.name}")
     asyncio.run(
         main(

@@ -30,6 +30,7 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.domain.messages import (
         ALL_FAULTS,
         ClearFaultsInput,
+        CordonInput,
         DiagnosticInput,
         EvictInput,
         EvictResult,
@@ -186,7 +187,7 @@ class NodePoolWorkflow:
 
     def _standbys(self) -> list[PoolNode]:
         return sorted(
-            (n for n in self.nodes.values() if n.state == "standby" and n.job is None),
+            (n for n in self.nodes.values() if n.state == "standby" and n.job is None and not n.cordoned),
             key=lambda n: _order(n.info.name),
         )
 
@@ -240,12 +241,15 @@ class NodePoolWorkflow:
             need = req.count - len(held)
             if len(free) < need:
                 testing = sum(n.state == "suspect" for n in self.nodes.values())
+                cordoned = sum(n.cordoned and n.job is None for n in self.nodes.values())
                 return ReserveResult(
                     granted=False,
                     free=len(free),
                     standby=len(free),
-                    message=f"{req.count} machines requested, {len(free) + len(held)} available"
-                    + (f" ({testing} more in their self-test)" if testing else ""),
+                    message=f"{req.count} machines wanted, {len(free) + len(held)} on standby"
+                    + (f", {testing} more in their self-test" if testing else "")
+                    + (f", {cordoned} cordoned" if cordoned else "")
+                    + f" (pool of {len(self.nodes)})",
                 )
             now = workflow.now()
             for n in free[:need]:
@@ -339,6 +343,19 @@ class NodePoolWorkflow:
                 self.nodes[name] = n
                 self._schedule_changed()
             return n
+
+    @workflow.update
+    async def cordon(self, req: CordonInput) -> PoolNode:
+        """An operator keeps new work off a machine (or lets it back on); its job goes on."""
+        async with self.lock:
+            n = self.nodes[req.node].model_copy(update={"cordoned": req.cordoned})
+            self.nodes[req.node] = n
+            return n
+
+    @cordon.validator
+    def _validate_cordon(self, req: CordonInput) -> None:
+        if req.node not in self.nodes:
+            raise ValueError(f"node: unknown node {req.node!r}")
 
     @workflow.update
     async def clear_faults(self, name: str) -> int:

@@ -56,11 +56,18 @@ class PoolNode(Msg):
     # when to try again.
     missed_tests: int = 0
     retest_at: datetime | None = None
+    # Cordoned by an operator: given no new job; the job it has goes on.
+    cordoned: bool = False
 
 
 class ReserveInput(Msg):
     job_id: str
     count: int = Field(ge=1)
+
+
+class CordonInput(Msg):
+    node: str
+    cordoned: bool = True
 
 
 class ReserveResult(Msg):

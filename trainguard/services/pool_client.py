@@ -25,6 +25,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from trainguard.domain.messages import (
     CONTROLLER_QUEUE,
     POOL_WORKFLOW_ID,
+    CordonInput,
     EvictInput,
     EvictResult,
     InjectInput,
@@ -132,3 +133,7 @@ async def release_node(client: Client, name: str) -> PoolNode:
     return await client.get_workflow_handle(POOL_WORKFLOW_ID).execute_update(
         "release_node", name, result_type=PoolNode
     )
+
+
+async def cordon(client: Client, req: CordonInput) -> PoolNode:
+    return await _update(client, "cordon", req, PoolNode)
