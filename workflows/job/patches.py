@@ -35,3 +35,6 @@ UPDATE_AT_ONCE = "update-without-commit-wait"
 STEPS_FROM_RESULTS = "steps-from-results"
 # The decision ladder's first rung: a first failure is reattempted in place at once.
 FIRST_REATTEMPT = "first-reattempt"
+# A job whose ranks did not all use the runtime (a script run as it is) completes when every rank
+# exits 0, at the step seen last, without a parameter hash.
+SCRIPT_COMPLETION = "script-completion"
