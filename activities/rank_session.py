@@ -19,6 +19,7 @@ import ctypes
 import functools
 import logging
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -55,7 +56,8 @@ from trainguard.domain.messages import (
 from trainguard.domain.report_interval import report_interval
 from trainguard.runtime import protocol
 from trainguard.runtime.env import RankEnv, backup_shard_name, inheritable_environ
-from trainguard.runtime.warm import activatable, env_activatable
+from trainguard.runtime.launch import __file__ as LAUNCHER
+from trainguard.runtime.warm import HARMLESS_FLAGS, activatable, env_activatable
 from trainguard.services.storage import S3Store, sha256_file
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,18 @@ def resolve_argv(argv: list[str]) -> list[str]:
     if argv and argv[0] in ("python", "python3"):
         return [sys.executable, *argv[1:]]
     return list(argv)
+
+
+def through_launcher(argv: list[str]) -> list[str]:
+    """``argv`` started through the launcher (``trainguard.runtime.launch``, by its path on this
+    machine) when it runs a Python script or module: ``python -u train.py`` becomes
+    ``python -u .../launch.py train.py``. Anything else runs as it is."""
+    if not argv or not re.fullmatch(r"python[0-9.]*", Path(argv[0]).name) or not activatable(argv[1:]):
+        return list(argv)
+    i = 1
+    while argv[i] in HARMLESS_FLAGS:
+        i += 1
+    return [*argv[:i], LAUNCHER, *argv[i:]]
 
 
 def _tail(path: Path, n: int = STDERR_TAIL_BYTES) -> str:
@@ -299,7 +313,7 @@ class RankSession:
         err = err_path.open("ab")
         try:
             proc = await asyncio.create_subprocess_exec(
-                *argv,
+                *through_launcher(argv),
                 cwd=str(self.workdir),
                 env=self._rank_env(local_rank, rank, w_fd),
                 stdin=asyncio.subprocess.DEVNULL,

@@ -340,6 +340,9 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> Context:
         raise RuntimeError(
             f"topology tp*pp*dp = {env.topology.world_size} does not match WORLD_SIZE = {env.world_size}"
         )
+    launcher = sys.modules.get("_trainguard_launch")  # trainguard.runtime.launch, when ranks start through it
+    if launcher is not None:
+        launcher.stand_down()  # this rank's reports are the runtime's from now on
     ctx = Context(env)
     ctx._owns_group = not dist.is_initialized()
     if not ctx._owns_group:
