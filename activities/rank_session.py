@@ -405,6 +405,9 @@ class RankSession:
             self.restored.add(rank)
         elif kind == "start":
             self.runtime_ranks.add(rank)
+        elif kind == "exiting":
+            # The script is over; the interpreter's shutdown is no step to wait for.
+            self.monitor.on_alive(rank, time.monotonic(), finished=True)
         elif kind == "final":
             self.monitor.on_alive(rank, time.monotonic(), finished=True)
             self.final_hashes[rank] = str(rec["param_hash"])

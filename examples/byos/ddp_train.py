@@ -5,15 +5,16 @@
 
 It reads RANK/WORLD_SIZE/LOCAL_RANK from the environment, joins over gloo, `torch.save`s a
 checkpoint every ``--ckpt-every`` steps into ``--ckpt-dir`` and loads it at start if present.
-For drills it can misbehave once, on its first start (TORCHELASTIC_RESTART_COUNT 0) or on the
-restart given: ``--crash-at S`` raises, ``--hang-at S`` blocks, ``--nan-at S`` makes the loss NaN,
-each on ``--fault-rank``.
+For drills it can misbehave, each fault once, in the start whose TORCHELASTIC_RESTART_COUNT is
+given (default 0, the first): ``--crash-at S`` dies of SIGSEGV, ``--hang-at S`` blocks, ``--nan-at S``
+makes the loss NaN, each on ``--fault-rank``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import threading
 import time
 
@@ -32,7 +33,9 @@ def main() -> None:
     p.add_argument("--crash-at", type=int, default=0)
     p.add_argument("--hang-at", type=int, default=0)
     p.add_argument("--nan-at", type=int, default=0)
-    p.add_argument("--fault-restart", type=int, default=0, help="the restart count the faults act in")
+    p.add_argument("--crash-restart", type=int, default=0, help="the restart count the crash acts in")
+    p.add_argument("--hang-restart", type=int, default=0)
+    p.add_argument("--nan-restart", type=int, default=0)
     a = p.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -50,18 +53,21 @@ def main() -> None:
         opt.load_state_dict(state["opt"])
         start = state["step"]
     print(f"rank {rank}/{world} restart {restart} resumed from step {start}", flush=True)
-    faulty = rank == a.fault_rank and restart == a.fault_restart
+    faulty = rank == a.fault_rank
     gen = torch.Generator().manual_seed(1000 + rank)
     for step in range(start + 1, a.steps + 1):
         x = torch.randn(8, 16, generator=gen)
         loss = model(x).pow(2).mean()
-        if faulty and step == a.nan_at:
+        if faulty and step == a.nan_at and restart == a.nan_restart:
             loss = loss * float("nan")
         opt.zero_grad()
         loss.backward()
-        if faulty and step == a.crash_at:
-            raise RuntimeError(f"injected crash at step {step}")
-        if faulty and step == a.hang_at:
+        if faulty and step == a.crash_at and restart == a.crash_restart:
+            # Dies as a rank does when a driver or an extension faults (an exception raised here
+            # would be a bug in the script, which no restart cures).
+            print(f"rank {rank} crashing at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if faulty and step == a.hang_at and restart == a.hang_restart:
             print(f"rank {rank} hanging at step {step}", flush=True)
             threading.Event().wait()
         opt.step()

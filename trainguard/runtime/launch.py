@@ -227,6 +227,7 @@ class Launcher:
     def at_exit(self) -> None:
         if self.active:
             self.report()
+            self.send({"t": "exiting"})
 
 
 _launcher: Launcher | None = None
