@@ -77,6 +77,10 @@ async def test_plain_ddp_script_crash_and_hang_then_completes(
     assert hang["kind"] == "hang", kinds
     # The launcher's step reports: the hang is found in seconds, not at the startup timeout.
     assert "no progress" in hang["evidence"], hang
+    for inc in final["incidents"]:
+        # Detection, and detection -> the first step of the restarted ranks (recovery_s).
+        print(f"byos {inc['kind']}: detection {inc['detection_s']} s, recovery {inc['recovery_s']} s")
+        assert inc["recovery_s"] is not None, inc
     # Steps come from the launcher's optimizer hook: the job ends at the script's last step.
     assert final["result"] == {"final_step": 60, "param_hash": None}, final["result"]
     resumed = rank_lines(stack_dir, "byos-ddp", r"resumed from step")
