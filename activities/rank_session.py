@@ -19,6 +19,7 @@ import ctypes
 import functools
 import logging
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -55,7 +56,8 @@ from trainguard.domain.messages import (
 from trainguard.domain.report_interval import report_interval
 from trainguard.runtime import protocol
 from trainguard.runtime.env import RankEnv, backup_shard_name, inheritable_environ
-from trainguard.runtime.warm import activatable, env_activatable
+from trainguard.runtime.launch import __file__ as LAUNCHER
+from trainguard.runtime.warm import HARMLESS_FLAGS, activatable, env_activatable
 from trainguard.services.storage import S3Store, sha256_file
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,18 @@ def resolve_argv(argv: list[str]) -> list[str]:
     if argv and argv[0] in ("python", "python3"):
         return [sys.executable, *argv[1:]]
     return list(argv)
+
+
+def through_launcher(argv: list[str]) -> list[str]:
+    """``argv`` started through the launcher (``trainguard.runtime.launch``, by its path on this
+    machine) when it runs a Python script or module: ``python -u train.py`` becomes
+    ``python -u .../launch.py train.py``. Anything else runs as it is."""
+    if not argv or not re.fullmatch(r"python[0-9.]*", Path(argv[0]).name) or not activatable(argv[1:]):
+        return list(argv)
+    i = 1
+    while argv[i] in HARMLESS_FLAGS:
+        i += 1
+    return [*argv[:i], LAUNCHER, *argv[i:]]
 
 
 def _tail(path: Path, n: int = STDERR_TAIL_BYTES) -> str:
@@ -139,6 +153,9 @@ class RankSession:
         self.first_step_at: datetime | None = None
         self.saved: dict[int, set[int]] = {}  # step -> local ranks that saved it
         self.final_hashes: dict[int, str] = {}
+        # Ranks that joined through trainguard.runtime (tg.init): they must end with a final
+        # report. Any other rank (a script run as it is) is done when it exits 0.
+        self.runtime_ranks: set[int] = set()
         self.shards: dict[int, list[ShardInfo]] = {}  # uploaded, step -> shards
         self.memory: dict[int, list[ShardInfo]] = {}  # complete memory snapshots, step -> shards
         self.backups: dict[int, dict[int, ShardInfo]] = {}  # step -> of_rank -> other machines' shards
@@ -181,6 +198,8 @@ class RankSession:
     async def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if self.script_ckpt_dir is not None:
+            self.script_ckpt_dir.mkdir(parents=True, exist_ok=True)
         if self.inp.resume is not None:
             await self._stage_resume()
         for local_rank, rank in enumerate(self.inp.ranks):
@@ -215,8 +234,22 @@ class RankSession:
             if await asyncio.to_thread(sha256_file, path) != shard.sha256:
                 raise RestoreUnavailable(f"checkpoint shard {shard.key} does not match its manifest hash")
 
+    @property
+    def workdir(self) -> Path:
+        """Where ranks start: the spec's workdir, else the agent's code directory."""
+        return Path(self.spec.workdir) if self.spec.workdir else self.code_dir
+
+    @property
+    def script_ckpt_dir(self) -> Path | None:
+        """The script's own checkpoint directory on this machine: a relative one is per machine."""
+        d = self.spec.checkpoint_dir
+        return None if d is None else (self.job_dir / d if not Path(d).is_absolute() else Path(d))
+
     def _rank_env(self, local_rank: int, rank: int, report_fd: int) -> dict[str, str]:
         env = inheritable_environ()
+        if self.spec.ranks_per_node > 1 and "OMP_NUM_THREADS" not in env:
+            # As torchrun does for several processes per machine (the job's env may set it).
+            env["OMP_NUM_THREADS"] = "1"
         env.update(self.spec.env)
         bin_dir = str(Path(sys.executable).parent)
         env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
@@ -242,6 +275,11 @@ class RankSession:
             hash_every=self.spec.detection.replica_check_every,
             backup=self.spec.checkpoint.peer_backup and self.spec.nodes > 1 and not self.inp.dry_run,
             restore_peers=dict(self.inp.restore_peers),
+            node_rank=self.inp.node_index,
+            nnodes=self.spec.nodes,
+            restart_count=max(self.inp.attempt - 1, 0),
+            max_restarts=self.spec.detection.max_attempts,
+            script_ckpt_dir=str(self.script_ckpt_dir) if self.script_ckpt_dir else None,
         )
         env.update(renv.to_environ())
         return env
@@ -260,7 +298,7 @@ class RankSession:
         if warm is not None:
             try:
                 env = self._rank_env(local_rank, rank, warm.report_w)
-                await warm.activate(argv[1:], env, str(self.code_dir), out_path, err_path)
+                await warm.activate(argv[1:], env, str(self.workdir), out_path, err_path)
             finally:
                 os.close(warm.report_w)
             self.warm_started += 1
@@ -275,8 +313,8 @@ class RankSession:
         err = err_path.open("ab")
         try:
             proc = await asyncio.create_subprocess_exec(
-                *argv,
-                cwd=str(self.code_dir),
+                *through_launcher(argv),
+                cwd=str(self.workdir),
                 env=self._rank_env(local_rank, rank, w_fd),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=out,
@@ -356,7 +394,7 @@ class RankSession:
         elif kind == "error":
             # A rank is dying of an uncaught exception: act now, not when it has exited.
             tail = str(rec.get("traceback", ""))[-STDERR_TAIL_BYTES:]
-            info = classify_exit(1, None, tail, self.code_dir)
+            info = classify_exit(1, None, tail, self.workdir)
             self._raise_incident(self._exit_report(rank, info, "raised"))
         elif kind == "fault":
             # A drill acted inside a rank; one-shot faults are used up here.
@@ -365,6 +403,11 @@ class RankSession:
             self.drills.consume(str(rec.get("id")))
         elif kind == "restored":
             self.restored.add(rank)
+        elif kind == "start":
+            self.runtime_ranks.add(rank)
+        elif kind == "exiting":
+            # The script is over; the interpreter's shutdown is no step to wait for.
+            self.monitor.on_alive(rank, time.monotonic(), finished=True)
         elif kind == "final":
             self.monitor.on_alive(rank, time.monotonic(), finished=True)
             self.final_hashes[rank] = str(rec["param_hash"])
@@ -700,6 +743,10 @@ class RankSession:
                 self._record_exit(rank)
                 if self.procs[rank].returncode != 0:
                     failed = True
+                else:
+                    # Done (torchrun waits for the others too); the ranks still running must
+                    # keep making progress.
+                    self.monitor.on_alive(rank, time.monotonic(), finished=True)
             if failed:
                 await self._terminate()
                 for t in pending:
@@ -708,7 +755,7 @@ class RankSession:
         # Let the report readers drain what the ranks wrote before they exited.
         readers = [t for t in self._tasks if t.get_name().startswith("reports-")]
         await asyncio.wait(readers, timeout=5.0)
-        missing = [r for r in self.inp.ranks if r not in self.final_hashes]
+        missing = [r for r in self.inp.ranks if r in self.runtime_ranks and r not in self.final_hashes]
         ok = not failed and not missing and not self._killed and self.incident is None
         if ok:
             await self._uploads.join()
@@ -768,7 +815,7 @@ class RankSession:
         for e in self.exits.values():
             if e.exit_code == 0 or e.rank in self._we_killed:
                 continue
-            info = classify_exit(e.exit_code, e.signal, e.stderr_tail, self.code_dir)
+            info = classify_exit(e.exit_code, e.signal, e.stderr_tail, self.workdir)
             report = self._exit_report(e.rank, info, "exited")
             prio = incident_priority(report.kind, report.confidence, report.origin)
             if best is None or prio > best[0]:

@@ -385,7 +385,7 @@ class TrainguardClient:
                 id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
                 id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
                 static_summary=f"{spec.name}: {spec.nodes}x{spec.ranks_per_node} ranks, "
-                f"{spec.target_steps} steps, code {spec.code_version}",
+                f"{spec.target_steps or 'until exit'} steps, code {spec.code_version}",
             )
         except WorkflowAlreadyStartedError:
             raise JobAlreadyRunning(spec.name) from None

@@ -127,10 +127,16 @@ def test_invalid_spec_names_field(over: dict[str, Any], field: str) -> None:
 
 def test_missing_required_field() -> None:
     d = base()
-    del d["target_steps"]
+    del d["nodes"]
     with pytest.raises(SpecError) as exc:
         parse_spec(d)
-    assert exc.value.field == "target_steps"
+    assert exc.value.field == "nodes"
+
+
+def test_target_steps_may_be_left_out() -> None:
+    d = base()
+    del d["target_steps"]
+    assert parse_spec(d).target_steps is None
 
 
 def test_load_spec_errors(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from pathlib import Path
 
@@ -76,8 +77,11 @@ async def test_an_activated_process_is_the_rank(tmp_path: Path, monkeypatch: pyt
             "warm-only None",
             "preloaded ['torch._dynamo', 'trainguard.runtime.context']",
         ]
-        # The preload's announcement, then the rank's own report.
-        assert os.read(w.report_r, 100) == READY_LINE + b'{"t": "hello"}\n'
+        # The preload's announcement, the rank's own report, then the launcher's (every rank
+        # runs under it, warm ones too): the script is over.
+        lines = os.read(w.report_r, 1000).splitlines(keepends=True)
+        assert lines[:2] == [READY_LINE, b'{"t": "hello"}\n'], lines
+        assert [json.loads(line)["t"] for line in lines[2:]] == ["exiting"], lines
         os.close(w.report_r)
         # A replacement is on its way.
         while not pool.ready:

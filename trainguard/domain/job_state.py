@@ -152,7 +152,8 @@ class CheckpointStatus(BaseModel):
 
 class JobResult(BaseModel):
     final_step: int
-    param_hash: str
+    # None when not every rank reported its parameters (ranks that never used the runtime).
+    param_hash: str | None = None
 
 
 class RunningAttempt(BaseModel):

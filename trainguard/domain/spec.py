@@ -30,8 +30,24 @@ NAME_RE = r"^[a-z0-9][a-z0-9-]{0,62}$"
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 # Variables the agent sets for each rank; a spec may not override them.
-RESERVED_ENV_PREFIXES = ("TRAINGUARD_", "TG_")
-RESERVED_ENV = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+RESERVED_ENV_PREFIXES = ("TRAINGUARD_", "TG_", "TORCHELASTIC_")
+# torchrun's rank environment (trainguard.runtime.env sets the same variables).
+RESERVED_ENV = {
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "NODE_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+}
+# A path on the machines (workdir, checkpoint_dir): one plain string, no control characters.
+MAX_PATH_LEN = 1024
 MAX_ARG_LEN = 4096
 MAX_ARGS = 256
 MAX_ENV_ENTRIES = 256
@@ -189,7 +205,14 @@ class JobSpec(_Frozen):
     """One training job.
 
     ``entrypoint`` is an argv list (``[python, -u, train.py]``), executed as is and
-    never through a shell. ``env`` is added to each rank's environment. Values that
+    never through a shell. ``script`` (or ``module``) with ``args`` says the same in
+    torchrun's terms (``trainguard run``): ``script: train.py`` becomes
+    ``entrypoint: [python, -u, train.py, *args]``. ``workdir`` is where ranks start
+    (default: the agent's code directory); ``checkpoint_dir`` is where the script keeps
+    its own checkpoints (relative: per machine, under the machine's work dir).
+    ``target_steps`` may be left out: such a job completes when every rank exits 0.
+
+    ``env`` is added to each rank's environment. Values that
     are secret (API tokens, passwords) are listed by key in ``secret_env``::
 
         env:
@@ -206,12 +229,14 @@ class JobSpec(_Frozen):
 
     name: JobName
     entrypoint: list[str] = Field(min_length=1, max_length=MAX_ARGS)
+    workdir: str | None = Field(None, min_length=1, max_length=MAX_PATH_LEN)
+    checkpoint_dir: str | None = Field(None, min_length=1, max_length=MAX_PATH_LEN)
     env: dict[str, str] = Field(default_factory=dict, max_length=MAX_ENV_ENTRIES)
     secret_env: list[str] = Field(default_factory=list, max_length=MAX_ENV_ENTRIES)
     nodes: int = Field(ge=1, le=100_000)
     ranks_per_node: int = Field(1, ge=1, le=64)
     topology: Topology = Topology()
-    target_steps: int = Field(ge=1, le=1_000_000_000)
+    target_steps: int | None = Field(None, ge=1, le=1_000_000_000)
     checkpoint: CheckpointSpec = CheckpointSpec()
     detection: DetectionSpec = DetectionSpec()
     code_version: str = Field("v1", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -226,12 +251,18 @@ class JobSpec(_Frozen):
         # A string would be tempting to split or hand to a shell; neither happens here.
         if isinstance(data, dict) and isinstance(data.get("entrypoint"), str):
             raise FieldProblem("entrypoint", "must be an argv list such as [python, train.py], not a string")
+        if isinstance(data, dict) and ({"script", "module", "args"} & data.keys()):
+            return script_entrypoint(data)
         return data
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
         check_argv(self.entrypoint)
         check_env(self.env)
+        for field in ("workdir", "checkpoint_dir"):
+            value = getattr(self, field)
+            if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in value):
+                raise FieldProblem(field, "contains control characters")
         seen: set[str] = set()
         for i, key in enumerate(self.secret_env):
             if key in seen:
@@ -269,6 +300,29 @@ class JobSpec(_Frozen):
         # repr/str are what logs and tracebacks show: never the secret values.
         for name, value in super().__repr_args__():
             yield name, (self.redacted_env() if name == "env" else value)
+
+
+def script_entrypoint(data: dict[str, Any]) -> dict[str, Any]:
+    """``script``/``module`` + ``args`` (torchrun's shape) as the ``entrypoint`` argv they mean."""
+    data = dict(data)
+    script, module, args = data.pop("script", None), data.pop("module", None), data.pop("args", [])
+    if "entrypoint" in data:
+        raise FieldProblem(
+            "script" if script is not None else "module", "give entrypoint or script/module, not both"
+        )
+    if (script is None) == (module is None):
+        raise FieldProblem("script", "give exactly one of script and module")
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise FieldProblem("args", "must be a list of strings")
+    if script is not None:
+        if not isinstance(script, str) or not script or script.startswith("-"):
+            raise FieldProblem("script", "must be a path such as train.py")
+        data["entrypoint"] = ["python", "-u", script, *args]
+    else:
+        if not isinstance(module, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]{0,255}", module):
+            raise FieldProblem("module", "must be a module name such as pkg.train")
+        data["entrypoint"] = ["python", "-u", "-m", module, *args]
+    return data
 
 
 class SpecError(ValueError):

@@ -10,6 +10,7 @@ import asyncio
 import functools
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
@@ -37,7 +38,7 @@ from trainguard.client import (
     code_update,
     inject_request,
 )
-from trainguard.domain.spec import SpecError, load_spec, shown
+from trainguard.domain.spec import JobSpec, SpecError, env_problem, load_spec, parse_spec, shown
 from trainguard.services.codec import PayloadKeyError
 from trainguard.services.settings import Settings, SettingsError, state_dir_from_env
 from trainguard.services.telemetry import TelemetryError
@@ -259,6 +260,11 @@ def submit(
 ) -> None:
     """Validate a job spec and start the job."""
     spec = load_spec(spec_path)  # a bad spec stops here: nothing is reserved or started
+    _start_job(spec, wait, state_dir, json_out)
+
+
+def _start_job(spec: JobSpec, wait: bool, state_dir: Path | None, json_out: bool) -> dict[str, Any]:
+    """Submit ``spec``; with ``wait``, show its progress until it ends (exit 1 unless completed)."""
 
     async def go() -> dict[str, Any]:
         c = await _client(state_dir)
@@ -275,6 +281,7 @@ def submit(
             TimeElapsedColumn(),
             console=err,
         ) as bar:
+            # A script run as it is has no target step count: the bar only counts.
             task = bar.add_task(
                 "train", total=spec.target_steps, job=spec.name, phase="pending", loss="-", ettr="-"
             )
@@ -294,6 +301,124 @@ def submit(
         out.print(f"submitted {st['job_id']} (trainguard status {st['job_id']})")
     if wait and st.get("phase") != "completed":
         raise typer.Exit(1)
+    return st
+
+
+@app.command(
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+)
+@handles_errors
+def run(
+    script_args: Annotated[
+        list[str] | None,
+        typer.Argument(metavar="SCRIPT [ARGS...]", help="the training script and its arguments"),
+    ] = None,
+    module: Annotated[
+        str | None, typer.Option("-m", "--module", help="run a module as `python -m` does (no SCRIPT)")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="job name (default: from the script's name)")] = None,
+    nnodes: Annotated[int, typer.Option("--nnodes", help="machines")] = 1,
+    nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", help="ranks per machine")] = 1,
+    env: Annotated[
+        list[str] | None, typer.Option("--env", metavar="KEY=VALUE", help="set for every rank (repeatable)")
+    ] = None,
+    checkpoint_dir: Annotated[
+        str | None,
+        typer.Option(help="where the script keeps its own checkpoints (relative: per machine)"),
+    ] = None,
+    workdir: Annotated[str | None, typer.Option(help="where ranks start (default: this directory)")] = None,
+    tp: Annotated[int, typer.Option("--tp", help="tensor parallel degree")] = 1,
+    pp: Annotated[int, typer.Option("--pp", help="pipeline parallel degree")] = 1,
+    wait: Annotated[bool, typer.Option("--wait", help="show progress until the job ends")] = False,
+    state_dir: StateDir = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Run a training script as it is, in torchrun's shape: every rank gets torchrun's
+    environment; the job completes when every rank exits 0. Prints the job name."""
+    spec = run_spec(
+        script_args or [],
+        module=module,
+        name=name,
+        nnodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        env=env or [],
+        checkpoint_dir=checkpoint_dir,
+        workdir=workdir,
+        tp=tp,
+        pp=pp,
+    )
+    if wait or json_out:
+        _start_job(spec, wait, state_dir, json_out)
+        return
+
+    async def go() -> None:
+        await (await _client(state_dir)).submit(spec)
+
+    _run(go())
+    out.print(spec.name, markup=False, highlight=False)
+
+
+def run_spec(
+    script_args: list[str],
+    *,
+    module: str | None,
+    name: str | None,
+    nnodes: int,
+    nproc_per_node: int,
+    env: list[str],
+    checkpoint_dir: str | None,
+    workdir: str | None,
+    tp: int = 1,
+    pp: int = 1,
+) -> JobSpec:
+    """The job spec ``trainguard run`` submits; bad input raises BadInput or SpecError naming it."""
+    for field, value in (
+        ("--nnodes", nnodes),
+        ("--nproc-per-node", nproc_per_node),
+        ("--tp", tp),
+        ("--pp", pp),
+    ):
+        if value < 1:
+            raise BadInput(f"{field}: must be at least 1, not {value}")
+    overrides: dict[str, str] = {}
+    for item in env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise BadInput(f"--env: '{shown(item)}' is not KEY=VALUE")
+        if key in overrides:
+            raise BadInput(f"--env {shown(key)}: given twice")
+        problem = env_problem(key, value)
+        if problem:
+            raise BadInput(f"--env {shown(key)}: {problem}")
+        overrides[key] = value
+    if module is None and not script_args:
+        raise BadInput("SCRIPT: give the training script (or -m MODULE)")
+    world = nnodes * nproc_per_node
+    if world % (tp * pp):
+        raise BadInput(f"--tp/--pp: tp*pp = {tp * pp} must divide nnodes*nproc-per-node = {world}")
+    data: dict[str, Any] = {
+        "name": name or job_name_for(module or script_args[0]),
+        "nodes": nnodes,
+        "ranks_per_node": nproc_per_node,
+        "topology": {"tp": tp, "pp": pp, "dp": world // (tp * pp)},
+        "env": overrides,
+        "workdir": str(Path(workdir or os.getcwd()).absolute()),
+        "args": script_args if module is not None else script_args[1:],
+    }
+    if module is not None:
+        data["module"] = module
+    else:
+        data["script"] = script_args[0]
+    if checkpoint_dir is not None:
+        data["checkpoint_dir"] = checkpoint_dir
+    return parse_spec(data)
+
+
+def job_name_for(target: str) -> str:
+    """A job name from a script path or module name: ``train_gpt.py`` -> ``train-gpt``."""
+    stem = Path(target).stem if target.endswith(".py") else target.rsplit(".", 1)[-1]
+    name = re.sub(r"[^a-z0-9-]+", "-", stem.lower()).strip("-")[:63]
+    return name or "job"
 
 
 @app.command()
@@ -319,7 +444,7 @@ def status(
 def _print_status(st: dict[str, Any]) -> None:
     t = Table(title=f"job {st['job_id']}", show_header=False)
     t.add_row("phase", st["phase"])
-    t.add_row("step", f"{st['step']} / {st['target_steps']}")
+    t.add_row("step", f"{st['step']} / {st['target_steps'] or '-'}")
     t.add_row("attempt", str(st["attempt"]))
     t.add_row("code version", st["code_version"])
     t.add_row("ETTR", f"{st['ettr']:.3f} (1 h: {st['ettr_window_1h']:.3f})")
@@ -332,7 +457,7 @@ def _print_status(st: dict[str, Any]) -> None:
     if st.get("verdict"):
         t.add_row("verdict", st["verdict"])
     if st.get("result"):
-        t.add_row("param hash", st["result"]["param_hash"])
+        t.add_row("param hash", st["result"]["param_hash"] or "- (the ranks did not report one)")
     out.print(t)
     if st["incidents"]:
         it = Table(title="incidents")

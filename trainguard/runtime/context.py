@@ -72,6 +72,7 @@ class Context:
         self._fence_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
         self._tracked: TrackedState | None = None
         self._send_lock = threading.Lock()
+        self._owns_group = True  # init() made the default process group (not a framework)
 
     # -- process groups -------------------------------------------------------
     def _make_groups(self) -> None:
@@ -308,7 +309,8 @@ class Context:
         self._send(protocol.Final(t="final", step=self.target_steps, param_hash=param_hash))
         if dist.is_initialized():
             dist.barrier()
-            dist.destroy_process_group()
+            if self._owns_group:  # an adopted group is its framework's to destroy
+                dist.destroy_process_group()
         if self._report is not None:
             self._report.close()
             self._report = None
@@ -330,26 +332,40 @@ def _report_fatal_errors(ctx: Context) -> None:
 
 
 def init(backend: str | None = None, timeout_s: float = 600.0) -> Context:
-    """Join the job's process group from the environment the agent set."""
+    """Join the job's process group from the environment the agent set, or adopt the one a
+    framework already created (``backend`` and ``timeout_s`` then are the framework's)."""
     env = RankEnv.from_environ()
     if env.topology.world_size != env.world_size:
         # Fail every rank at once instead of leaving the others waiting in rendezvous.
         raise RuntimeError(
             f"topology tp*pp*dp = {env.topology.world_size} does not match WORLD_SIZE = {env.world_size}"
         )
+    launcher = sys.modules.get("_trainguard_launch")  # trainguard.runtime.launch, when ranks start through it
+    if launcher is not None:
+        launcher.stand_down()  # this rank's reports are the runtime's from now on
     ctx = Context(env)
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(env.local_rank)
-    # env:// reads MASTER_ADDR/PORT, which both the agent and torchrun set.
-    dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    ctx._owns_group = not dist.is_initialized()
+    if not ctx._owns_group:
+        # A framework (Accelerate, Lightning, the script itself) made the process group
+        # already: adopt it, as long as it is the job's.
+        if (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
+            raise RuntimeError(
+                f"the process group made before tg.init() is rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, the job's is rank {env.rank} of {env.world_size}"
+            )
+    else:
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(env.local_rank)
+        # env:// reads MASTER_ADDR/PORT, which both the agent and torchrun set.
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
     ctx._make_groups()
     if env.restore_peers and env.resume_step is not None:
         ctx._restore_from_peers()

@@ -41,7 +41,7 @@ class RankEnv(BaseModel):
     attempt: int = 0
     node: str = "local"
     topology: Topology
-    target_steps: int
+    target_steps: int | None = None  # None: the job runs until its ranks exit
     ckpt_dir: str
     ckpt_every: int
     resume_step: int | None = None
@@ -54,6 +54,14 @@ class RankEnv(BaseModel):
     backup: bool = False
     # Ranks whose resume shard is a backup held on another machine: dst rank -> (src rank, sha256).
     restore_peers: dict[int, tuple[int, str]] = {}
+    # torchrun's view: this machine's index among the job's machines, their count, how many
+    # times the job restarted (attempt - 1) and may restart.
+    node_rank: int = 0
+    nnodes: int = 1
+    restart_count: int = 0
+    max_restarts: int = 0
+    # Where the script keeps its own checkpoints on this machine (absolute; ``--checkpoint-dir``).
+    script_ckpt_dir: str | None = None
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> RankEnv:
@@ -86,6 +94,11 @@ class RankEnv(BaseModel):
             fault_file=e.get("TG_FAULT_FILE") or None,
             hash_every=int(e.get("TG_HASH_EVERY", "0")),
             backup=e.get("TG_BACKUP", "") == "1",
+            node_rank=int(e.get("GROUP_RANK", "0")),
+            nnodes=int(e.get("GROUP_WORLD_SIZE", "1")),
+            restart_count=int(e.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            max_restarts=int(e.get("TORCHELASTIC_MAX_RESTARTS", "0")),
+            script_ckpt_dir=e.get("TG_CHECKPOINT_DIR") or None,
             restore_peers={
                 int(k): (int(v[0]), str(v[1]))
                 for k, v in json.loads(e.get("TG_RESTORE_PEERS") or "{}").items()
@@ -100,17 +113,29 @@ class RankEnv(BaseModel):
             "LOCAL_WORLD_SIZE": str(self.local_world_size),
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
+            # torchrun's rank environment (torch.distributed.elastic), so scripts written for it
+            # behave as there; not TORCHELASTIC_USE_AGENT_STORE: no agent serves a store here.
+            "GROUP_RANK": str(self.node_rank),
+            "NODE_RANK": str(self.node_rank),
+            "GROUP_WORLD_SIZE": str(self.nnodes),
+            "ROLE_NAME": "default",
+            "ROLE_RANK": str(self.rank),
+            "ROLE_WORLD_SIZE": str(self.world_size),
+            "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+            "TORCHELASTIC_RUN_ID": self.job,
             "TG_JOB": self.job,
             "TG_ATTEMPT": str(self.attempt),
             "TG_NODE": self.node,
             "TG_TP": str(self.topology.tp),
             "TG_PP": str(self.topology.pp),
             "TG_DP": str(self.topology.dp),
-            "TG_TARGET_STEPS": str(self.target_steps),
             "TG_CKPT_DIR": self.ckpt_dir,
             "TG_CKPT_EVERY": str(self.ckpt_every),
             "TG_CODE_VERSION": self.code_version,
         }
+        if self.target_steps is not None:
+            out["TG_TARGET_STEPS"] = str(self.target_steps)
         if self.resume_step is not None:
             out["TG_RESUME_STEP"] = str(self.resume_step)
         if self.report_fd is not None:
@@ -121,6 +146,8 @@ class RankEnv(BaseModel):
             out["TG_HASH_EVERY"] = str(self.hash_every)
         if self.backup:
             out["TG_BACKUP"] = "1"
+        if self.script_ckpt_dir:
+            out["TG_CHECKPOINT_DIR"] = self.script_ckpt_dir
         if self.restore_peers:
             out["TG_RESTORE_PEERS"] = json.dumps({str(k): list(v) for k, v in self.restore_peers.items()})
         return out

@@ -100,13 +100,20 @@ class Final(_Sent):
     param_hash: str
 
 
+class Exiting(_Sent):
+    """The script is over (it returned or called sys.exit): no more steps will come while the
+    interpreter shuts down, which takes seconds with torch loaded (sent by the launcher)."""
+
+    t: Literal["exiting"]
+
+
 class Warm(_Sent):
     """A preloaded (warm) rank process finished importing and waits to be activated."""
 
     t: Literal["warm"]
 
 
-Message = Start | Restored | Local | Step | Ckpt | Backup | Fault | Error | Final | Warm
+Message = Start | Restored | Local | Step | Ckpt | Backup | Fault | Error | Final | Exiting | Warm
 
 # Written by a warm process with os.write before any runtime exists.
 READY_LINE = b'{"t": "warm"}\n'

@@ -22,12 +22,11 @@ import argparse
 import importlib
 import json
 import os
-import runpy
 import sys
 import time
 from collections.abc import Mapping
 
-from trainguard.runtime import protocol
+from trainguard.runtime import launch, protocol
 
 # Flags a warm process honours: unbuffered output (already set), no bytecode, no user site.
 HARMLESS_FLAGS = ("-u", "-B", "-s", "-E")
@@ -97,15 +96,10 @@ def become(act: dict) -> None:
     argv = list(act["argv"])
     while argv and argv[0] in HARMLESS_FLAGS:
         argv.pop(0)
-    if argv[0] == "-m":
-        sys.argv = [argv[1], *argv[2:]]
-        sys.path.insert(0, os.getcwd())
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        script = os.path.abspath(argv[0])
-        sys.argv = [argv[0], *argv[1:]]
-        sys.path.insert(0, os.path.dirname(script))
-        runpy.run_path(script, run_name="__main__")
+    if argv and os.path.abspath(argv[0]) == launch.__file__:
+        argv.pop(0)  # the agent's launcher: this process installs it itself
+    launch.install()
+    launch.run_target(argv)
 
 
 def main() -> None:

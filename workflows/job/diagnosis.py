@@ -194,7 +194,7 @@ class Diagnosis:
                 "topology": spec.topology.model_copy(
                     update={"dp": len(nodes) * rpn // (spec.topology.tp * spec.topology.pp)}
                 ),
-                "target_steps": min(start + spec.detection.replay_steps, spec.target_steps),
+                "target_steps": min(start + spec.detection.replay_steps, spec.target_steps or 1_000_000_000),
                 "checkpoint": spec.checkpoint.model_copy(update={"every_steps": 1_000_000}),
             }
         )

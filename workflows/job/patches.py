@@ -38,3 +38,6 @@ FIRST_REATTEMPT = "first-reattempt"
 # `cancel`: the job ends now - its ranks stopped without waiting for the S3 commits in flight
 # (the checkpoints already committed stay), its machines released.
 CANCEL_AT_ONCE = "cancel-at-once"
+# A job whose ranks did not all use the runtime (a script run as it is) completes when every rank
+# exits 0, at the step seen last, without a parameter hash.
+SCRIPT_COMPLETION = "script-completion"

@@ -69,7 +69,7 @@ class Visibility:
     def details(self, note: str = "") -> None:
         s = self.s
         lines = [
-            f"**{s.spec.name}** — phase `{s.phase}`, step {s.step}/{s.spec.target_steps}, "
+            f"**{s.spec.name}** — phase `{s.phase}`, step {s.step}/{s.spec.target_steps or '-'}, "
             f"attempt {s.attempt}, code `{s.code_version}`",
             f"ETTR {ettr.ettr(s.ledger, workflow.now()):.3f}",
             "machines: " + ", ".join(f"{i}: {n.name}" for i, n in enumerate(s.nodes)),

@@ -222,8 +222,16 @@ class TrainingJobWorkflow:
         hashes: dict[int, str] = {}
         for r in results:
             hashes.update(r.final_hashes)
-        self.s.step = self.s.spec.target_steps
-        self.s.result = JobResult(final_step=self.s.spec.target_steps, param_hash=combined_param_hash(hashes))
+        # A job without a target step count ends at the step its ranks reached last.
+        last = max([self.s.step, *(r.last_step for r in results)])
+        if len(hashes) < self.s.spec.world_size and workflow.patched(patches.SCRIPT_COMPLETION):
+            # Ranks that never used the runtime finished by exiting 0: no parameter hash exists
+            # unless every rank reported one.
+            self.s.step = last
+            self.s.result = JobResult(final_step=last, param_hash=None)
+        else:
+            self.s.step = self.s.spec.target_steps or last
+            self.s.result = JobResult(final_step=self.s.step, param_hash=combined_param_hash(hashes))
         self.s.running = None
         return await self._finish("completed")
 

@@ -1,0 +1,149 @@
+"""The launcher every rank starts through (trainguard.runtime.launch): step counting, the
+non-finite gradient flag, standing down for the runtime, and the agent's argv wrapping."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from activities.rank_session import LAUNCHER, through_launcher
+from trainguard.runtime import launch, protocol
+
+
+@pytest.fixture
+def pipe() -> Iterator[tuple[launch.Launcher, int]]:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    launcher = launch.Launcher(w, rank=3)
+    launcher.install(torch)
+    yield launcher, r
+    launcher.stand_down()
+    os.close(r)
+    os.close(w)
+
+
+def read(fd: int) -> list[dict]:
+    try:
+        data = os.read(fd, 1 << 20)
+    except BlockingIOError:
+        return []
+    return [m for line in data.splitlines() if (m := protocol.decode(line)) is not None]
+
+
+def train(opts: list[torch.optim.Optimizer], params: list[torch.nn.Parameter], steps: int) -> None:
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        for o in opts:
+            o.step()
+
+
+def test_a_step_is_one_step_of_the_first_optimizer(pipe: tuple[launch.Launcher, int]) -> None:
+    launcher, fd = pipe
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    # Two optimizers (a GAN, or sparse + dense): both fire every training step.
+    train([torch.optim.SGD([a], lr=0.1), torch.optim.SGD([b], lr=0.1)], [a, b], 5)
+    assert launcher.step == 5
+    launcher.report()
+    steps = [m for m in read(fd) if m["t"] == "step"]
+    assert steps[-1]["step"] == 5 and steps[-1]["rank"] == 3
+
+
+def test_a_resumed_optimizer_continues_its_numbering(pipe: tuple[launch.Launcher, int]) -> None:
+    launcher, _ = pipe
+    p = torch.nn.Parameter(torch.zeros(4))
+    before = torch.optim.AdamW([p], lr=0.1)
+    launcher.stand_down()
+    train([before], [p], 40)  # the previous attempt, up to its checkpoint
+    state = before.state_dict()
+    launcher.install(torch)
+    launcher.active = True
+    resumed = torch.optim.AdamW([p], lr=0.1)
+    resumed.load_state_dict(state)
+    train([resumed], [p], 3)
+    assert launcher.step == 43  # not 3: status never goes back to the start of a resumed script
+
+
+def test_reports_are_throttled_and_cheap(pipe: tuple[launch.Launcher, int]) -> None:
+    launcher, fd = pipe
+    p = torch.nn.Parameter(torch.zeros(1000))
+    opt = torch.optim.SGD([p], lr=0.1)
+    p.grad = torch.ones_like(p)
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        opt.step()
+    with_hook = time.perf_counter() - t0
+    launcher.stand_down()
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        opt.step()
+    without = time.perf_counter() - t0
+    sent = [m for m in read(fd) if m["t"] == "step"]
+    assert len(sent) <= 1 + with_hook / launch.REPORT_EVERY_S + 1
+    # The hooks (a fused norm for the non-finite flag included) per step, in microseconds.
+    per_step_us = (with_hook - without) / 2000 * 1e6
+    print(f"launcher hooks: {per_step_us:.1f} us per optimizer step")
+    assert per_step_us < 500
+
+
+def test_non_finite_gradients_flag_on_device_read_at_report(pipe: tuple[launch.Launcher, int]) -> None:
+    launcher, fd = pipe
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    train([opt], [p], 2)
+    p.grad = torch.tensor([1.0, float("nan"), 0.0])
+    opt.step()
+    train([opt], [p], 1)
+    assert all(m["t"] != "local" for m in read(fd))  # not read before the reporting cadence
+    launcher.report()
+    local = [m for m in read(fd) if m["t"] == "local"]
+    assert local == [local[0]] and local[0]["local_nonfinite"] is True and local[0]["step"] == 4
+
+
+def test_a_step_a_grad_scaler_skips_is_neither_counted_nor_flagged(pipe: tuple[launch.Launcher, int]) -> None:
+    launcher, _ = pipe
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale((p * torch.tensor([float("inf"), 1.0, 1.0])).sum()).backward()
+    scaler.step(opt)  # skipped: the scaled gradients overflowed
+    scaler.update()
+    assert launcher.step == 0 and launcher.nonfinite is None
+
+
+def test_uncaught_exception_and_exit_reports(tmp_path: Path) -> None:
+    """Run as the agent runs it: a file path, under a bare interpreter without trainguard."""
+    script = tmp_path / "boom.py"
+    script.write_text("import sys\nassert sys.argv[1:] == ['--x', '1']\nraise ValueError('bad batch')\n")
+    r, w = os.pipe()
+    env = {"PATH": os.environ["PATH"], "TG_REPORT_FD": str(w), "RANK": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-u", LAUNCHER, str(script), "--x", "1"], env=env, pass_fds=(w,), capture_output=True
+    )
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        msgs = [json.loads(line) for line in f]
+    assert proc.returncode == 1
+    assert [m["t"] for m in msgs] == ["error", "exiting"], msgs
+    assert "ValueError: bad batch" in msgs[0]["traceback"] and msgs[0]["rank"] == 1
+
+
+def test_the_agent_starts_python_scripts_through_the_launcher() -> None:
+    assert through_launcher(["/opt/venv/bin/python3.11", "-u", "train.py", "-x"]) == [
+        "/opt/venv/bin/python3.11",
+        "-u",
+        LAUNCHER,
+        "train.py",
+        "-x",
+    ]
+    assert through_launcher(["python", "-m", "pkg.train"]) == ["python", LAUNCHER, "-m", "pkg.train"]
+    for argv in (["bash", "run.sh"], ["python", "-c", "print(1)"], ["python", "-X", "dev", "t.py"]):
+        assert through_launcher(argv) == argv

@@ -1,0 +1,295 @@
+"""The launcher every rank starts through: protection for a script that imports nothing of trainguard.
+
+    python [-u] /path/to/trainguard/runtime/launch.py SCRIPT [ARGS...]
+    python [-u] /path/to/trainguard/runtime/launch.py -m MODULE [ARGS...]
+
+runs the script as ``python SCRIPT ARGS`` would, after installing, when torch is there:
+
+- a global optimizer step hook: a ``step`` report on the agent's pipe (``TG_REPORT_FD``), at most
+  every ``REPORT_EVERY_S``, with the step and the mean step time since the last report: progress,
+  hang detection in seconds, fail-slow comparison;
+- a non-finite gradient check at each optimizer step: a flag kept on the gradients' device (no
+  synchronisation per step), read at the reporting cadence; a step a GradScaler skipped never
+  reaches the optimizer, so it is never flagged; DTensor gradients are checked by their local shard;
+- the uncaught-exception report the runtime sends (``error``), before the interpreter unwinds;
+- the drill faults of ``trainguard inject`` (``TG_FAULT_FILE``), acting at the optimizer step.
+
+Self-contained: this file imports only the standard library, torch and its sibling ``faults.py``
+(loaded by path when trainguard is not installed), so the agent can run it with any interpreter:
+the user's own venv or image. The messages are those of ``trainguard.runtime.protocol``.
+
+Step counting: a step is one ``step()`` of the first optimizer that steps (a second optimizer
+stepping in the same training step does not count twice). The count starts from the optimizer's
+own step counter where it keeps one (Adam and most others: ``state[p]["step"]``, restored with
+the script's checkpoint), so a resumed script continues its numbering; otherwise from 1 in each
+attempt, which starts at step 0 after the incident that ended the previous one. Either way the
+steps reported in an attempt only grow.
+
+A script that calls ``trainguard.runtime.init()`` gets the runtime's reports instead: the runtime
+calls :func:`stand_down` and this launcher sends nothing more.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import json
+import os
+import runpy
+import sys
+import threading
+import time
+import traceback
+from types import ModuleType, TracebackType
+from typing import Any
+
+# Reports are sent at most this often (and at exit): a pipe write per step would cost more than
+# the step of a small model; the agent's hang detection works in seconds.
+REPORT_EVERY_S = 0.5
+# The name other modules (the runtime) find this launcher under, however it was started.
+MODULE_NAME = "_trainguard_launch"
+FLAGS = ("-u", "-B", "-s", "-E")
+
+
+class _Params:
+    """An optimizer's parameters, shaped like a module for the drill faults."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def parameters(self) -> Any:
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+
+class Launcher:
+    def __init__(self, fd: int, rank: int) -> None:
+        os.set_inheritable(fd, False)  # the pipe must close when the rank dies, not its children
+        self.fd = fd
+        self.rank = rank
+        self.active = True
+        self.lock = threading.Lock()
+        self.counted: int | None = None  # id of the optimizer whose steps count
+        self.step = 0
+        self.reported_step = 0
+        self.last_report_t = time.monotonic()
+        self.nonfinite: Any = None  # a bool tensor on the gradients' device
+        self.faults: Any = None
+        self.fault_file: Any = None
+        self.step_times: list[float] = []
+        self.hooks: list[Any] = []
+
+    # -- pipe -------------------------------------------------------------------
+    def send(self, rec: dict[str, Any]) -> None:
+        if self.fd < 0:
+            return
+        rec["rank"] = self.rank
+        rec["ts"] = time.time()
+        try:
+            with self.lock:
+                os.write(self.fd, (json.dumps(rec) + "\n").encode())
+        except OSError:  # the agent went away; it (or its replacement) stops this rank
+            self.fd = -1
+
+    # -- optimizer hooks ----------------------------------------------------------
+    def install(self, torch: ModuleType) -> None:
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        self.torch = torch
+        self.hooks = [
+            register_optimizer_step_pre_hook(self.before_step),
+            register_optimizer_step_post_hook(self.after_step),
+        ]
+        self._load_faults()
+
+    def _load_faults(self) -> None:
+        path = os.environ.get("TG_FAULT_FILE")
+        if not path:
+            return
+        try:
+            from trainguard.runtime import faults
+        except ImportError:  # another Python environment: the sibling file, by path
+            where = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults.py")
+            spec = importlib.util.spec_from_file_location("_trainguard_faults", where)
+            if spec is None or spec.loader is None:
+                return
+            faults = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(faults)
+        self.faults = faults
+        self.fault_file = faults.FaultFile(path, self.rank)
+
+    def _counts(self, optimizer: Any) -> bool:
+        if self.counted is None:
+            self.counted = id(optimizer)
+        return self.counted == id(optimizer)
+
+    def before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.active or not self._counts(optimizer):
+            return
+        if self.fault_file is not None:
+            median = sorted(self.step_times)[len(self.step_times) // 2] if self.step_times else 0.1
+            active = self.fault_file.active(self.step + 1)
+            if active:
+                self.faults.apply(active, self.step + 1, _Params(optimizer), median, self._fired)
+        self._check_grads(optimizer)
+
+    def _fired(self, fault: dict[str, Any]) -> None:
+        self.fault_file.used.add(str(fault.get("id")))
+        self.send({"t": "fault", "id": fault.get("id"), "fault": fault.get("fault")})
+
+    def _check_grads(self, optimizer: Any) -> None:
+        torch = self.torch
+        grads = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if hasattr(g, "to_local"):  # a DTensor: this rank's shard
+                    g = g.to_local()
+                grads.append(g.detach())
+        if not grads:
+            return
+        with torch.no_grad():
+            by_device: dict[Any, list[Any]] = {}
+            for g in grads:
+                by_device.setdefault(g.device, []).append(g)
+            for device, gs in by_device.items():
+                # One fused kernel per device and dtype, queued: nothing waits for it here.
+                total = torch.stack([n.float() for n in torch._foreach_norm(gs)]).sum()
+                bad = ~torch.isfinite(total)
+                if self.nonfinite is None or self.nonfinite.device != device:
+                    self.nonfinite = bad
+                else:
+                    self.nonfinite |= bad
+
+    def after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.active or not self._counts(optimizer):
+            return
+        if self.step == 0:
+            self.step = self._optimizer_step(optimizer) or 1
+        else:
+            self.step += 1
+        now = time.monotonic()
+        if now - self.last_report_t >= REPORT_EVERY_S:
+            self.report(now)
+
+    def _optimizer_step(self, optimizer: Any) -> int | None:
+        """The optimizer's own step counter (restored with its state): read once per process."""
+        for state in optimizer.state.values():
+            step = state.get("step") if isinstance(state, dict) else None
+            if step is not None:
+                try:
+                    return int(step)
+                except (TypeError, ValueError, RuntimeError):
+                    return None
+        return None
+
+    def report(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        done = self.step - self.reported_step
+        if done <= 0:
+            return
+        if self.nonfinite is not None:
+            bad = bool(self.nonfinite.item())  # the one synchronisation, at the reporting cadence
+            self.nonfinite = None
+            if bad:
+                self.send({"t": "local", "step": self.step, "local_grad_norm": None, "local_nonfinite": True})
+        step_time = (now - self.last_report_t) / done if self.reported_step else None
+        if step_time is not None:
+            self.step_times = [*self.step_times[-19:], step_time]
+        self.send({"t": "step", "step": self.step, "step_time_s": step_time})
+        self.reported_step = self.step
+        self.last_report_t = now
+
+    def stand_down(self) -> None:
+        """The script joined through trainguard.runtime: its reports are the runtime's."""
+        self.active = False
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+    # -- errors -------------------------------------------------------------------
+    def report_fatal_errors(self) -> None:
+        previous = sys.excepthook
+
+        def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+            if self.active:
+                text = "".join(traceback.format_exception(exc_type, exc, tb))
+                self.send({"t": "error", "traceback": text[-8000:]})
+            previous(exc_type, exc, tb)
+
+        sys.excepthook = hook
+
+    def at_exit(self) -> None:
+        if self.active:
+            self.report()
+            self.send({"t": "exiting"})
+
+
+_launcher: Launcher | None = None
+
+
+def install() -> Launcher | None:
+    """Install the hooks in this process (once); None without a report pipe."""
+    global _launcher
+    if _launcher is not None:
+        return _launcher
+    fd = os.environ.get("TG_REPORT_FD", "")
+    if not fd.isdigit():
+        return None
+    launcher = Launcher(int(fd), int(os.environ.get("RANK", "0")))
+    sys.modules.setdefault(MODULE_NAME, sys.modules[__name__])
+    launcher.report_fatal_errors()
+    try:
+        import torch
+        import torch.optim.optimizer as optimizer_module
+    except ImportError:  # not a torch script: the exception report is all there is to install
+        pass
+    else:
+        if hasattr(optimizer_module, "register_optimizer_step_post_hook"):  # torch >= 2.0
+            launcher.install(torch)
+    atexit.register(launcher.at_exit)
+    _launcher = launcher
+    return launcher
+
+
+def stand_down() -> None:
+    if _launcher is not None:
+        _launcher.stand_down()
+
+
+def run_target(argv: list[str]) -> None:
+    """Run ``SCRIPT ARGS`` or ``-m MODULE ARGS`` as ``__main__``, as ``python`` would."""
+    argv = list(argv)
+    while argv and argv[0] in FLAGS:
+        argv.pop(0)
+    if not argv:
+        raise SystemExit("usage: launch.py [-u] SCRIPT [ARGS...] | -m MODULE [ARGS...]")
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        script = os.path.abspath(argv[0])
+        sys.argv = [argv[0], *argv[1:]]
+        sys.path.insert(0, os.path.dirname(script))
+        runpy.run_path(script, run_name="__main__")
+
+
+def main() -> None:
+    # This file's directory (trainguard/runtime) must not shadow the script's imports.
+    here = os.path.dirname(os.path.abspath(__file__))
+    if sys.path and os.path.abspath(sys.path[0] or ".") == here:
+        sys.path.pop(0)
+    install()
+    run_target(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    # Started as a file: make this module the one the runtime finds (not a second copy).
+    sys.modules[MODULE_NAME] = sys.modules[__name__]
+    main()
