@@ -80,6 +80,7 @@ async def main(
     rank_nice: int,
     nic: str | None = None,
     warm_ranks: int = 0,
+    pool: str | None = None,
 ) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     memory_dir = memory_dir_for(workdir)
@@ -90,7 +91,8 @@ async def main(
     telemetry.setup(settings, "trainguard-agent", {"service.instance.id": name})
     # The client's TracingInterceptor applies to this worker too: its activities are traced.
     client = await connect(settings)
-    info = NodeInfo(name=name, task_queue=node_queue(name), host=host, gpus=gpus)
+    pool = pool or settings.pool
+    info = NodeInfo(name=name, task_queue=node_queue(name, pool), host=host, gpus=gpus)
     sessions: list[RankActivities] = []
 
     def rank_pids() -> dict[int, int]:
@@ -132,13 +134,13 @@ async def main(
     async def leave() -> None:
         # Off the pool before the queue goes quiet: no job is handed a machine nobody serves.
         try:
-            await asyncio.wait_for(pool_client.deregister(client, name), LEAVE_TIMEOUT_S)
+            await asyncio.wait_for(pool_client.deregister(client, name, pool), LEAVE_TIMEOUT_S)
         except Exception as exc:  # no controller answering: the pool notices the silence later
             log.warning("could not leave the pool: %s", exc)
 
     running = asyncio.create_task(run_until_signalled(worker, ranks.running, leave))
     try:
-        await pool_client.register(client, info)
+        await pool_client.register(client, info, pool=pool)
         await running
     finally:
         await warm.stop()
@@ -191,6 +193,12 @@ def cli() -> None:
         default=0,
         help="rank processes kept started (torch imported) for fast restarts; ranks per machine is right",
     )
+    parser.add_argument(
+        "--pool",
+        type=node_name,
+        default=None,
+        help="the pool to join, one per cluster or allocation (default: TRAINGUARD_POOL or trainguard-pool)",
+    )
     args = parser.parse_args()
     setup_logging(f"agent-{args.name}")
     asyncio.run(
@@ -203,6 +211,7 @@ def cli() -> None:
             args.rank_nice,
             args.nic,
             args.warm_ranks,
+            args.pool,
         )
     )
 

@@ -1,0 +1,134 @@
+"""The Slurm side of NodePoolWorkflow: quarantine and Slurm's drain state never disagree.
+
+A pool with a Slurm worker attached (``workers/slurm.py``, the one place with Slurm
+operator rights, on its own task queue) drains its quarantined machines in Slurm, with the
+evidence as the reason, and resumes those that leave quarantine (a passed retest,
+``trainguard nodes release``). The worker polls Slurm and reports what it sees: an
+operator's drain takes the machine out of service (quarantined once no job holds it,
+not retested) until an operator resumes it in Slurm or releases it in trainguard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from temporalio import workflow
+
+from workflows.job import calls
+
+with workflow.unsafe.imports_passed_through():
+    from trainguard.domain.messages import PoolNode, PoolState, SlurmNodeInput, SlurmObservation
+
+PATCH_SLURM = "pool-slurm-sync"
+SLURM_REASON_PREFIX = "trainguard: "
+
+
+def _order(name: str) -> tuple[int, str]:
+    digits = "".join(c for c in name if c.isdigit())
+    return (int(digits) if digits else 0, name)
+
+
+class SlurmSync:
+    """Mixed into NodePoolWorkflow, whose state it reads and changes."""
+
+    nodes: dict[str, PoolNode]
+    lock: asyncio.Lock
+    slurm_queue: str | None
+    slurm_drained: dict[str, str]
+    slurm_held: list[str]
+    slurm_epoch: int
+
+    def _schedule_changed(self) -> None:
+        raise NotImplementedError
+
+    def state(self) -> PoolState:
+        raise NotImplementedError
+
+    def _slurm_changes(self) -> list[SlurmNodeInput]:
+        """Drains and resumes Slurm needs so that exactly the quarantined (and operator-held)
+        machines are drained; lost machines stay as they are."""
+        if self.slurm_queue is None:
+            return []
+        out = []
+        for name, n in sorted(self.nodes.items(), key=lambda kv: _order(kv[0])):
+            if n.state == "lost":
+                continue
+            want = n.state == "quarantined" or name in self.slurm_held
+            if want and name not in self.slurm_drained:
+                reason = SLURM_REASON_PREFIX + (n.reason or "quarantined")
+                out.append(SlurmNodeInput(node=name, drain=True, reason=reason[:200]))
+            elif not want and name in self.slurm_drained:
+                out.append(SlurmNodeInput(node=name, drain=False))
+        return out
+
+    async def _slurm_sync(self) -> None:
+        changes = self._slurm_changes()
+        queue = self.slurm_queue
+        assert queue is not None
+        results = await asyncio.gather(
+            *(
+                calls.slurm_node(c, task_queue=queue, summary=f"{c.node}: {'drain' if c.drain else 'resume'}")
+                for c in changes
+            ),
+            return_exceptions=True,
+        )
+        async with self.lock:
+            for c, r in zip(changes, results, strict=True):
+                if isinstance(r, BaseException):
+                    workflow.logger.warning("slurm %s of %s failed: %s", c.drain, c.node, r)
+                    continue
+                if c.drain:
+                    self.slurm_drained[c.node] = c.reason
+                else:
+                    self.slurm_drained.pop(c.node, None)
+            self.slurm_epoch += 1
+
+    @workflow.update
+    async def attach_slurm(self, queue: str) -> PoolState:
+        """The pool's Slurm worker (the one place with operator rights) serves ``queue``."""
+        async with self.lock:
+            self.slurm_queue = queue
+            self.slurm_epoch += 1  # observations read before now may predate the attach
+            return self.state()
+
+    @workflow.update
+    async def slurm_observed(self, obs: SlurmObservation) -> int:
+        """An operator's drain or resume in Slurm reaches the pool: a machine drained there
+        leaves service (quarantined once no job holds it) until resumed; one resumed there
+        returns to standby. Observations older than the pool's latest drain or resume are
+        dropped: they may predate it."""
+        async with self.lock:
+            if obs.epoch != self.slurm_epoch or self.slurm_queue is None:
+                return 0
+            now = workflow.now()
+            changed = 0
+            for name, reason in obs.nodes.items():
+                n = self.nodes.get(name)
+                if n is None:
+                    continue
+                if reason is not None and name not in self.slurm_drained:
+                    self.slurm_drained[name] = reason
+                    if name not in self.slurm_held:
+                        self.slurm_held.append(name)
+                    if n.job is None and n.state != "lost":
+                        self.nodes[name] = n.model_copy(
+                            update={
+                                "state": "quarantined",
+                                "reason": f"drained in Slurm: {reason}"[:500],
+                                "since": now,
+                            }
+                        )
+                    changed += 1
+                elif reason is None and name in self.slurm_drained:
+                    del self.slurm_drained[name]
+                    if name in self.slurm_held:
+                        self.slurm_held.remove(name)
+                    if n.state == "quarantined":
+                        self.nodes[name] = n.model_copy(
+                            update={"state": "standby", "reason": "resumed in Slurm", "since": now}
+                        )
+                    changed += 1
+            if changed:
+                self.slurm_epoch += 1
+                self._schedule_changed()
+            return changed
