@@ -44,7 +44,7 @@ from trainguard.services import pool_client, telemetry
 from trainguard.services.settings import Settings
 from trainguard.services.storage import S3Store
 from trainguard.services.temporal import connect
-from workers.common import run_until_signalled, setup_logging
+from workers.common import add_metrics_port, run_until_signalled, setup_logging, start_metrics
 
 # Checkpoint snapshots go to tmpfs only when it has this much room; else to the work disk.
 MEMORY_MIN_FREE_BYTES = 1 << 30
@@ -81,6 +81,7 @@ async def main(
     nic: str | None = None,
     warm_ranks: int = 0,
     pool: str | None = None,
+    metrics_port: int | None = None,
 ) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     memory_dir = memory_dir_for(workdir)
@@ -88,9 +89,15 @@ async def main(
     drill = DrillActivities(drills, LinkControl(nic, workdir) if nic else None)
     await drill.restore_link()  # before connecting: a link left down would keep us offline
     settings = Settings.load()
-    telemetry.setup(settings, "trainguard-agent", {"service.instance.id": name})
+    endpoint = await start_metrics(metrics_port)
+    telemetry.setup(
+        settings,
+        "trainguard-agent",
+        {"service.instance.id": name},
+        metric_readers=[endpoint.reader] if endpoint else (),
+    )
     # The client's TracingInterceptor applies to this worker too: its activities are traced.
-    client = await connect(settings)
+    client = await connect(settings, endpoint.runtime if endpoint else None)
     pool = pool or settings.pool
     info = NodeInfo(name=name, task_queue=node_queue(name, pool), host=host, gpus=gpus)
     sessions: list[RankActivities] = []
@@ -199,6 +206,7 @@ def cli() -> None:
         default=None,
         help="the pool to join, one per cluster or allocation (default: TRAINGUARD_POOL or trainguard-pool)",
     )
+    add_metrics_port(parser)
     args = parser.parse_args()
     setup_logging(f"agent-{args.name}")
     asyncio.run(
@@ -212,6 +220,7 @@ def cli() -> None:
             args.nic,
             args.warm_ranks,
             args.pool,
+            args.metrics_port,
         )
     )
 
