@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from trainguard.domain.messages import SlurmNodeInput
+from trainguard.domain.messages import SlurmNodeInput, SlurmReplacementInput
 from workflows.job import calls
 
 SLURM_TIMEOUT_S = 20.0
@@ -43,6 +43,15 @@ class SlurmControl:
     def resume(self, node: str) -> None:
         self._run("scontrol", "update", f"NodeName={node}", "State=RESUME")
 
+    def submit_agent(self, script: str, exclude: list[str]) -> str:
+        """``sbatch`` one more node of agents (``script``, e.g. trainguard-agents.sbatch) kept off
+        ``exclude``; returns Slurm's job id. The submitting environment (the pool's settings)
+        goes with it."""
+        argv = ["sbatch", "--parsable", "-N1", "--export=ALL"]
+        if exclude:
+            argv.append(f"--exclude={','.join(exclude)}")
+        return self._run(*argv, script).strip().split(";")[0]
+
     def drains(self) -> dict[str, str | None]:
         """Every node -> its drain reason, or None when it is not drained (or draining)."""
         out: dict[str, str | None] = {}
@@ -55,8 +64,20 @@ class SlurmControl:
 
 
 class SlurmActivities:
-    def __init__(self, slurm: SlurmControl) -> None:
+    def __init__(self, slurm: SlurmControl, agent_script: str | None = None) -> None:
         self.slurm = slurm
+        self.agent_script = agent_script
+
+    @activity.defn(name=calls.slurm_request_node.name)
+    async def slurm_request_node(self, req: SlurmReplacementInput) -> str:
+        if self.agent_script is None:
+            raise ApplicationError("this Slurm worker has no --agent-script", non_retryable=True)
+        try:
+            job = await asyncio.to_thread(self.slurm.submit_agent, self.agent_script, req.exclude)
+        except RuntimeError as exc:
+            raise ApplicationError(str(exc), type="SlurmError") from None
+        activity.logger.info("submitted replacement agent job %s (excluding %s)", job, req.exclude)
+        return job
 
     @activity.defn(name=calls.slurm_node.name)
     async def slurm_node(self, req: SlurmNodeInput) -> bool:

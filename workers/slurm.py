@@ -7,8 +7,10 @@ Run it once per pool (cluster or allocation) on a host where ``scontrol update``
 
 It serves the pool's drains and resumes on its own task queue (``slurm-<pool>``): the pool
 drains each quarantined machine with the evidence as the reason and resumes it when it
-leaves quarantine. Every ``--poll-s`` it reads Slurm's drain states and reports the
-operator's own drains and resumes to the pool, so the two never disagree.
+leaves quarantine; with ``--agent-script`` it submits one more agent job (``sbatch -N1``,
+excluding the drained nodes) when the pool has fewer standbys than its target. Every
+``--poll-s`` it reads Slurm's drain states and reports the operator's own drains and
+resumes to the pool, so the two never disagree.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import asyncio
 import contextlib
 import logging
 from datetime import timedelta
+from pathlib import Path
 
 from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.slurm import SlurmActivities, SlurmControl
-from trainguard.domain.messages import POOL_WORKFLOW_ID, SlurmObservation, slurm_queue
+from trainguard.domain.messages import POOL_WORKFLOW_ID, SlurmAttach, SlurmObservation, slurm_queue
 from trainguard.services import pool_client
 from trainguard.services.settings import Settings
 from trainguard.services.temporal import connect
@@ -68,21 +71,24 @@ async def watch(client: Client, slurm: SlurmControl, pool: str, poll_s: float) -
         await asyncio.sleep(poll_s)
 
 
-async def main(pool: str | None, poll_s: float) -> None:
+async def main(pool: str | None, poll_s: float, agent_script: str | None = None) -> None:
     settings = Settings.load()
     pool = pool or settings.pool
     client = await connect(settings)
     slurm = SlurmControl()
+    acts = SlurmActivities(slurm, agent_script)
     queue = slurm_queue(pool)
     worker = Worker(
         client,
         task_queue=queue,
-        activities=[SlurmActivities(slurm).slurm_node],
+        activities=[acts.slurm_node, acts.slurm_request_node],
         identity=f"slurm-{pool}",
         graceful_shutdown_timeout=timedelta(seconds=5),
     )
     running = asyncio.create_task(run_until_signalled(worker))
-    await pool_client.attach_slurm(client, queue, pool)
+    await pool_client.attach_slurm(
+        client, SlurmAttach(queue=queue, replacements=agent_script is not None), pool
+    )
     log.info("serving Slurm for pool %s on %s", pool, queue)
     watcher = asyncio.create_task(watch(client, slurm, pool, poll_s))
     try:
@@ -101,11 +107,20 @@ def cli() -> None:
         "--pool", default=None, help=f"the cluster's pool (default: TRAINGUARD_POOL or {POOL_WORKFLOW_ID})"
     )
     parser.add_argument("--poll-s", type=float, default=10.0, help="how often Slurm's drain states are read")
+    parser.add_argument(
+        "--agent-script",
+        default=None,
+        help="sbatch script of one node's agent (infra/slurm/trainguard-agents.sbatch): submitted "
+        "with -N1, excluding drained nodes, when the pool is short of standbys (default: never)",
+    )
     args = parser.parse_args()
     if args.poll_s <= 0:
         parser.error("--poll-s: must be > 0")
+    if args.agent_script is not None and not Path(args.agent_script).is_file():
+        parser.error(f"--agent-script: no such file {args.agent_script}")
     setup_logging("slurm-worker")
-    asyncio.run(main(args.pool, args.poll_s))
+    script = str(Path(args.agent_script).resolve()) if args.agent_script else None
+    asyncio.run(main(args.pool, args.poll_s, script))
 
 
 if __name__ == "__main__":

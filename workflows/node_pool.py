@@ -81,6 +81,8 @@ class NodePoolWorkflow(SlurmSync):
         self.slurm_drained: dict[str, str] = dict(state.slurm_drained) if state else {}
         self.slurm_held: list[str] = list(state.slurm_held) if state else []
         self.slurm_epoch = state.slurm_epoch if state else 0
+        self.slurm_replacements = state.slurm_replacements if state else False
+        self.slurm_requested = state.slurm_requested if state else None
         self.lock = asyncio.Lock()
         self.replan = False  # the config changed: the loop's retest timer must be recomputed
 
@@ -88,7 +90,7 @@ class NodePoolWorkflow(SlurmSync):
     async def run(self, state: PoolState | None = None) -> None:
         # The background loop: self-test suspects at once and quarantined machines when due.
         while not self._history_full():
-            if self._slurm_changes() and workflow.patched(PATCH_SLURM):
+            if self._slurm_due() and workflow.patched(PATCH_SLURM):
                 await self._slurm_sync()
                 continue
             due = self._due_for_test()
@@ -99,10 +101,7 @@ class NodePoolWorkflow(SlurmSync):
             with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(
                     lambda: (
-                        self.replan
-                        or bool(self._due_for_test())
-                        or bool(self._slurm_changes())
-                        or self._history_full()
+                        self.replan or bool(self._due_for_test()) or self._slurm_due() or self._history_full()
                     ),
                     timeout=self._next_retest(),
                 )
@@ -118,6 +117,8 @@ class NodePoolWorkflow(SlurmSync):
             slurm_drained=self.slurm_drained,
             slurm_held=self.slurm_held,
             slurm_epoch=self.slurm_epoch,
+            slurm_replacements=self.slurm_replacements,
+            slurm_requested=self.slurm_requested,
         )
 
     def _schedule_changed(self) -> None:

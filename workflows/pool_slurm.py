@@ -13,11 +13,19 @@ from __future__ import annotations
 import asyncio
 
 from temporalio import workflow
+from temporalio.exceptions import ActivityError
 
 from workflows.job import calls
 
 with workflow.unsafe.imports_passed_through():
-    from trainguard.domain.messages import PoolNode, PoolState, SlurmNodeInput, SlurmObservation
+    from trainguard.domain.messages import (
+        PoolNode,
+        PoolState,
+        SlurmAttach,
+        SlurmNodeInput,
+        SlurmObservation,
+        SlurmReplacementInput,
+    )
 
 PATCH_SLURM = "pool-slurm-sync"
 SLURM_REASON_PREFIX = "trainguard: "
@@ -37,12 +45,37 @@ class SlurmSync:
     slurm_drained: dict[str, str]
     slurm_held: list[str]
     slurm_epoch: int
+    slurm_replacements: bool
+    slurm_requested: int | None
 
     def _schedule_changed(self) -> None:
         raise NotImplementedError
 
     def state(self) -> PoolState:
         raise NotImplementedError
+
+    def _standbys(self) -> list[PoolNode]:
+        raise NotImplementedError
+
+    def _standby_target(self) -> int:
+        raise NotImplementedError
+
+    def _slurm_due(self) -> bool:
+        return bool(self._slurm_changes()) or self._replacement_needed()
+
+    def _live(self) -> int:
+        return sum(n.state != "lost" for n in self.nodes.values())
+
+    def _replacement_needed(self) -> bool:
+        """Jobs run, with fewer standbys than the target, and no replacement is on its way (one
+        is until a machine joins after the request)."""
+        if self.slurm_queue is None or not self.slurm_replacements:
+            return False
+        if not any(n.state == "active" for n in self.nodes.values()):
+            return False  # no job to keep alive: an allocation that is still starting is not short
+        if self.slurm_requested is not None and self._live() <= self.slurm_requested:
+            return False
+        return len(self._standbys()) < self._standby_target()
 
     def _slurm_changes(self) -> list[SlurmNodeInput]:
         """Drains and resumes Slurm needs so that exactly the quarantined (and operator-held)
@@ -65,6 +98,20 @@ class SlurmSync:
         changes = self._slurm_changes()
         queue = self.slurm_queue
         assert queue is not None
+        if self._replacement_needed():
+            # Asked once; the next request waits for a machine to join (or not: then an operator).
+            self.slurm_requested = self._live()
+            exclude = sorted(
+                {*self.slurm_drained, *(k for k, n in self.nodes.items() if n.state == "quarantined")},
+                key=_order,
+            )
+            try:
+                job = await calls.slurm_request_node(
+                    SlurmReplacementInput(exclude=exclude), task_queue=queue, summary="replacement node"
+                )
+                workflow.logger.info("asked Slurm for a replacement node: job %s", job)
+            except ActivityError as err:
+                workflow.logger.warning("no replacement node requested: %s", err.cause or err)
         results = await asyncio.gather(
             *(
                 calls.slurm_node(c, task_queue=queue, summary=f"{c.node}: {'drain' if c.drain else 'resume'}")
@@ -84,10 +131,12 @@ class SlurmSync:
             self.slurm_epoch += 1
 
     @workflow.update
-    async def attach_slurm(self, queue: str) -> PoolState:
-        """The pool's Slurm worker (the one place with operator rights) serves ``queue``."""
+    async def attach_slurm(self, attach: SlurmAttach) -> PoolState:
+        """The pool's Slurm worker (the one place with operator rights) serves ``attach.queue``."""
         async with self.lock:
-            self.slurm_queue = queue
+            self.slurm_queue = attach.queue
+            self.slurm_replacements = attach.replacements
+            self.slurm_requested = None
             self.slurm_epoch += 1  # observations read before now may predate the attach
             return self.state()
 

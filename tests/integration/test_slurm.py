@@ -21,6 +21,8 @@ from infra.stack import Stack, StackConfig, client_env
 from tests.integration.helpers import REPO, cli, example_spec, run_to_end, wait_until
 from tests.integration.slurm_cluster import NODES, SlurmCluster, SlurmUnavailable
 from trainguard.client import TrainguardClient
+from trainguard.domain.messages import ReserveInput
+from trainguard.services import pool_client
 from trainguard.services.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -217,3 +219,56 @@ async def drill(slurm: SlurmCluster, settings: Settings) -> None:
     assert done.returncode == 0, done.stderr
     n = await wait_pool(settings, spare, lambda n: n["state"] == "standby")
     assert n["reason"] == "resumed in Slurm", n
+
+
+def test_a_pool_short_of_standbys_asks_slurm_for_a_replacement_node(
+    slurm: SlurmCluster, empty_stack: Settings, tmp_path: Path
+) -> None:
+    pool = "slurm-replace"
+    settings = Settings.from_mapping({**empty_stack.to_env(), "TRAINGUARD_POOL": pool}, empty_stack.state_dir)
+    env = slurm.env(process_env(Stack.load(empty_stack.state_dir).config))
+    env.update(
+        PYTHONPATH=str(REPO),
+        TRAINGUARD_POOL=pool,
+        TRAINGUARD_PYTHON=sys.executable,
+        TRAINGUARD_WORKDIR=str(tmp_path / "agents"),
+        TRAINGUARD_CODE_DIR=str(REPO),
+        TRAINGUARD_AGENT_HOST="127.0.0.1",
+        TRAINGUARD_SLURM_DIR=str(AGENT_SCRIPT.parent),
+    )
+    sbatch = AGENT_SCRIPT.parent / "trainguard-agents.sbatch"
+    started: list[tuple[int, int | None]] = []
+
+    def start(argv: list[str], log: Path) -> None:
+        pid = spawn(argv, log, env=env, cwd=REPO)
+        started.append((pid, start_ticks(pid)))
+
+    try:
+        start(
+            [sys.executable, "-m", "workers.slurm", "--poll-s", "1", "--agent-script", str(sbatch)],
+            tmp_path / "slurm-worker.log",
+        )
+        start(
+            ["srun", "-N2", "-w", "n1,n2", "--ntasks-per-node=1", "--job-name=tg-agents", str(AGENT_SCRIPT)],
+            tmp_path / "srun.log",
+        )
+        asyncio.run(wait_agents(settings, ["n1", "n2"], timeout_s=180))
+        assert slurm.node_states()["n3"] == "idle"
+        # A job takes both machines: no standby left, so the pool asks Slurm for one more
+        # agent; Slurm starts it on n3, the only free node, and it joins as a standby.
+        asyncio.run(take_both(settings))
+        asyncio.run(wait_agents(settings, ["n3"], timeout_s=180))
+        done = slurm.run("squeue", "--noheader", "--format=%j %N")
+        assert "trainguard-agents n3" in done.stdout, done.stdout
+    finally:
+        slurm.run("scancel", "--signal=TERM", "--name=tg-agents")
+        slurm.run("scancel", "--signal=TERM", "--name=trainguard-agents")
+        for pid, ticks in reversed(started):
+            stop_pid(pid, grace_s=30.0, ticks=ticks)
+
+
+async def take_both(settings: Settings) -> None:
+    """Reserve n1 and n2 for a job (the pool's own update, as a job's reserve activity sends)."""
+    tg = await TrainguardClient.connect(settings)
+    res = await pool_client.reserve(tg.temporal, ReserveInput(job_id="holder", count=2, pool=settings.pool))
+    assert res.granted and sorted(n.name for n in res.nodes) == ["n1", "n2"], res

@@ -139,6 +139,23 @@ class PoolState(Msg):
     slurm_drained: dict[str, str] = {}
     slurm_held: list[str] = []
     slurm_epoch: int = 0
+    # Whether the Slurm worker can start replacement agents, and the number of live machines
+    # when it was last asked to (None: no request outstanding).
+    slurm_replacements: bool = False
+    slurm_requested: int | None = None
+
+
+class SlurmAttach(Msg):
+    """A Slurm worker serves the pool on ``queue``; ``replacements``: it can submit agent jobs."""
+
+    queue: str
+    replacements: bool = False
+
+
+class SlurmReplacementInput(Msg):
+    """Submit one more agent job to Slurm, kept off ``exclude`` (drained, quarantined)."""
+
+    exclude: list[str] = []
 
 
 class SlurmNodeInput(Msg):

@@ -36,6 +36,7 @@ from trainguard.domain.messages import (
     ReleaseInput,
     ReserveInput,
     ReserveResult,
+    SlurmAttach,
     SlurmObservation,
 )
 
@@ -132,9 +133,10 @@ async def release_node(client: Client, name: str, pool: str = POOL_WORKFLOW_ID) 
     return await client.get_workflow_handle(pool).execute_update("release_node", name, result_type=PoolNode)
 
 
-async def attach_slurm(client: Client, queue: str, pool: str = POOL_WORKFLOW_ID) -> PoolState:
-    """The Slurm worker of ``pool`` serves ``queue``: the pool drains and resumes through it."""
-    return await _update(client, "attach_slurm", queue, PoolState, pool=pool)
+async def attach_slurm(client: Client, attach: SlurmAttach, pool: str = POOL_WORKFLOW_ID) -> PoolState:
+    """The Slurm worker of ``pool`` serves ``attach.queue``: the pool drains, resumes and asks
+    for replacement machines through it."""
+    return await _update(client, "attach_slurm", attach, PoolState, pool=pool)
 
 
 async def slurm_observed(client: Client, obs: SlurmObservation, pool: str = POOL_WORKFLOW_ID) -> int:

@@ -46,6 +46,7 @@ with workflow.unsafe.imports_passed_through():
         RunRanksInput,
         RunRanksResult,
         SlurmNodeInput,
+        SlurmReplacementInput,
         StackDump,
         StackFinding,
         StackInput,
@@ -189,6 +190,13 @@ slurm_node: Activity[SlurmNodeInput, bool] = Activity(
         retry=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3),
     ),
 )
+# Submits an agent job (sbatch) for a pool short of standbys; returns Slurm's job id.
+slurm_request_node: Activity[SlurmReplacementInput, str] = Activity(
+    "slurm_request_node",
+    SlurmReplacementInput,
+    str,
+    Options(schedule_to_start=timedelta(seconds=60), start_to_close=SHORT),
+)
 
 # Every activity of the contract.
 ALL: tuple[Activity[Any, Any], ...] = (
@@ -210,6 +218,7 @@ ALL: tuple[Activity[Any, Any], ...] = (
     inject_fault,
     clear_faults,
     slurm_node,
+    slurm_request_node,
 )
 
 
