@@ -90,12 +90,13 @@ class NodePoolWorkflow(SlurmSync):
     async def run(self, state: PoolState | None = None) -> None:
         # The background loop: self-test suspects at once and quarantined machines when due.
         while not self._history_full():
-            if self._slurm_due() and workflow.patched(PATCH_SLURM):
-                await self._slurm_sync()
-                continue
             due = self._due_for_test()
             if due:
                 await self._self_test(due)
+                continue
+            # After the self-tests: a Slurm call that keeps failing must not hold them up.
+            if self._slurm_due() and workflow.patched(PATCH_SLURM):
+                await self._slurm_sync()
                 continue
             self.replan = False
             with contextlib.suppress(TimeoutError):

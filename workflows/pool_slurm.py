@@ -11,6 +11,7 @@ not retested) until an operator resumes it in Slurm or releases it in trainguard
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
@@ -29,6 +30,7 @@ with workflow.unsafe.imports_passed_through():
 
 PATCH_SLURM = "pool-slurm-sync"
 SLURM_REASON_PREFIX = "trainguard: "
+SLURM_RETRY = timedelta(seconds=30)
 
 
 def _order(name: str) -> tuple[int, str]:
@@ -119,16 +121,22 @@ class SlurmSync:
             ),
             return_exceptions=True,
         )
+        failed = False
         async with self.lock:
             for c, r in zip(changes, results, strict=True):
                 if isinstance(r, BaseException):
                     workflow.logger.warning("slurm %s of %s failed: %s", c.drain, c.node, r)
+                    failed = True
                     continue
                 if c.drain:
                     self.slurm_drained[c.node] = c.reason
                 else:
                     self.slurm_drained.pop(c.node, None)
             self.slurm_epoch += 1
+        if failed:
+            # Tried again after a pause: a node Slurm does not know, or a worker that is away,
+            # would otherwise grow the history with retries as fast as they fail.
+            await workflow.sleep(SLURM_RETRY)
 
     @workflow.update
     async def attach_slurm(self, attach: SlurmAttach) -> PoolState:

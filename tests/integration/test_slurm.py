@@ -21,7 +21,7 @@ from infra.stack import Stack, StackConfig, client_env
 from tests.integration.helpers import REPO, cli, example_spec, run_to_end, wait_until
 from tests.integration.slurm_cluster import NODES, SlurmCluster, SlurmUnavailable
 from trainguard.client import TrainguardClient
-from trainguard.domain.messages import ReserveInput
+from trainguard.domain.messages import PoolState, ReserveInput
 from trainguard.services import pool_client
 from trainguard.services.settings import Settings
 
@@ -260,6 +260,10 @@ def test_a_pool_short_of_standbys_asks_slurm_for_a_replacement_node(
         asyncio.run(wait_agents(settings, ["n3"], timeout_s=180))
         done = slurm.run("squeue", "--noheader", "--format=%j %N")
         assert "trainguard-agents n3" in done.stdout, done.stdout
+        # Asked once: the request stood until n3 joined, and with n3 the pool has its standby.
+        assert done.stdout.count("trainguard-agents") == 1, done.stdout
+        tg_state = asyncio.run(pool_state(settings))
+        assert tg_state.slurm_requested == 2 and tg_state.standby == 1, tg_state
     finally:
         slurm.run("scancel", "--signal=TERM", "--name=tg-agents")
         slurm.run("scancel", "--signal=TERM", "--name=trainguard-agents")
@@ -272,3 +276,7 @@ async def take_both(settings: Settings) -> None:
     tg = await TrainguardClient.connect(settings)
     res = await pool_client.reserve(tg.temporal, ReserveInput(job_id="holder", count=2, pool=settings.pool))
     assert res.granted and sorted(n.name for n in res.nodes) == ["n1", "n2"], res
+
+
+async def pool_state(settings: Settings) -> PoolState:
+    return await (await TrainguardClient.connect(settings)).nodes()
