@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -99,12 +100,22 @@ async def main(pool: str | None, poll_s: float, agent_script: str | None = None)
             await watcher
 
 
+def pool_name(text: str) -> str:
+    """argparse type: a pool's name (it is the pool workflow's id and part of task queue names)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", text):
+        raise argparse.ArgumentTypeError("letters, digits, '.', '_', '-'; 1-100 characters")
+    return text
+
+
 def cli() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--pool", default=None, help=f"the cluster's pool (default: TRAINGUARD_POOL or {POOL_WORKFLOW_ID})"
+        "--pool",
+        type=pool_name,
+        default=None,
+        help=f"the cluster's pool (default: TRAINGUARD_POOL or {POOL_WORKFLOW_ID})",
     )
     parser.add_argument("--poll-s", type=float, default=10.0, help="how often Slurm's drain states are read")
     parser.add_argument(
