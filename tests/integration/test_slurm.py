@@ -240,7 +240,8 @@ def test_a_pool_short_of_standbys_asks_slurm_for_a_replacement_node(
     started: list[tuple[int, int | None]] = []
 
     def start(argv: list[str], log: Path) -> None:
-        pid = spawn(argv, log, env=env, cwd=REPO)
+        # In tmp_path: the worker's sbatch writes the agent job's slurm-<id>.out there.
+        pid = spawn(argv, log, env=env, cwd=tmp_path)
         started.append((pid, start_ticks(pid)))
 
     try:
