@@ -18,9 +18,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+import psutil
+
 # Popen objects of the children this process spawned: kept so that they can be
 # reaped (no zombies, no "still running" ResourceWarning when they are dropped).
 _children: dict[int, subprocess.Popen[bytes]] = {}
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def spawn(
@@ -55,25 +58,17 @@ def spawn(
     return proc.pid
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """Fields of /proc/<pid>/stat after the command name, or None (gone, or not Linux)."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name is in parentheses and may itself contain spaces or ')'.
-    return raw[raw.rfind(")") + 2 :].split()
-
-
 def start_ticks(pid: int) -> int | None:
     """Kernel start time of `pid` in clock ticks since boot (None if unknown).
 
-    Together with the pid it identifies one process for its whole lifetime.
+    Together with the pid it identifies one process for its whole lifetime. psutil gives it in
+    seconds since the epoch (boot time + ticks / CLK_TCK); recorded stacks hold ticks, so back.
     """
-    fields = _stat_fields(pid)
-    if fields is None or len(fields) < 20:
+    try:
+        created = psutil.Process(pid).create_time()
+    except psutil.Error:
         return None
-    return int(fields[19])
+    return round((created - psutil.boot_time()) * _CLK_TCK)
 
 
 def _reap(pid: int) -> None:
@@ -98,27 +93,35 @@ def pid_alive(pid: int, ticks: int | None = None) -> bool:
         return False
     except PermissionError:
         pass  # exists, owned by someone else
-    fields = _stat_fields(pid)
-    if fields is not None and fields[0] in ("Z", "X"):
+    try:
+        if psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return False
+    except psutil.NoSuchProcess:
         return False
-    return not (ticks is not None and fields is not None and int(fields[19]) != ticks)
+    except psutil.Error:
+        return True  # exists, not ours to inspect
+    if ticks is None:
+        return True
+    now = start_ticks(pid)
+    return now is None or now == ticks
 
 
 def _group_alive(pgid: int) -> bool:
     """Whether any live (non-zombie) process is left in process group `pgid`."""
-    proc_dir = Path("/proc")
-    if not proc_dir.is_dir():
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    # Signal 0 reaches zombies too: only a member that still runs counts.
+    for proc in psutil.process_iter():
         try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-    for entry in proc_dir.iterdir():
-        if not entry.name.isdigit():
+            if os.getpgid(proc.pid) == pgid and proc.status() not in (
+                psutil.STATUS_ZOMBIE,
+                psutil.STATUS_DEAD,
+            ):
+                return True
+        except (ProcessLookupError, psutil.Error):
             continue
-        fields = _stat_fields(int(entry.name))
-        if fields and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            return True
     return False
 
 

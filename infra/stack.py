@@ -416,6 +416,10 @@ def ensure_bucket(client: Any, bucket: str) -> bool:
     return True
 
 
+class PortsInUse(RuntimeError):
+    """A server of this stack cannot listen: the message names who holds the ports and the fix."""
+
+
 class Stack:
     """The processes of one local stack and their on-disk record (`stack.json`).
 
@@ -483,11 +487,38 @@ class Stack:
 
     def _check_ports_free(self, name: str, ports: Sequence[int]) -> None:
         busy = [p for p in ports if p != 0 and not port_is_free(p)]
-        if busy:
-            raise RuntimeError(
-                f"cannot start {name}: port(s) {busy} on {LOOPBACK} are in use by another "
-                f"program (another stack? see `trainguard down`, or use another state dir)"
+        if not busy:
+            return
+        holder = self._stack_holding(busy)
+        if holder is not None:
+            raise PortsInUse(
+                f"cannot start {name}: port(s) {busy} belong to the stack running in {holder}; "
+                f"use it with `--state-dir {holder}` (or TRAINGUARD_STATE_DIR), or stop it with "
+                f"`trainguard down --state-dir {holder}`"
             )
+        raise PortsInUse(
+            f"cannot start {name}: port(s) {busy} on {LOOPBACK} are in use by another "
+            f"program (another stack? see `trainguard down`, or use another state dir)"
+        )
+
+    def _stack_holding(self, ports: Sequence[int]) -> Path | None:
+        """A running stack in a usual state dir (the CLI's default, ./.trainguard, the
+        environment's) whose ports these are: the one to point at."""
+        here = self.config.state_dir.resolve()
+        candidates = [Path.home() / ".trainguard", Path.cwd() / ".trainguard"]
+        if os.environ.get("TRAINGUARD_STATE_DIR"):
+            candidates.append(Path(os.environ["TRAINGUARD_STATE_DIR"]).expanduser())
+        for d in candidates:
+            d = d.resolve()
+            if d == here or not Stack.record_path(d).is_file():
+                continue
+            try:
+                other = Stack.load(d)
+            except (OSError, ValueError):
+                continue
+            if set(ports) & set(other.config.ports().values()) and any(other.status().values()):
+                return d
+        return None
 
     def _spawn(
         self, name: str, argv: Sequence[str], env: Mapping[str, str] | None, cwd: Path | None

@@ -21,7 +21,8 @@ import re
 import socket
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from types import TracebackType
+from typing import Any, Literal, TypedDict, TypeVar
 
 from pydantic import ValidationError
 from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError, WorkflowUpdateFailedError
@@ -31,15 +32,17 @@ from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from trainguard.domain.code_versions import CodeUpdate
-from trainguard.domain.job_state import JobInput
+from trainguard.domain.job_state import JobInput, Phase
 from trainguard.domain.messages import (
     ALL_FAULTS,
     CONTROLLER_QUEUE,
     NODE_NAME_RE,
     POOL_WORKFLOW_ID,
+    CordonInput,
     InjectInput,
     InjectResult,
     PoolConfig,
+    PoolNode,
     PoolState,
 )
 from trainguard.domain.spec import NAME_RE, JobSpec, SpecError, first_validation_error, shown
@@ -51,13 +54,21 @@ from trainguard.services.temporal import connect
 
 T = TypeVar("T")
 TERMINAL_PHASES = ("completed", "failed", "stopped")
+PHASES = ("pending", "running", "detecting", "diagnosing", "recovering", *TERMINAL_PHASES)
 __all__ = [
+    "PHASES",
     "BadFault",
     "BadUpdate",
+    "CheckpointDoc",
     "ControllerUnavailable",
+    "IncidentDoc",
     "JobAlreadyRunning",
     "JobHandle",
+    "JobStatus",
+    "JobSummary",
+    "ResultDoc",
     "SyncClient",
+    "SyncJobHandle",
     "TrainguardClient",
     "UnknownJob",
     "UnknownNode",
@@ -66,6 +77,80 @@ __all__ = [
     "code_update",
     "inject_request",
 ]
+
+
+# -- the status document of CONTRACT.md, typed (the JSON itself is unchanged) ----------------
+
+
+class CheckpointDoc(TypedDict):
+    step: int
+    tier: Literal["memory", "peer", "s3"]
+    uri: str
+
+
+class IncidentDoc(TypedDict, total=False):
+    id: str
+    kind: str
+    detected_at: str
+    fault_at: str | None
+    detection_s: float | None
+    suspects: list[str]
+    evicted: list[str]
+    action: str
+    evidence: str
+    recovered_at: str | None
+    recovery_s: float | None
+    lost_steps: int
+
+
+class ResultDoc(TypedDict):
+    final_step: int
+    param_hash: str
+
+
+class JobStatus(TypedDict, total=False):
+    """``JobHandle.status()``: the keys CONTRACT.md names always come; the rest are extras."""
+
+    job_id: str
+    phase: Phase
+    step: int
+    target_steps: int
+    attempt: int
+    code_version: str
+    code_history: list[dict[str, Any]]
+    pending_code_version: str | None
+    ettr: float
+    ettr_window_1h: float
+    badput_s: dict[str, float]
+    nodes: dict[str, str]
+    checkpoint: CheckpointDoc | None
+    resumed_from_step: int | None
+    attempt_started_at: str | None
+    attempt_first_step_at: str | None
+    incidents: list[IncidentDoc]
+    verdict: str | None
+    # While pending: machines wanted against those on standby.
+    waiting: str | None
+    result: ResultDoc | None
+    loss: float | None
+    step_time_s: float | None
+    submitted_at: str | None
+    updated_at: str | None
+    as_of: str
+    progress: list[list[Any]]
+
+
+class JobSummary(TypedDict):
+    """One row of :meth:`TrainguardClient.list_jobs` (from search attributes)."""
+
+    job_id: str
+    run_id: str | None
+    status: str | None
+    phase: str | None
+    step: int | None
+    ettr: float | None
+    code_version: str | None
+    started_at: str | None
 
 
 class UnknownJob(LookupError):
@@ -160,10 +245,10 @@ class JobHandle:
                 raise UnknownJob(self.job_id) from None
             raise
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self) -> JobStatus:
         """The status document of CONTRACT.md (phase, step, ETTR, incidents, result)."""
         try:
-            return await self._wf.query("status", result_type=dict)
+            return JobStatus(await self._wf.query("status", result_type=dict))  # type: ignore[typeddict-item]
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 raise UnknownJob(self.job_id) from None
@@ -177,11 +262,11 @@ class JobHandle:
                 return await self._final_status()
             raise
 
-    async def _final_status(self) -> dict[str, Any]:
+    async def _final_status(self) -> JobStatus:
         # The result type belongs to the handle (WorkflowHandle.result takes none).
         return await self.client.get_workflow_handle(self.job_id, result_type=dict).result()
 
-    async def incidents(self) -> list[dict[str, Any]]:
+    async def incidents(self) -> list[IncidentDoc]:
         return list((await self.status())["incidents"])
 
     async def running(self) -> bool:
@@ -189,11 +274,11 @@ class JobHandle:
 
     async def wait(
         self,
-        on_progress: Callable[[dict[str, Any]], None] | None = None,
+        on_progress: Callable[[JobStatus], None] | None = None,
         poll_s: float = 1.0,
-    ) -> dict[str, Any]:
+    ) -> JobStatus:
         """Until the job ends: call ``on_progress`` with each new status, return the last."""
-        last: dict[str, Any] | None = None
+        last: JobStatus | None = None
         while True:
             if await self._describe_status() != ExecStatus.RUNNING:
                 # Closed: its final state is in the history; one more query reads it.
@@ -252,6 +337,14 @@ class JobHandle:
             return
         await self._wf.signal("stop", reason)
 
+    async def cancel(self, reason: str | None = None) -> None:
+        """End the job now: its ranks are stopped without waiting for uploads in flight, its
+        machines go back to the pool, and its committed checkpoints stay (a resubmit resumes there).
+        It ends ``stopped`` with the verdict naming the cancel."""
+        if await self._describe_status() != ExecStatus.RUNNING:
+            return
+        await self._wf.signal("cancel", reason or f"cancelled by {_whoami()}")
+
 
 def _whoami() -> str:
     try:
@@ -301,13 +394,22 @@ class TrainguardClient:
             raise JobAlreadyRunning(spec.name) from None
         return self.job(spec.name)
 
-    async def list_jobs(self) -> list[dict[str, Any]]:
-        """Every job run Temporal remembers, newest first, from search attributes."""
-        out = []
+    async def list_jobs(self, phase: str | None = None, limit: int | None = None) -> list[JobSummary]:
+        """Job runs Temporal remembers, newest first, from search attributes: the latest run of
+        each job, only those in ``phase`` if given (filtered by the server), at most ``limit``."""
+        if phase is not None and phase not in PHASES:
+            raise SpecError("phase", f"'{shown(phase)}' is not a phase (one of {', '.join(PHASES)})")
+        if limit is not None and limit < 1:
+            raise SpecError("limit", f"{limit} is not a positive number")
+        query = "WorkflowType = 'TrainingJobWorkflow'" + (f" AND TgPhase = '{phase}'" if phase else "")
+        out: list[JobSummary] = []
         seen: set[str] = set()
-        async for wf in self.temporal.list_workflows("WorkflowType = 'TrainingJobWorkflow'"):
+        page = min(limit * 2, 1000) if limit else 1000  # a few older runs of resubmitted jobs
+        async for wf in self.temporal.list_workflows(query, page_size=page):
             if wf.id in seen:  # an older run of a resubmitted job
                 continue
+            if limit is not None and len(out) >= limit:
+                break
             seen.add(wf.id)
             sa = wf.search_attributes
             out.append(
@@ -375,42 +477,118 @@ class TrainguardClient:
         await self._known_node(node)
         await pool_client.release_node(self.temporal, node, self.settings.pool)
 
+    async def cordon(self, node: str, cordoned: bool = True) -> PoolNode:
+        """Give a machine no new job (``cordoned=False`` undoes it); the job it has goes on."""
+        await self._known_node(node)
+        return await pool_client.cordon(
+            self.temporal, CordonInput(node=node, cordoned=cordoned), self.settings.pool
+        )
+
 
 class SyncClient:
-    """Blocking facade over :class:`TrainguardClient` (one private event loop)."""
+    """Blocking facade over :class:`TrainguardClient` (one private event loop): every call of
+    the async client, with the same return types; a context manager that closes its loop.
+
+        with SyncClient() as tg:
+            job = tg.submit(load_spec("job.yaml"))
+            print(job.wait()["phase"])
+    """
 
     def __init__(self, settings: Settings | None = None, state_dir: str | Path | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         self._c = self._run(TrainguardClient.connect(settings, state_dir))
 
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._loop.run_until_complete(coro)
 
-    def submit(self, spec: JobSpec) -> str:
-        return self._run(self._c.submit(spec)).job_id
+    @property
+    def settings(self) -> Settings:
+        return self._c.settings
 
-    def status(self, job_id: str) -> dict[str, Any]:
-        return self._run(self._c.job(job_id).status())
+    def job(self, job_id: str) -> SyncJobHandle:
+        return SyncJobHandle(self, self._c.job(job_id))
 
-    def wait(
-        self, job_id: str, on_progress: Callable[[dict[str, Any]], None] | None = None
-    ) -> dict[str, Any]:
-        return self._run(self._c.job(job_id).wait(on_progress))
+    def submit(self, spec: JobSpec, **options: Any) -> SyncJobHandle:
+        return SyncJobHandle(self, self._run(self._c.submit(spec, **options)))
 
-    def update_code(self, job_id: str, version: str, urgent: bool = False, **kw: Any) -> dict[str, Any]:
-        return self._run(self._c.job(job_id).update_code(version, urgent, **kw))
-
-    def stop(self, job_id: str, reason: str = "stopped by user") -> None:
-        self._run(self._c.job(job_id).stop(reason))
-
-    def incidents(self, job_id: str) -> list[dict[str, Any]]:
-        return self._run(self._c.job(job_id).incidents())
-
-    def list_jobs(self) -> list[dict[str, Any]]:
-        return self._run(self._c.list_jobs())
+    def list_jobs(self, phase: str | None = None, limit: int | None = None) -> list[JobSummary]:
+        return self._run(self._c.list_jobs(phase, limit))
 
     def nodes(self) -> PoolState:
         return self._run(self._c.nodes())
 
+    def configure_pool(self, config: PoolConfig) -> PoolConfig:
+        return self._run(self._c.configure_pool(config))
+
+    def inject(self, node: str, fault: str, **options: Any) -> InjectResult:
+        return self._run(self._c.inject(node, fault, **options))
+
+    def clear_faults(self, node: str) -> int:
+        return self._run(self._c.clear_faults(node))
+
+    def release_node(self, node: str) -> None:
+        self._run(self._c.release_node(node))
+
+    def cordon(self, node: str, cordoned: bool = True) -> PoolNode:
+        return self._run(self._c.cordon(node, cordoned))
+
+    # Job calls by name, as before handles existed here.
+    def status(self, job_id: str) -> JobStatus:
+        return self.job(job_id).status()
+
+    def wait(self, job_id: str, on_progress: Callable[[JobStatus], None] | None = None) -> JobStatus:
+        return self.job(job_id).wait(on_progress)
+
+    def update_code(self, job_id: str, version: str, urgent: bool = False, **kw: Any) -> dict[str, Any]:
+        return self.job(job_id).update_code(version, urgent, **kw)
+
+    def stop(self, job_id: str, reason: str = "stopped by user") -> None:
+        self.job(job_id).stop(reason)
+
+    def cancel(self, job_id: str, reason: str | None = None) -> None:
+        self.job(job_id).cancel(reason)
+
+    def incidents(self, job_id: str) -> list[IncidentDoc]:
+        return self.job(job_id).incidents()
+
     def close(self) -> None:
-        self._loop.close()
+        if not self._loop.is_closed():
+            self._loop.close()
+
+
+class SyncJobHandle:
+    """:class:`JobHandle`'s calls, blocking, on a :class:`SyncClient`'s loop."""
+
+    def __init__(self, owner: SyncClient, handle: JobHandle) -> None:
+        self._owner = owner
+        self.handle = handle
+        self.job_id = handle.job_id
+
+    def status(self) -> JobStatus:
+        return self._owner._run(self.handle.status())
+
+    def incidents(self) -> list[IncidentDoc]:
+        return self._owner._run(self.handle.incidents())
+
+    def running(self) -> bool:
+        return self._owner._run(self.handle.running())
+
+    def wait(self, on_progress: Callable[[JobStatus], None] | None = None, poll_s: float = 1.0) -> JobStatus:
+        return self._owner._run(self.handle.wait(on_progress, poll_s))
+
+    def update_code(self, version: str, urgent: bool = False, **kw: Any) -> dict[str, Any]:
+        return self._owner._run(self.handle.update_code(version, urgent, **kw))
+
+    def stop(self, reason: str = "stopped by user") -> None:
+        self._owner._run(self.handle.stop(reason))
+
+    def cancel(self, reason: str | None = None) -> None:
+        self._owner._run(self.handle.cancel(reason))

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import re
@@ -208,6 +209,12 @@ def cli() -> None:
     )
     add_metrics_port(parser)
     args = parser.parse_args()
+    if importlib.util.find_spec("torch") is None:  # the ranks and the self-test train with it
+        parser.exit(
+            1,
+            "error: the node agent needs torch, which comes with the 'agent' extra: "
+            "pip install 'trainguard[agent]'\n",
+        )
     setup_logging(f"agent-{args.name}")
     asyncio.run(
         main(

@@ -25,12 +25,13 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
 from workflows.job import calls
-from workflows.pool_slurm import PATCH_SLURM, SlurmSync
+from workflows.pool_slurm import PATCH_SLURM, SlurmSync, _order
 
 with workflow.unsafe.imports_passed_through():
     from trainguard.domain.messages import (
         ALL_FAULTS,
         ClearFaultsInput,
+        CordonInput,
         DiagnosticInput,
         EvictInput,
         EvictResult,
@@ -64,12 +65,6 @@ SELF_TEST_MISSES = 3
 MAX_EVICTIONS_KEPT = 64
 
 
-def _order(name: str) -> tuple[int, str]:
-    """node-2 before node-10: natural order keeps placement stable and readable."""
-    digits = "".join(c for c in name if c.isdigit())
-    return (int(digits) if digits else 0, name)
-
-
 @workflow.defn
 class NodePoolWorkflow(SlurmSync):
     @workflow.init
@@ -77,12 +72,7 @@ class NodePoolWorkflow(SlurmSync):
         self.nodes: dict[str, PoolNode] = dict(state.nodes) if state else {}
         self.config = state.config if state else PoolConfig()
         self.evictions: dict[str, EvictResult] = dict(state.evictions) if state else {}
-        self.slurm_queue = state.slurm_queue if state else None
-        self.slurm_drained: dict[str, str] = dict(state.slurm_drained) if state else {}
-        self.slurm_held: list[str] = list(state.slurm_held) if state else []
-        self.slurm_epoch = state.slurm_epoch if state else 0
-        self.slurm_replacements = state.slurm_replacements if state else False
-        self.slurm_requested = state.slurm_requested if state else None
+        self._init_slurm(state)
         self.lock = asyncio.Lock()
         self.replan = False  # the config changed: the loop's retest timer must be recomputed
 
@@ -111,15 +101,7 @@ class NodePoolWorkflow(SlurmSync):
 
     def _snapshot(self) -> PoolState:
         return PoolState(
-            nodes=self.nodes,
-            config=self.config,
-            evictions=self.evictions,
-            slurm_queue=self.slurm_queue,
-            slurm_drained=self.slurm_drained,
-            slurm_held=self.slurm_held,
-            slurm_epoch=self.slurm_epoch,
-            slurm_replacements=self.slurm_replacements,
-            slurm_requested=self.slurm_requested,
+            nodes=self.nodes, config=self.config, evictions=self.evictions, **self._slurm_fields()
         )
 
     def _schedule_changed(self) -> None:
@@ -215,7 +197,10 @@ class NodePoolWorkflow(SlurmSync):
             (
                 n
                 for n in self.nodes.values()
-                if n.state == "standby" and n.job is None and n.info.name not in self.slurm_held
+                if n.state == "standby"
+                and n.job is None
+                and not n.cordoned
+                and n.info.name not in self.slurm_held
             ),
             key=lambda n: _order(n.info.name),
         )
@@ -270,12 +255,15 @@ class NodePoolWorkflow(SlurmSync):
             need = req.count - len(held)
             if len(free) < need:
                 testing = sum(n.state == "suspect" for n in self.nodes.values())
+                cordoned = sum(n.cordoned and n.job is None for n in self.nodes.values())
                 return ReserveResult(
                     granted=False,
                     free=len(free),
                     standby=len(free),
-                    message=f"{req.count} machines requested, {len(free) + len(held)} available"
-                    + (f" ({testing} more in their self-test)" if testing else ""),
+                    message=f"{req.count} machines wanted, {len(free) + len(held)} on standby"
+                    + (f", {testing} more in their self-test" if testing else "")
+                    + (f", {cordoned} cordoned" if cordoned else "")
+                    + f" (pool of {len(self.nodes)})",
                 )
             now = workflow.now()
             for n in free[:need]:
@@ -373,6 +361,19 @@ class NodePoolWorkflow(SlurmSync):
                 self.nodes[name] = n
                 self._schedule_changed()
             return n
+
+    @workflow.update
+    async def cordon(self, req: CordonInput) -> PoolNode:
+        """An operator keeps new work off a machine (or lets it back on); its job goes on."""
+        async with self.lock:
+            n = self.nodes[req.node].model_copy(update={"cordoned": req.cordoned})
+            self.nodes[req.node] = n
+            return n
+
+    @cordon.validator
+    def _validate_cordon(self, req: CordonInput) -> None:
+        if req.node not in self.nodes:
+            raise ValueError(f"node: unknown node {req.node!r}")
 
     @workflow.update
     async def clear_faults(self, name: str) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
@@ -34,6 +35,7 @@ SLURM_RETRY = timedelta(seconds=30)
 
 
 def _order(name: str) -> tuple[int, str]:
+    """node-2 before node-10: natural order keeps placement stable and readable."""
     digits = "".join(c for c in name if c.isdigit())
     return (int(digits) if digits else 0, name)
 
@@ -61,6 +63,26 @@ class SlurmSync:
 
     def _standby_target(self) -> int:
         raise NotImplementedError
+
+    def _init_slurm(self, state: PoolState | None) -> None:
+        s = state or PoolState()
+        self.slurm_queue = s.slurm_queue
+        self.slurm_drained = dict(s.slurm_drained)
+        self.slurm_held = list(s.slurm_held)
+        self.slurm_epoch = s.slurm_epoch
+        self.slurm_replacements = s.slurm_replacements
+        self.slurm_requested = s.slurm_requested
+
+    def _slurm_fields(self) -> dict[str, Any]:
+        """The Slurm side of the pool's state, carried across continue-as-new."""
+        return {
+            "slurm_queue": self.slurm_queue,
+            "slurm_drained": self.slurm_drained,
+            "slurm_held": self.slurm_held,
+            "slurm_epoch": self.slurm_epoch,
+            "slurm_replacements": self.slurm_replacements,
+            "slurm_requested": self.slurm_requested,
+        }
 
     def _slurm_due(self) -> bool:
         return bool(self._slurm_changes()) or self._replacement_needed()

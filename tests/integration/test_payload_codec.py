@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import base64
+import json
+import urllib.request
 import uuid
 
 import pytest
+from google.protobuf import json_format
 from pydantic import SecretStr
 from temporalio import workflow
 from temporalio.client import Client
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from trainguard.services.codec import new_key
+from trainguard.services.codec import codec_from_text, new_key
+from trainguard.services.codec_server import CodecServer
 from trainguard.services.settings import Settings
 from trainguard.services.temporal import connect
 
@@ -27,7 +32,8 @@ class EchoWorkflow:
 
 
 async def test_history_holds_no_secret_and_the_key_holder_reads_it_back(settings: Settings) -> None:
-    coded = await connect(settings.model_copy(update={"payload_key": SecretStr(new_key())}))
+    key = new_key()
+    coded = await connect(settings.model_copy(update={"payload_key": SecretStr(key)}))
     queue = f"codec-{uuid.uuid4().hex[:8]}"
     wf_id = f"codec-echo-{uuid.uuid4().hex[:8]}"
     # Unsandboxed: this module imports the test tooling, and the echo has nothing to guard.
@@ -43,3 +49,19 @@ async def test_history_holds_no_secret_and_the_key_holder_reads_it_back(settings
     assert stored  # the history is there ...
     assert SECRET.encode() not in stored  # ... but not the secret
     assert b"binary/encrypted" in stored
+
+    # The codec server (as the Web UI calls it) opens the stored result, under a rotated key list.
+    completed = next(e for e in history.events if e.HasField("workflow_execution_completed_event_attributes"))
+    stored_result = completed.workflow_execution_completed_event_attributes.result
+    server = CodecServer(codec_from_text(f"{new_key()},{key}"))  # type: ignore[arg-type]
+    server.start()
+    try:
+        body = json_format.MessageToJson(stored_result).encode()
+        req = urllib.request.Request(f"{server.url}/decode", data=body, method="POST")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            decoded = json.loads(r.read())
+    finally:
+        server.shutdown()
+        server.server_close()
+    (payload,) = decoded["payloads"]
+    assert json.loads(base64.b64decode(payload["data"])) == f"token={SECRET}"

@@ -30,6 +30,7 @@ from infra.stack import (
     SEARCH_ATTRIBUTES,
     SEAWEEDFS,
     TEMPORAL,
+    PortsInUse,
     Stack,
     StackConfig,
     addresses,
@@ -185,3 +186,17 @@ def test_stop_pid_escalates_to_sigkill(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_stack_on_taken_ports_names_the_running_stack_that_holds_them(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRAINGUARD_STATE_DIR", str(stack.config.state_dir))
+    clash = Stack(stack.config.model_copy(update={"state_dir": tmp_path / "clash"}))
+    with pytest.raises(PortsInUse) as caught:
+        clash.start_servers()
+    message = str(caught.value)
+    assert f"belong to the stack running in {stack.config.state_dir.resolve()}" in message
+    assert f"--state-dir {stack.config.state_dir.resolve()}" in message
+    assert "\n" not in message
+    assert clash.processes == {}  # nothing was started

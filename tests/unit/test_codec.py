@@ -110,3 +110,20 @@ def test_the_codec_repr_shows_the_key_id_only() -> None:
     key = new_key()
     c = codec(key)
     assert key not in repr(c) and c.key_id.decode() in repr(c)
+
+
+# Computed with the hand-written HKDF the codec had before it used cryptography's: payloads
+# written then must still open, under the same key id.
+PINNED_KEY = bytes(range(32))
+PINNED_DERIVED = "b7e3466c36d86ae5098b28e262f8487b09794025a7aae80665c4023591ce13de"
+PINNED_KEY_ID = b"a02ee291ccd319a7"
+PINNED_SEALED = "000000000000000000000000c719670bd6438562e585afc433e18ff1bbc6957766c8e75e41650dd62f82"
+
+
+def test_key_derivation_is_byte_identical_to_the_pinned_vector() -> None:
+    from trainguard.services.codec import _hkdf
+
+    assert _hkdf(PINNED_KEY, b"trainguard payload encryption").hex() == PINNED_DERIVED
+    assert EncryptionCodec(PINNED_KEY).key_id == PINNED_KEY_ID
+    assert EncryptionCodec(bytes(range(40))).key_id == b"91bd6e11f979911a"  # a longer key too
+    assert EncryptionCodec(PINNED_KEY).open(bytes.fromhex(PINNED_SEALED)) == b"pinned payload"

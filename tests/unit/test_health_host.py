@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from trainguard.agent.health.events import HealthEvent
-from trainguard.agent.health.host import HostProbe, parse_kmsg_line, pid_state
+from trainguard.agent.health.host import HostProbe, host_memory, parse_kmsg_line, pid_state
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
@@ -22,7 +22,7 @@ def probe(tmp_path: Path, **kwargs: object) -> HostProbe:
     """A probe that reads only what the test gives it."""
     defaults: dict[str, object] = {
         "kmsg_path": tmp_path / "no-kmsg",
-        "meminfo_path": tmp_path / "no-meminfo",
+        "memory": lambda: (0, 0),  # unknown: no memory check
         "vmstat_path": tmp_path / "no-vmstat",
     }
     defaults.update(kwargs)
@@ -173,12 +173,12 @@ def test_oom_kill_counter_increase(tmp_path: Path) -> None:
 
 
 def test_memory_pressure_once_per_episode(tmp_path: Path) -> None:
-    meminfo = tmp_path / "meminfo"
+    available = [0]
 
     def write(available_kb: int) -> None:
-        meminfo.write_text(f"MemTotal:       1000000 kB\nMemFree:  1 kB\nMemAvailable:   {available_kb} kB\n")
+        available[0] = available_kb << 10
 
-    p = probe(tmp_path, meminfo_path=meminfo)
+    p = probe(tmp_path, memory=lambda: (1_000_000 << 10, available[0]))
     write(500000)
     assert p.check(at(0)) == []
     write(10000)
@@ -197,6 +197,8 @@ def test_memory_pressure_once_per_episode(tmp_path: Path) -> None:
 
 
 def test_real_sources_on_this_machine_do_not_fail() -> None:
+    total, available = host_memory()
+    assert 0 < available <= total
     p = HostProbe(
         "node-1", [Path("/")], min_free_bytes=0, min_free_fraction=0.0, rank_pids=lambda: {0: os.getpid()}
     )

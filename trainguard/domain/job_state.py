@@ -180,6 +180,8 @@ class JobState(BaseModel):
     incidents: list[Incident] = []
     verdict: str | None = None
     result: JobResult | None = None
+    # While pending: why (machines wanted against those on standby).
+    waiting: str | None = None
     ledger: ettr.Ledger = ettr.Ledger()
     submitted_at: datetime | None = None
     updated_at: datetime | None = None
@@ -243,6 +245,7 @@ def status_json(state: JobState, now: datetime) -> dict[str, Any]:
         "attempt_first_step_at": _iso(state.running.first_step_at if state.running else None),
         "incidents": [i.model_dump(mode="json", exclude={"attempt"}) for i in state.incidents],
         "verdict": state.verdict,
+        "waiting": state.waiting if state.phase == "pending" else None,
         "result": state.result.model_dump(mode="json") if state.result else None,
         "loss": state.loss,
         "step_time_s": state.step_time_s,

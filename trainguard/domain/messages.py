@@ -64,6 +64,8 @@ class PoolNode(Msg):
     # when to try again.
     missed_tests: int = 0
     retest_at: datetime | None = None
+    # Cordoned by an operator: given no new job; the job it has goes on.
+    cordoned: bool = False
 
 
 class ReserveInput(Msg):
@@ -71,6 +73,11 @@ class ReserveInput(Msg):
     count: int = Field(ge=1)
     # Which NodePoolWorkflow (one per cluster or allocation) the job takes machines from.
     pool: str = POOL_WORKFLOW_ID
+
+
+class CordonInput(Msg):
+    node: str
+    cordoned: bool = True
 
 
 class ReserveResult(Msg):

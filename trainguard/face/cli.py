@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from trainguard.client import (
+    PHASES,
     TERMINAL_PHASES,
     BadFault,
     BadUpdate,
@@ -65,13 +66,33 @@ class _OneLineUsageErrors(typer.core.TyperGroup):
         except typer.Abort:
             _print_error("aborted")
             sys.exit(1)
+        except Exception as exc:  # an operational error: one line, exit 1 (--debug shows where)
+            if _debug:
+                raise
+            _print_error(_one_line(exc))
+            sys.exit(1)
         # Without standalone mode an exit code comes back as the return value.
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
+# Modules of the optional extras: a base install (launchers, the SDK) lacks them.
+_EXTRAS = {"torch": "agent", "pynvml": "agent", "matplotlib": "report"}
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in _EXTRAS:
+        extra = _EXTRAS[(exc.name or "").split(".")[0]]
+        return (
+            f"this needs {exc.name}, which comes with the '{extra}' extra: pip install 'trainguard[{extra}]'"
+        )
+    text = str(exc).strip()
+    return text if text else type(exc).__name__
+
+
+_debug = os.environ.get("TRAINGUARD_DEBUG", "") not in ("", "0")
+
 app = typer.Typer(
     cls=_OneLineUsageErrors,
-    add_completion=False,
     no_args_is_help=True,
     help="Keep training jobs alive through failures.",
 )
@@ -144,6 +165,34 @@ def _print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("trainguard")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "0+unknown"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        out.print(f"trainguard {_version()}", highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_show_version, help="print the version and exit"),
+    ] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="show the traceback of an error")] = False,
+) -> None:
+    """Keep training jobs alive through failures."""
+    global _debug
+    _debug = _debug or debug
+
+
 # -- local stack -----------------------------------------------------------------------------
 
 
@@ -188,6 +237,13 @@ def down(state_dir: StateDir = None) -> None:
 
     stopped = bring_down(state_dir_from_env(state_dir))
     out.print(f"stopped {len(stopped)} processes" + (f": {', '.join(stopped)}" if stopped else ""))
+
+
+_NODE_ACTIONS: dict[str, Callable[[TrainguardClient, str], Coroutine[Any, Any, Any]]] = {
+    "release": lambda c, node: c.release_node(node),
+    "cordon": lambda c, node: c.cordon(node),
+    "uncordon": lambda c, node: c.cordon(node, cordoned=False),
+}
 
 
 # -- jobs -----------------------------------------------------------------------------------
@@ -271,6 +327,8 @@ def _print_status(st: dict[str, Any]) -> None:
     if st.get("checkpoint"):
         c = st["checkpoint"]
         t.add_row("checkpoint", f"step {c['step']} ({c['tier']}) {c['uri']}")
+    if st.get("waiting"):
+        t.add_row("waiting for", st["waiting"])
     if st.get("verdict"):
         t.add_row("verdict", st["verdict"])
     if st.get("result"):
@@ -294,11 +352,20 @@ def _print_status(st: dict[str, Any]) -> None:
 
 @app.command("list")
 @handles_errors
-def list_jobs(state_dir: StateDir = None, json_out: JsonFlag = False) -> None:
-    """Jobs with phase, step and ETTR."""
+def list_jobs(
+    phase: Annotated[
+        str | None, typer.Option(help=f"only jobs in this phase ({', '.join(PHASES)})", show_default=False)
+    ] = None,
+    limit: Annotated[int | None, typer.Option(min=1, max=100_000, help="at most this many jobs")] = None,
+    state_dir: StateDir = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Jobs with phase, step and ETTR, newest first."""
+    if phase is not None and phase not in PHASES:
+        raise BadInput(f"phase: '{shown(phase)}' is not a phase (one of {', '.join(PHASES)})")
 
-    async def go() -> list[dict[str, Any]]:
-        return await (await _client(state_dir)).list_jobs()
+    async def go() -> list[Any]:
+        return await (await _client(state_dir)).list_jobs(phase, limit)
 
     jobs = _run(go())
     if json_out:
@@ -320,7 +387,11 @@ def list_jobs(state_dir: StateDir = None, json_out: JsonFlag = False) -> None:
 def nodes(
     action: Annotated[
         str | None,
-        typer.Argument(metavar="[release NODE]", help="release: return a quarantined machine to service"),
+        typer.Argument(
+            metavar="[release|cordon|uncordon NODE]",
+            help="release: return a quarantined machine to service; cordon: give a machine no new "
+            "job (its job goes on); uncordon: undo it",
+        ),
     ] = None,
     node: Annotated[str | None, typer.Argument(metavar="", show_default=False)] = None,
     state_dir: StateDir = None,
@@ -328,20 +399,29 @@ def nodes(
 ) -> None:
     """The node pool: each machine active with a job, on standby, suspect (in its self-test),
     quarantined (and why) or lost; and the standby target for the jobs running now."""
-    if action is not None and (action != "release" or not node):
-        raise BadInput("action: expected `trainguard nodes` or `trainguard nodes release NODE`")
+    if action is not None and (action not in _NODE_ACTIONS or not node):
+        raise BadInput(
+            "action: expected `trainguard nodes` or `trainguard nodes release|cordon|uncordon NODE`"
+        )
     if node is not None:
         check_node_name(node)
 
     async def go() -> Any:
         c = await _client(state_dir)
-        if action == "release" and node:
-            await c.release_node(node)
+        if action is not None and node:
+            await _NODE_ACTIONS[action](c, node)
         return await c.nodes()
 
     pool = _run(go())
     rows = [
-        {"node": n.info.name, "state": n.state, "job": n.job, "reason": n.reason, "queue": n.info.task_queue}
+        {
+            "node": n.info.name,
+            "state": n.state,
+            "job": n.job,
+            "reason": n.reason,
+            "queue": n.info.task_queue,
+            "cordoned": n.cordoned,
+        }
         for n in sorted(pool.nodes.values(), key=lambda n: n.info.name)
     ]
     if json_out:
@@ -351,7 +431,8 @@ def nodes(
     for col in ("node", "state", "job", "reason"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r["node"], r["state"], r["job"] or "-", (r["reason"] or "-")[:80])
+        state = r["state"] + (" (cordoned)" if r["cordoned"] else "")
+        t.add_row(r["node"], state, r["job"] or "-", (r["reason"] or "-")[:80])
     out.print(t)
 
 
@@ -367,6 +448,24 @@ def stop(job: Annotated[str, typer.Argument(metavar="JOB")], state_dir: StateDir
 
     _run(go())
     out.print(f"stop requested for {job}")
+
+
+@app.command()
+@handles_errors
+def cancel(
+    job: Annotated[str, typer.Argument(metavar="JOB")],
+    reason: Annotated[str | None, typer.Option(help="recorded as the job's verdict")] = None,
+    state_dir: StateDir = None,
+) -> None:
+    """End a job now: its ranks stop without waiting for uploads in flight, its machines go back
+    to the pool, its committed checkpoints stay. It ends `stopped`, the verdict naming the cancel."""
+    check_job_id(job)
+
+    async def go() -> None:
+        await (await _client(state_dir)).job(job).cancel(f"cancelled: {reason}" if reason else None)
+
+    _run(go())
+    out.print(f"cancel requested for {job}")
 
 
 @app.command()
@@ -565,6 +664,45 @@ def _read_status(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise BadInput(f"from-json: {path} is not a status document (trainguard status JOB --json)")
     return data
+
+
+@app.command("codec-server")
+@handles_errors
+def codec_server(
+    port: Annotated[int, typer.Option(min=0, max=65535, help="port to listen on")] = 8081,
+    host: Annotated[
+        str, typer.Option(help="address to listen on (it decrypts: keep it private)")
+    ] = "127.0.0.1",
+    origin: Annotated[
+        list[str] | None,
+        typer.Option("--origin", help="Web UI origin allowed by CORS (repeatable; default the local UI)"),
+    ] = None,
+    token_env: Annotated[
+        str, typer.Option(help="environment variable holding the bearer token callers must send")
+    ] = "TRAINGUARD_CODEC_TOKEN",
+    state_dir: StateDir = None,
+) -> None:
+    """Temporal codec server (POST /encode, /decode) with this cluster's payload keys, so the Web UI
+    (Settings > Codec Server) and `temporal --codec-endpoint` show decrypted payloads."""
+    from trainguard.services.codec import codec_from_text
+    from trainguard.services.codec_server import CodecServer
+
+    codec = codec_from_text(Settings.load(state_dir).payload_key_text())
+    if codec is None:
+        raise BadInput("TRAINGUARD_PAYLOAD_KEY: not set; the codec server needs the cluster's payload key")
+    origins = origin or ["http://localhost:8233", "http://127.0.0.1:8233"]
+    try:
+        server = CodecServer(codec, host, port, origins, token=os.environ.get(token_env))
+    except OSError as exc:
+        _fail(1, f"cannot listen on {host}:{port}: {exc.strerror or exc} (choose another --port)")
+    auth = f"bearer token from ${token_env}" if server.token else "no token"
+    err.print(f"codec server on {server.url} ({codec!r}; CORS {', '.join(origins)}; {auth})", highlight=False)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
 
 
 # -- fault drill suite --------------------------------------------------------------------------

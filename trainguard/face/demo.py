@@ -1,7 +1,7 @@
 """``make demo``: the local stack, the example job, and faults on the way.
 
-Brings the stack up (state in ./.trainguard unless TRAINGUARD_STATE_DIR says
-otherwise; 2 machines and 1 spare), submits ``examples/gpt/job.yaml`` under a
+Brings the stack up (state in ~/.trainguard, `trainguard up`'s default, unless
+TRAINGUARD_STATE_DIR says otherwise; 2 machines and 1 spare), submits ``examples/gpt/job.yaml`` under a
 fresh name, and while it trains: a rank crashes (checks pass, the job restarts in
 place), a GPU is lost (the machine is evicted, the spare takes its place), and
 the controller worker is SIGKILLed and replaced. Prints the final status: every
@@ -13,7 +13,6 @@ looked at in the Temporal UI; ``trainguard down`` stops it.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -25,7 +24,7 @@ from infra.stack import Stack
 from trainguard.client import TERMINAL_PHASES, TrainguardClient
 from trainguard.domain.spec import load_spec
 from trainguard.face.cli import _print_status, exit_now
-from trainguard.services.settings import Settings
+from trainguard.services.settings import DEFAULT_STATE_DIR, Settings, state_dir_from_env
 
 REPO = Path(__file__).resolve().parents[2]
 console = Console()
@@ -77,7 +76,7 @@ async def _inject(client: TrainguardClient, st: dict, fault: str, rank: int | No
 
 
 def main() -> None:
-    state_dir = Path(os.environ.get("TRAINGUARD_STATE_DIR", REPO / ".trainguard")).resolve()
+    state_dir = state_dir_from_env()  # the CLI's default: `trainguard up` then finds this stack
     t0 = time.monotonic()
     console.print(
         "[bold]bringing up the local stack[/] (Temporal dev server, SeaweedFS S3, controller, "
@@ -88,10 +87,11 @@ def main() -> None:
         console.print(f"  {k}: {v}")
     final = asyncio.run(run_job(state_dir))
     _print_status(final)
+    down = "" if state_dir == DEFAULT_STATE_DIR else f" --state-dir {state_dir}"
     console.print(
         f"demo finished in {time.monotonic() - t0:.0f}s; the stack is still up "
         f"(Temporal UI: {addrs.get('ui', 'headless')}); stop it with "
-        f"`.venv/bin/trainguard down --state-dir {state_dir}`"
+        f"`.venv/bin/trainguard down{down}`"
     )
     exit_now(0 if final["phase"] == "completed" else 1)
 

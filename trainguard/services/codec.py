@@ -15,6 +15,12 @@ and the key id as associated data, under a key derived from the configured one b
 HKDF-SHA256. The cipher is named in each payload's metadata, so another can be
 added beside it later without making old histories unreadable.
 
+Key rotation: the setting (or the key file) may hold several keys separated by commas.
+The first encrypts; any of them decrypts (each payload names its key's id), so
+a new key goes first and the old one stays after it while histories written with it live.
+``trainguard codec-server`` (``services.codec_server``) lets the Temporal Web UI and CLI
+show decrypted payloads to those who hold the keys.
+
     python -m trainguard.services.codec        # prints a new random key
 """
 
@@ -22,13 +28,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
-import hmac
 import os
 from collections.abc import Sequence
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.hashes import SHA256
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from temporalio.api.common.v1 import Payload
 from temporalio.converter import PayloadCodec
 
@@ -66,35 +72,44 @@ def parse_key(text: str) -> bytes:
 
 
 def _hkdf(key: bytes, info: bytes, length: int = 32) -> bytes:
-    """HKDF-SHA256 (RFC 5869) with an empty salt; one output block is all we need."""
-    prk = hmac.new(b"\0" * 32, key, hashlib.sha256).digest()
-    return hmac.new(prk, info + b"\x01", hashlib.sha256).digest()[:length]
+    """HKDF-SHA256 (RFC 5869) with an empty salt (the same bytes as the hand-written one before it,
+    pinned by tests/unit/test_codec.py, so payloads written then still open)."""
+    return HKDF(algorithm=SHA256(), length=length, salt=None, info=info).derive(key)
 
 
 class EncryptionCodec(PayloadCodec):
     """Encrypts each payload whole (its metadata too); leaves payloads that are not ours as they are,
     so histories written before a key was set stay readable."""
 
-    def __init__(self, key: bytes) -> None:
-        if len(key) < KEY_BYTES:
+    def __init__(self, key: bytes, *older: bytes) -> None:
+        keys = [key, *older]
+        if any(len(k) < KEY_BYTES for k in keys):
             raise PayloadKeyError(f"TRAINGUARD_PAYLOAD_KEY: at least {KEY_BYTES} bytes needed")
-        self._aead = AESGCM(_hkdf(key, b"trainguard payload encryption"))
-        self.key_id = _hkdf(key, b"trainguard payload key id", 8).hex().encode()
+        # key id -> AEAD; the first key encrypts, every key decrypts what it encrypted.
+        self._aeads: dict[bytes, AESGCM] = {}
+        for k in keys:
+            kid = _hkdf(k, b"trainguard payload key id", 8).hex().encode()
+            self._aeads.setdefault(kid, AESGCM(_hkdf(k, b"trainguard payload encryption")))
+        self.key_id = next(iter(self._aeads))
+        self.key_ids = list(self._aeads)
+        self._aead = self._aeads[self.key_id]
         # Bound into every tag: a payload cannot be passed off under another cipher name or key id.
         self._associated = CIPHER + b"\0" + self.key_id
 
     def __repr__(self) -> str:
-        return f"EncryptionCodec(key_id={self.key_id.decode()})"
+        older = "".join(f", {k.decode()}" for k in self.key_ids[1:])
+        return f"EncryptionCodec(key_id={self.key_id.decode()}{older})"
 
     def seal(self, plaintext: bytes) -> bytes:
         nonce = os.urandom(NONCE_BYTES)
         return nonce + self._aead.encrypt(nonce, plaintext, self._associated)
 
-    def open(self, sealed: bytes) -> bytes:
+    def open(self, sealed: bytes, key_id: bytes | None = None) -> bytes:
         if len(sealed) < NONCE_BYTES + TAG_BYTES:
             raise PayloadKeyError("encrypted payload is truncated")
+        kid = key_id or self.key_id
         try:
-            return self._aead.decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], self._associated)
+            return self._aeads[kid].decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], CIPHER + b"\0" + kid)
         except InvalidTag:
             raise PayloadKeyError("encrypted payload failed authentication: corrupted or altered") from None
 
@@ -121,23 +136,26 @@ class EncryptionCodec(PayloadCodec):
             if cipher != CIPHER:
                 raise PayloadKeyError(f"payload encrypted with an unknown cipher {cipher[:40]!r}")
             key_id = p.metadata.get("encryption-key-id", b"")
-            if key_id != self.key_id:
+            if key_id not in self._aeads:
                 theirs = key_id[:16].decode(errors="replace")
+                mine = ", ".join(k.decode() for k in self.key_ids)
                 raise PayloadKeyError(
                     f"TRAINGUARD_PAYLOAD_KEY: payload encrypted with key {theirs}, this process has key "
-                    f"{self.key_id.decode()}: every client and worker needs the same key"
+                    f"{mine}: every client and worker needs the same key"
                 )
             inner = Payload()
-            inner.ParseFromString(self.open(p.data))
+            inner.ParseFromString(self.open(p.data, key_id))
             out.append(inner)
         return out
 
 
 def codec_from_text(text: str | None) -> EncryptionCodec | None:
-    """The codec for a configured key text, or None when no key is configured."""
+    """The codec for a configured key text (keys separated by commas, the first encrypting),
+    or None when no key is configured."""
     if text is None or not text.strip():
         return None
-    return EncryptionCodec(parse_key(text))
+    keys = [parse_key(part) for part in text.split(",") if part.strip()]
+    return EncryptionCodec(*keys)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from trainguard.domain.messages import (
     CONTROLLER_QUEUE,
     POOL_WORKFLOW_ID,
+    CordonInput,
     EvictInput,
     EvictResult,
     InjectInput,
@@ -142,3 +143,7 @@ async def attach_slurm(client: Client, attach: SlurmAttach, pool: str = POOL_WOR
 async def slurm_observed(client: Client, obs: SlurmObservation, pool: str = POOL_WORKFLOW_ID) -> int:
     """Report what Slurm says of the pool's machines; returns how many changed in the pool."""
     return await _update(client, "slurm_observed", obs, int, pool=pool)
+
+
+async def cordon(client: Client, req: CordonInput, pool: str = POOL_WORKFLOW_ID) -> PoolNode:
+    return await _update(client, "cordon", req, PoolNode, pool=pool)

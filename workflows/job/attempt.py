@@ -64,13 +64,20 @@ async def latest_checkpoint(s: JobState) -> CheckpointRef | None:
 
 class Attempt:
     def __init__(
-        self, inp: JobInput, s: JobState, vis: Visibility, progress: Progress, stopping: Callable[[], bool]
+        self,
+        inp: JobInput,
+        s: JobState,
+        vis: Visibility,
+        progress: Progress,
+        stopping: Callable[[], bool],
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> None:
         self.inp = inp
         self.s = s
         self.vis = vis
         self.progress = progress
         self.stopping = stopping  # the user asked the job to stop
+        self.cancelled = cancelled  # ... at once (`cancel`): no wait for the commits in flight
 
     async def begin(self) -> None:
         """The restore point (memory, a peer's backup or S3) and the rendezvous for a new attempt."""
@@ -209,7 +216,8 @@ class Attempt:
             seen_done = sum(h.done() for h in handles.values())
             progress.drain()
             if self.stopping():
-                await self.stop_ranks_now(handles)
+                at_once = self.cancelled() and workflow.patched(patches.CANCEL_AT_ONCE)
+                await self.stop_ranks_now(handles, wait_commits=not at_once)
                 return AttemptOutcome(kind="stopped")
             if self.update_due() and not any(failed(h) for h in handles.values()):
                 return await self._stop_for_update(handles)

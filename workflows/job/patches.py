@@ -35,3 +35,6 @@ UPDATE_AT_ONCE = "update-without-commit-wait"
 STEPS_FROM_RESULTS = "steps-from-results"
 # The decision ladder's first rung: a first failure is reattempted in place at once.
 FIRST_REATTEMPT = "first-reattempt"
+# `cancel`: the job ends now - its ranks stopped without waiting for the S3 commits in flight
+# (the checkpoints already committed stay), its machines released.
+CANCEL_AT_ONCE = "cancel-at-once"

@@ -72,9 +72,12 @@ class TrainingJobWorkflow:
             releases={inp.spec.code_version: first_release(inp.spec)},
         )
         self.stop_reason: str | None = None
+        self.cancelled = False  # `cancel`: the stop does not wait for the commits in flight
         self.vis = Visibility(inp, self.s)
         self.progress = Progress(self.s, self.vis)
-        self.attempt = Attempt(inp, self.s, self.vis, self.progress, lambda: self.stop_reason is not None)
+        self.attempt = Attempt(
+            inp, self.s, self.vis, self.progress, lambda: self.stop_reason is not None, lambda: self.cancelled
+        )
         self.recovery = Recovery(inp, self.s, self.vis, self.progress, Diagnosis(inp, self.s))
 
     # -- queries, signals, updates ---------------------------------------------------------
@@ -94,6 +97,12 @@ class TrainingJobWorkflow:
     @workflow.signal
     def stop(self, reason: str = "stopped by user") -> None:
         self.stop_reason = reason or "stopped by user"
+
+    @workflow.signal
+    def cancel(self, reason: str = "cancelled by user") -> None:
+        """End the job now: ranks stopped, machines released, committed checkpoints kept."""
+        self.stop_reason = reason or "cancelled by user"
+        self.cancelled = True
 
     @workflow.update
     async def update_code(self, req: CodeUpdate) -> dict[str, Any]:
@@ -186,12 +195,14 @@ class TrainingJobWorkflow:
                 ReserveInput(job_id=spec.name, count=spec.nodes, pool=spec.pool or POOL_WORKFLOW_ID)
             )
             if res.granted:
+                self.s.waiting = None
                 self.s.nodes = list(res.nodes)
                 # Waiting for machines is idle time (zero when they were there at once).
                 self.s.ledger = ettr.add_badput(
                     self.s.ledger, "idle", (workflow.now() - since).total_seconds()
                 )
                 return True
+            self.s.waiting = res.message
             self.vis.details(f"waiting for machines: {res.message}")
             # wait_condition raises on timeout: here the timeout is the retry timer.
             with contextlib.suppress(TimeoutError):
@@ -220,7 +231,8 @@ class TrainingJobWorkflow:
         return await self._finish("completed")
 
     async def _finish(self, phase: Phase) -> dict[str, Any]:
-        await self.progress.wait_commits()
+        if not (self.cancelled and workflow.patched(patches.CANCEL_AT_ONCE)):
+            await self.progress.wait_commits()
         self.s.running = None
         if phase == "stopped":
             self.s.verdict = self.stop_reason

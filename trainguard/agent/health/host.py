@@ -1,8 +1,9 @@
 """Host health: disk, memory, OOM kills, the kernel log, and whether the agent's ranks still live.
 
-All of it reads files the kernel already keeps (/proc, /dev/kmsg, statvfs), so a check costs a few
-syscalls. Whatever cannot be read here (no /dev/kmsg in a container, no permission) is skipped
-quietly: a missing source is not a fault of the machine.
+All of it reads what the kernel already keeps (memory and processes through psutil, the OOM-kill
+counter in /proc/vmstat, /dev/kmsg, statvfs), so a check costs a few syscalls. Whatever cannot
+be read here (no /dev/kmsg in a container, no permission) is skipped quietly: a missing source
+is not a fault of the machine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import threading
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+
+import psutil
 
 from trainguard.agent.health.events import HealthEvent, Probe
 from trainguard.agent.health.nvml import classify_xid, pci_key
@@ -63,25 +66,23 @@ def _read_key_values(path: Path, sep: str | None = None) -> dict[str, int]:
     return values
 
 
-def pid_state(pid: int, proc_root: Path = Path("/proc")) -> str:
+def pid_state(pid: int) -> str:
     """'alive', 'zombie' or 'dead': a zombie rank has exited, its parent just has not reaped it."""
     if pid <= 0:
-        return "dead"  # never signal 0 or -1: that would be a process group
+        return "dead"  # 0 and -1 name process groups, not a rank
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        status = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
         return "dead"
-    except PermissionError:
-        pass  # exists, owned by someone else
-    try:
-        stat = (proc_root / str(pid) / "stat").read_text()
-    except FileNotFoundError:
-        return "dead"
-    except OSError:
-        return "alive"
-    # "pid (comm) S ...": comm may hold spaces and parentheses, the state follows the last ")".
-    state = stat[stat.rfind(")") + 2 : stat.rfind(")") + 3]
-    return "zombie" if state in ("Z", "X", "x") else "alive"
+    except psutil.Error:
+        return "alive"  # exists, not ours to inspect
+    return "zombie" if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) else "alive"
+
+
+def host_memory() -> tuple[int, int]:
+    """(total, available) bytes of this host's memory."""
+    vm = psutil.virtual_memory()
+    return vm.total, vm.available
 
 
 class HostProbe(Probe):
@@ -99,9 +100,8 @@ class HostProbe(Probe):
         rank_pids: Callable[[], dict[int, int]] | None = None,
         kmsg_path: str | Path = "/dev/kmsg",
         *,
-        meminfo_path: str | Path = "/proc/meminfo",
+        memory: Callable[[], tuple[int, int]] = host_memory,
         vmstat_path: str | Path = "/proc/vmstat",
-        proc_root: str | Path = "/proc",
         min_available_fraction: float = 0.05,
     ) -> None:
         self.node = node
@@ -110,9 +110,9 @@ class HostProbe(Probe):
         self.min_free_fraction = min_free_fraction
         self.rank_pids = rank_pids
         self.kmsg_path = str(kmsg_path)
-        self.meminfo_path = Path(meminfo_path)
+        self.memory = memory
+        # The OOM-kill counter is the kernel's (vmstat), which psutil does not report.
         self.vmstat_path = Path(vmstat_path)
-        self.proc_root = Path(proc_root)
         self.min_available_fraction = min_available_fraction
         self._lock = threading.Lock()
         self._full: set[Path] = set()
@@ -176,9 +176,8 @@ class HostProbe(Probe):
 
     def _check_memory(self, now: datetime) -> list[HealthEvent]:
         """MemAvailable under a fraction of MemTotal: the next allocation may wake the OOM killer."""
-        meminfo = _read_key_values(self.meminfo_path, ":")
-        total, available = meminfo.get("MemTotal"), meminfo.get("MemAvailable")
-        if not total or available is None:
+        total, available = self.memory()
+        if not total:
             return []
         pressured = available < self.min_available_fraction * total
         if pressured == self._pressure:
@@ -191,10 +190,10 @@ class HostProbe(Probe):
                 "memory-pressure",
                 "warning",
                 0.5,
-                f"memory low: {available >> 10} MiB available of {total >> 10} MiB",
+                f"memory low: {available >> 20} MiB available of {total >> 20} MiB",
                 now,
-                available_kb=available,
-                total_kb=total,
+                available_kb=available >> 10,
+                total_kb=total >> 10,
             )
         ]
 
@@ -324,7 +323,7 @@ class HostProbe(Probe):
         for rank, pid in sorted(pids.items()):
             if pid in self._dead_said:
                 continue
-            state = pid_state(pid, self.proc_root)
+            state = pid_state(pid)
             if state == "alive":
                 continue
             self._dead_said.add(pid)

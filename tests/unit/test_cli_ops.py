@@ -1,0 +1,84 @@
+"""The CLI's day-2 surface without a stack: --version, operational errors in one line (the
+traceback only with --debug), the new commands' bad input, and the SDK's blocking facade."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_cli_input import assert_bad_input, connects, invoke  # noqa: F401 - fixture
+from trainguard.client import JobHandle, SyncClient, SyncJobHandle, TrainguardClient
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trainguard", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+    )
+
+
+def test_version_prints_the_installed_version() -> None:
+    r = run("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("trainguard ") and r.stdout.split()[1][0].isdigit(), r.stdout
+
+
+def test_an_operational_error_is_one_line_and_debug_shows_the_traceback(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    r = run("up", "--state-dir", str(not_a_dir))
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    d = run("--debug", "up", "--state-dir", str(not_a_dir))
+    assert d.returncode == 1 and "Traceback" in d.stderr, d.stderr
+
+
+def test_codec_server_without_a_key_is_bad_input(tmp_path: Path) -> None:
+    r = run("codec-server", "--port", "0", TRAINGUARD_STATE_DIR=str(tmp_path), TRAINGUARD_PAYLOAD_KEY="")
+    assert r.returncode == 2
+    assert r.stderr.strip() == (
+        "error: TRAINGUARD_PAYLOAD_KEY: not set; the codec server needs the cluster's payload key"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (["list", "--phase", "sleeping"], "phase"),
+        (["list", "--limit", "0"], "limit"),
+        (["cancel", "Not_A_Job"], "job"),
+        (["nodes", "cordon"], "action"),
+        (["nodes", "drain", "node-1"], "action"),
+        (["nodes", "cordon", "bad node!"], "node"),
+    ],
+)
+def test_bad_input_of_the_new_commands_never_connects(
+    args: list[str],
+    field: str,
+    connects: list[object],  # noqa: F811 - the imported fixture
+) -> None:
+    assert_bad_input(*invoke(*args), field)
+    assert connects == []
+
+
+def test_sync_client_offers_every_call_of_the_async_client() -> None:
+    def calls(cls: type) -> set[str]:
+        return {n for n, f in inspect.getmembers(cls, inspect.iscoroutinefunction) if not n.startswith("_")}
+
+    assert calls(TrainguardClient) - {"connect"} <= set(dir(SyncClient))
+    assert calls(JobHandle) <= set(dir(SyncJobHandle))
+    assert SyncClient.submit.__annotations__["return"] == "SyncJobHandle"
+    assert hasattr(SyncClient, "__enter__") and hasattr(SyncClient, "__exit__")
