@@ -28,7 +28,7 @@ class PoolActivities:
 
     @activity.defn(name=calls.release_nodes.name)
     async def release_nodes(self, req: ReleaseInput) -> int:
-        return await pool_client.release(self.client, req.job_id)
+        return await pool_client.release(self.client, req.job_id, req.pool)
 
     @activity.defn(name=calls.evict_nodes.name)
     async def evict_nodes(self, req: EvictInput) -> EvictResult:

@@ -126,7 +126,7 @@ async def wait_agents(settings: Settings, names: list[str], timeout_s: float = A
     missing = set(names)
     while True:
         try:
-            pool = await pool_client.state(client)
+            pool = await pool_client.state(client, settings.pool)
             missing = {n for n in names if n not in pool.nodes or pool.nodes[n].state in ("lost", "suspect")}
         except Exception:  # the pool or the controller is still starting
             missing = set(names)

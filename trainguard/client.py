@@ -37,6 +37,7 @@ from trainguard.domain.messages import (
     ALL_FAULTS,
     CONTROLLER_QUEUE,
     NODE_NAME_RE,
+    POOL_WORKFLOW_ID,
     CordonInput,
     InjectInput,
     InjectResult,
@@ -375,6 +376,8 @@ class TrainguardClient:
 
         ``options`` tune the workflow (fields of ``JobInput``, e.g. ``max_history_events``).
         """
+        if spec.pool is None and self.settings.pool != POOL_WORKFLOW_ID:
+            spec = spec.model_copy(update={"pool": self.settings.pool})  # the submitter's pool
         inp = JobInput(spec=spec, **options)
         try:
             await self.temporal.start_workflow(
@@ -424,11 +427,11 @@ class TrainguardClient:
         return out
 
     async def nodes(self) -> PoolState:
-        return await pool_client.state(self.temporal)
+        return await pool_client.state(self.temporal, self.settings.pool)
 
     async def configure_pool(self, config: PoolConfig) -> PoolConfig:
         """Standby sizing (failure rate, minimum) and how often quarantined machines re-test."""
-        return await pool_client.configure(self.temporal, config)
+        return await pool_client.configure(self.temporal, config, self.settings.pool)
 
     async def _known_node(self, node: str) -> None:
         check_node_name(node)
@@ -463,21 +466,23 @@ class TrainguardClient:
             evades_checks=evades_checks,
         )
         await self._known_node(node)
-        return await pool_client.inject(self.temporal, req)
+        return await pool_client.inject(self.temporal, req, self.settings.pool)
 
     async def clear_faults(self, node: str) -> int:
         await self._known_node(node)
-        return await pool_client.clear_faults(self.temporal, node)
+        return await pool_client.clear_faults(self.temporal, node, self.settings.pool)
 
     async def release_node(self, node: str) -> None:
         """Return a quarantined machine to the pool (operator decision)."""
         await self._known_node(node)
-        await pool_client.release_node(self.temporal, node)
+        await pool_client.release_node(self.temporal, node, self.settings.pool)
 
     async def cordon(self, node: str, cordoned: bool = True) -> PoolNode:
         """Give a machine no new job (``cordoned=False`` undoes it); the job it has goes on."""
         await self._known_node(node)
-        return await pool_client.cordon(self.temporal, CordonInput(node=node, cordoned=cordoned))
+        return await pool_client.cordon(
+            self.temporal, CordonInput(node=node, cordoned=cordoned), self.settings.pool
+        )
 
 
 class SyncClient:

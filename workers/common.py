@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
@@ -9,10 +10,32 @@ from collections.abc import Awaitable, Callable
 
 from temporalio.worker import Worker
 
+from trainguard.services.prometheus import MetricsEndpoint
+
 log = logging.getLogger(__name__)
 
 # How often a draining worker looks whether its work has ended.
 DRAIN_POLL_S = 1.0
+
+
+def add_metrics_port(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics (Temporal worker metrics and trainguard's) on this port at /metrics",
+    )
+
+
+async def start_metrics(port: int | None) -> MetricsEndpoint | None:
+    """The process's Prometheus endpoint, serving before the client connects (its runtime
+    carries the SDK's metrics); None without a port."""
+    if port is None:
+        return None
+    endpoint = MetricsEndpoint()
+    bound = await endpoint.serve(port)
+    log.info("Prometheus metrics on :%d/metrics", bound)
+    return endpoint
 
 
 def setup_logging(name: str) -> None:

@@ -24,16 +24,22 @@ from trainguard.services import telemetry
 from trainguard.services.settings import Settings
 from trainguard.services.storage import S3Store
 from trainguard.services.temporal import connect
-from workers.common import run_until_signalled, setup_logging
+from workers.common import add_metrics_port, run_until_signalled, setup_logging, start_metrics
 from workflows.job.workflow import TrainingJobWorkflow
 from workflows.node_pool import NodePoolWorkflow
 
 
-async def main(identity: str | None = None) -> None:
+async def main(identity: str | None = None, metrics_port: int | None = None) -> None:
     settings = Settings.load()
-    telemetry.setup(settings, "trainguard-controller", {"service.instance.id": identity or str(os.getpid())})
+    endpoint = await start_metrics(metrics_port)
+    telemetry.setup(
+        settings,
+        "trainguard-controller",
+        {"service.instance.id": identity or str(os.getpid())},
+        metric_readers=[endpoint.reader] if endpoint else (),
+    )
     # The client's TracingInterceptor applies to this worker too: workflows and activities are traced.
-    client = await connect(settings)
+    client = await connect(settings, endpoint.runtime if endpoint else None)
     pool = PoolActivities(client)
     store = S3Store(settings)
     ckpt = CheckpointActivities(store)
@@ -61,9 +67,10 @@ async def main(identity: str | None = None) -> None:
 def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--identity", default=None, help="worker identity shown in the Temporal UI")
+    add_metrics_port(parser)
     args = parser.parse_args()
     setup_logging("controller")
-    asyncio.run(main(args.identity))
+    asyncio.run(main(args.identity, args.metrics_port))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from trainguard.services import pool_client, telemetry
 from trainguard.services.settings import Settings
 from trainguard.services.storage import S3Store
 from trainguard.services.temporal import connect
-from workers.common import run_until_signalled, setup_logging
+from workers.common import add_metrics_port, run_until_signalled, setup_logging, start_metrics
 
 # Checkpoint snapshots go to tmpfs only when it has this much room; else to the work disk.
 MEMORY_MIN_FREE_BYTES = 1 << 30
@@ -81,6 +81,8 @@ async def main(
     rank_nice: int,
     nic: str | None = None,
     warm_ranks: int = 0,
+    pool: str | None = None,
+    metrics_port: int | None = None,
 ) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     memory_dir = memory_dir_for(workdir)
@@ -88,10 +90,17 @@ async def main(
     drill = DrillActivities(drills, LinkControl(nic, workdir) if nic else None)
     await drill.restore_link()  # before connecting: a link left down would keep us offline
     settings = Settings.load()
-    telemetry.setup(settings, "trainguard-agent", {"service.instance.id": name})
+    endpoint = await start_metrics(metrics_port)
+    telemetry.setup(
+        settings,
+        "trainguard-agent",
+        {"service.instance.id": name},
+        metric_readers=[endpoint.reader] if endpoint else (),
+    )
     # The client's TracingInterceptor applies to this worker too: its activities are traced.
-    client = await connect(settings)
-    info = NodeInfo(name=name, task_queue=node_queue(name), host=host, gpus=gpus)
+    client = await connect(settings, endpoint.runtime if endpoint else None)
+    pool = pool or settings.pool
+    info = NodeInfo(name=name, task_queue=node_queue(name, pool), host=host, gpus=gpus)
     sessions: list[RankActivities] = []
 
     def rank_pids() -> dict[int, int]:
@@ -133,13 +142,13 @@ async def main(
     async def leave() -> None:
         # Off the pool before the queue goes quiet: no job is handed a machine nobody serves.
         try:
-            await asyncio.wait_for(pool_client.deregister(client, name), LEAVE_TIMEOUT_S)
+            await asyncio.wait_for(pool_client.deregister(client, name, pool), LEAVE_TIMEOUT_S)
         except Exception as exc:  # no controller answering: the pool notices the silence later
             log.warning("could not leave the pool: %s", exc)
 
     running = asyncio.create_task(run_until_signalled(worker, ranks.running, leave))
     try:
-        await pool_client.register(client, info)
+        await pool_client.register(client, info, pool=pool)
         await running
     finally:
         await warm.stop()
@@ -192,6 +201,13 @@ def cli() -> None:
         default=0,
         help="rank processes kept started (torch imported) for fast restarts; ranks per machine is right",
     )
+    parser.add_argument(
+        "--pool",
+        type=node_name,
+        default=None,
+        help="the pool to join, one per cluster or allocation (default: TRAINGUARD_POOL or trainguard-pool)",
+    )
+    add_metrics_port(parser)
     args = parser.parse_args()
     if importlib.util.find_spec("torch") is None:  # the ranks and the self-test train with it
         parser.exit(
@@ -210,6 +226,8 @@ def cli() -> None:
             args.rank_nice,
             args.nic,
             args.warm_ranks,
+            args.pool,
+            args.metrics_port,
         )
     )
 

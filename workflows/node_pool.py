@@ -25,6 +25,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
 from workflows.job import calls
+from workflows.pool_slurm import PATCH_SLURM, SlurmSync, _order
 
 with workflow.unsafe.imports_passed_through():
     from trainguard.domain.messages import (
@@ -64,19 +65,14 @@ SELF_TEST_MISSES = 3
 MAX_EVICTIONS_KEPT = 64
 
 
-def _order(name: str) -> tuple[int, str]:
-    """node-2 before node-10: natural order keeps placement stable and readable."""
-    digits = "".join(c for c in name if c.isdigit())
-    return (int(digits) if digits else 0, name)
-
-
 @workflow.defn
-class NodePoolWorkflow:
+class NodePoolWorkflow(SlurmSync):
     @workflow.init
     def __init__(self, state: PoolState | None = None) -> None:
         self.nodes: dict[str, PoolNode] = dict(state.nodes) if state else {}
         self.config = state.config if state else PoolConfig()
         self.evictions: dict[str, EvictResult] = dict(state.evictions) if state else {}
+        self._init_slurm(state)
         self.lock = asyncio.Lock()
         self.replan = False  # the config changed: the loop's retest timer must be recomputed
 
@@ -88,14 +84,25 @@ class NodePoolWorkflow:
             if due:
                 await self._self_test(due)
                 continue
+            # After the self-tests: a Slurm call that keeps failing must not hold them up.
+            if self._slurm_due() and workflow.patched(PATCH_SLURM):
+                await self._slurm_sync()
+                continue
             self.replan = False
             with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(
-                    lambda: self.replan or bool(self._due_for_test()) or self._history_full(),
+                    lambda: (
+                        self.replan or bool(self._due_for_test()) or self._slurm_due() or self._history_full()
+                    ),
                     timeout=self._next_retest(),
                 )
         await workflow.wait_condition(workflow.all_handlers_finished)
-        workflow.continue_as_new(PoolState(nodes=self.nodes, config=self.config, evictions=self.evictions))
+        workflow.continue_as_new(self._snapshot())
+
+    def _snapshot(self) -> PoolState:
+        return PoolState(
+            nodes=self.nodes, config=self.config, evictions=self.evictions, **self._slurm_fields()
+        )
 
     def _schedule_changed(self) -> None:
         if workflow.patched(PATCH_REPLAN):
@@ -109,7 +116,7 @@ class NodePoolWorkflow:
         """When a quarantined machine, or a suspect whose self-test was missed, is tested again."""
         if n.state == "suspect":
             return n.retest_at
-        if n.state != "quarantined" or n.since is None:
+        if n.state != "quarantined" or n.since is None or n.info.name in self.slurm_held:
             return None
         return max(n.since, n.tested_at or n.since) + timedelta(seconds=self.config.retest_s)
 
@@ -187,7 +194,14 @@ class NodePoolWorkflow:
 
     def _standbys(self) -> list[PoolNode]:
         return sorted(
-            (n for n in self.nodes.values() if n.state == "standby" and n.job is None and not n.cordoned),
+            (
+                n
+                for n in self.nodes.values()
+                if n.state == "standby"
+                and n.job is None
+                and not n.cordoned
+                and n.info.name not in self.slurm_held
+            ),
             key=lambda n: _order(n.info.name),
         )
 
@@ -273,6 +287,8 @@ class NodePoolWorkflow:
             for name, n in list(self.nodes.items()):
                 if n.job == req.job_id:
                     state = "lost" if n.state == "lost" else "standby"
+                    if name in self.slurm_held and state == "standby":
+                        state = "quarantined"  # an operator drained it in Slurm while the job ran
                     self.nodes[name] = n.model_copy(update={"state": state, "job": None, "since": now})
                     released += 1
             return released
@@ -336,6 +352,8 @@ class NodePoolWorkflow:
         async with self.lock:
             n = self.nodes[name]
             await self._clear(n)
+            if name in self.slurm_held:
+                self.slurm_held.remove(name)  # the operator's word: resumed in Slurm too
             if n.state in ("quarantined", "suspect"):
                 n = n.model_copy(
                     update={"state": "standby", "reason": "released by an operator", "since": workflow.now()}
@@ -410,9 +428,10 @@ class NodePoolWorkflow:
 
     @workflow.query
     def state(self) -> PoolState:
-        return PoolState(
-            nodes=self.nodes,
-            config=self.config,
-            standby_target=self._standby_target(),
-            standby=len(self._standbys()),
+        return self._snapshot().model_copy(
+            update={
+                "evictions": {},
+                "standby_target": self._standby_target(),
+                "standby": len(self._standbys()),
+            }
         )

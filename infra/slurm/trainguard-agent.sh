@@ -8,7 +8,9 @@
 # joins the pool; those a job does not use are its standbys.
 #
 # Environment (exported to the step by srun): the TRAINGUARD_* / AWS_* settings of the
-# Temporal and S3 to use (README, "Configuration"), and optionally
+# Temporal and S3 to use (README, "Configuration"), TRAINGUARD_POOL (this cluster's or
+# allocation's pool, e.g. slurm-<ClusterName>: jobs submitted with the same value use these
+# nodes and no others), and optionally
 #   TRAINGUARD_PYTHON      the python with trainguard installed (default: python3)
 #   TRAINGUARD_WORKDIR     local dir for rank logs and checkpoints (default: /tmp/trainguard-$SLURM_JOB_ID)
 #   TRAINGUARD_CODE_DIR    where the ranks run, the training code (default: the submit dir)

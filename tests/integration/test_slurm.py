@@ -7,16 +7,22 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from activities.slurm import SlurmControl
 from infra.local import bring_down, bring_up, process_env, wait_agents
 from infra.processes import spawn, start_ticks, stop_pid, wait_for
 from infra.stack import Stack, StackConfig, client_env
-from tests.integration.helpers import REPO, cli
+from tests.integration.helpers import REPO, cli, example_spec, run_to_end, wait_until
 from tests.integration.slurm_cluster import NODES, SlurmCluster, SlurmUnavailable
+from trainguard.client import TrainguardClient
+from trainguard.domain.messages import PoolState, ReserveInput
+from trainguard.services import pool_client
 from trainguard.services.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -89,3 +95,189 @@ def test_the_agent_script_puts_one_agent_per_node_into_the_pool(
         assert "Killed" not in log.read_text()  # each exited by itself, not at KillWait's SIGKILL
     finally:
         stop_pid(pid, grace_s=30.0, ticks=ticks)
+
+
+POOL = "slurm-tgtest"  # the cluster's own pool (ClusterName=tgtest): nothing else lends it machines
+
+
+def drain_reason(slurm: SlurmCluster, node: str) -> str | None:
+    """The node's drain reason as Slurm reports it (sinfo), None when it is not drained."""
+    return SlurmControl(slurm.env()).drains()[node]
+
+
+def scontrol_show(slurm: SlurmCluster, node: str) -> str:
+    done = slurm.run("scontrol", "show", "node", node)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+async def pool_node(settings: Settings, node: str) -> dict[str, Any]:
+    tg = await TrainguardClient.connect(settings)
+    return (await tg.nodes()).nodes[node].model_dump(mode="json")
+
+
+async def wait_pool(settings: Settings, node: str, pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    deadline = time.monotonic() + 60.0
+    while True:
+        n = await pool_node(settings, node)
+        if pred(n):
+            return n
+        assert time.monotonic() < deadline, f"pool never agreed with Slurm on {node}: {n}"
+        await asyncio.sleep(0.5)
+
+
+def test_eviction_drains_the_node_in_slurm_and_release_resumes_it(
+    slurm: SlurmCluster, empty_stack: Settings, tmp_path: Path
+) -> None:
+    settings = Settings.from_mapping({**empty_stack.to_env(), "TRAINGUARD_POOL": POOL}, empty_stack.state_dir)
+    env = slurm.env(process_env(Stack.load(empty_stack.state_dir).config))
+    env.update(
+        PYTHONPATH=str(REPO),
+        TRAINGUARD_POOL=POOL,
+        TRAINGUARD_PYTHON=sys.executable,
+        TRAINGUARD_WORKDIR=str(tmp_path / "agents"),
+        TRAINGUARD_CODE_DIR=str(REPO),
+        TRAINGUARD_AGENT_HOST="127.0.0.1",
+    )
+    started: list[tuple[int, int | None]] = []
+
+    def start(argv: list[str], log: Path) -> None:
+        pid = spawn(argv, log, env=env, cwd=REPO)
+        started.append((pid, start_ticks(pid)))
+
+    try:
+        # The Slurm worker: the one process with operator rights (here root's scontrol).
+        start([sys.executable, "-m", "workers.slurm", "--poll-s", "1"], tmp_path / "slurm-worker.log")
+        start(
+            ["srun", f"-N{len(NODES)}", "--ntasks-per-node=1", "--job-name=tg-agents", str(AGENT_SCRIPT)],
+            tmp_path / "srun.log",
+        )
+        asyncio.run(wait_agents(settings, list(NODES), timeout_s=180))
+        # The default pool holds none of them: the cluster's pool is its own.
+        assert not asyncio.run(pool_node_names(empty_stack))
+        asyncio.run(drill(slurm, settings))
+    finally:
+        slurm.run("scancel", "--signal=TERM", "--name=tg-agents")
+        for pid, ticks in reversed(started):
+            stop_pid(pid, grace_s=30.0, ticks=ticks)
+
+
+async def pool_node_names(settings: Settings) -> list[str]:
+    """Machines serving in the pool of ``settings`` (not lost)."""
+    tg = await TrainguardClient.connect(settings)
+    try:
+        nodes = (await tg.nodes()).nodes
+    except Exception:  # the pool was never started: it holds nothing
+        return []
+    return [name for name, n in nodes.items() if n.state != "lost"]
+
+
+async def drill(slurm: SlurmCluster, settings: Settings) -> None:
+    tg = await TrainguardClient.connect(settings)
+    reference = await run_to_end(await tg.submit(example_spec("slurm-ref", nodes=2)))
+    assert reference["phase"] == "completed", reference
+
+    job = await tg.submit(example_spec("slurm-gpu", nodes=2))
+    await wait_until(job, lambda s: s["step"] >= 25)
+    state = await tg.nodes()
+    held = sorted(n for n, v in state.nodes.items() if v.job == "slurm-gpu")
+    assert len(held) == 2, state
+    victim, (spare,) = held[0], set(NODES) - set(held)
+    await tg.inject(victim, "gpu-lost")
+    final = await run_to_end(job)
+    assert final["phase"] == "completed", final
+    assert final["result"]["param_hash"] == reference["result"]["param_hash"]
+    [inc] = final["incidents"]
+    assert inc["kind"] == "gpu-lost" and inc["evicted"] == [victim], inc
+
+    # Quarantined in the pool, drained in Slurm with the evidence as the reason.
+    quarantined = await pool_node(settings, victim)
+    assert quarantined["state"] == "quarantined", quarantined
+    wait_for(lambda: drain_reason(slurm, victim) is not None, 60.0, f"{victim} drained in Slurm")
+    reason = drain_reason(slurm, victim)
+    assert reason is not None and reason.startswith("trainguard: ") and "gpu-lost" in reason, reason
+    shown = scontrol_show(slurm, victim)
+    assert "DRAIN" in shown and "Reason=trainguard: " in shown, shown
+    # The job ran on to the end on the third node: it was on standby, the job took it.
+    assert (await pool_node(settings, spare))["state"] == "standby"  # released when the job ended
+
+    # `trainguard nodes release` resumes it in Slurm.
+    done = cli(settings, "nodes", "release", victim)
+    assert done.returncode == 0, done.stderr
+    wait_for(lambda: drain_reason(slurm, victim) is None, 60.0, f"{victim} resumed in Slurm")
+    assert "DRAIN" not in scontrol_show(slurm, victim)
+    assert (await pool_node(settings, victim))["state"] == "standby"
+
+    # The other way: an operator drains a node in Slurm; the pool takes it out of service, and
+    # gives it back when the operator resumes it.
+    done = slurm.run("scontrol", "update", f"NodeName={spare}", "State=DRAIN", "Reason=disk swap")
+    assert done.returncode == 0, done.stderr
+    n = await wait_pool(settings, spare, lambda n: n["state"] == "quarantined")
+    assert n["reason"] == "drained in Slurm: disk swap", n
+    assert drain_reason(slurm, spare) == "disk swap"  # the pool keeps the operator's reason
+    done = slurm.run("scontrol", "update", f"NodeName={spare}", "State=RESUME")
+    assert done.returncode == 0, done.stderr
+    n = await wait_pool(settings, spare, lambda n: n["state"] == "standby")
+    assert n["reason"] == "resumed in Slurm", n
+
+
+def test_a_pool_short_of_standbys_asks_slurm_for_a_replacement_node(
+    slurm: SlurmCluster, empty_stack: Settings, tmp_path: Path
+) -> None:
+    pool = "slurm-replace"
+    settings = Settings.from_mapping({**empty_stack.to_env(), "TRAINGUARD_POOL": pool}, empty_stack.state_dir)
+    env = slurm.env(process_env(Stack.load(empty_stack.state_dir).config))
+    env.update(
+        PYTHONPATH=str(REPO),
+        TRAINGUARD_POOL=pool,
+        TRAINGUARD_PYTHON=sys.executable,
+        TRAINGUARD_WORKDIR=str(tmp_path / "agents"),
+        TRAINGUARD_CODE_DIR=str(REPO),
+        TRAINGUARD_AGENT_HOST="127.0.0.1",
+        TRAINGUARD_SLURM_DIR=str(AGENT_SCRIPT.parent),
+    )
+    sbatch = AGENT_SCRIPT.parent / "trainguard-agents.sbatch"
+    started: list[tuple[int, int | None]] = []
+
+    def start(argv: list[str], log: Path) -> None:
+        # In tmp_path: the worker's sbatch writes the agent job's slurm-<id>.out there.
+        pid = spawn(argv, log, env=env, cwd=tmp_path)
+        started.append((pid, start_ticks(pid)))
+
+    try:
+        start(
+            [sys.executable, "-m", "workers.slurm", "--poll-s", "1", "--agent-script", str(sbatch)],
+            tmp_path / "slurm-worker.log",
+        )
+        start(
+            ["srun", "-N2", "-w", "n1,n2", "--ntasks-per-node=1", "--job-name=tg-agents", str(AGENT_SCRIPT)],
+            tmp_path / "srun.log",
+        )
+        asyncio.run(wait_agents(settings, ["n1", "n2"], timeout_s=180))
+        assert slurm.node_states()["n3"] == "idle"
+        # A job takes both machines: no standby left, so the pool asks Slurm for one more
+        # agent; Slurm starts it on n3, the only free node, and it joins as a standby.
+        asyncio.run(take_both(settings))
+        asyncio.run(wait_agents(settings, ["n3"], timeout_s=180))
+        done = slurm.run("squeue", "--noheader", "--format=%j %N")
+        assert "trainguard-agents n3" in done.stdout, done.stdout
+        # Asked once: the request stood until n3 joined, and with n3 the pool has its standby.
+        assert done.stdout.count("trainguard-agents") == 1, done.stdout
+        tg_state = asyncio.run(pool_state(settings))
+        assert tg_state.slurm_requested == 2 and tg_state.standby == 1, tg_state
+    finally:
+        slurm.run("scancel", "--signal=TERM", "--name=tg-agents")
+        slurm.run("scancel", "--signal=TERM", "--name=trainguard-agents")
+        for pid, ticks in reversed(started):
+            stop_pid(pid, grace_s=30.0, ticks=ticks)
+
+
+async def take_both(settings: Settings) -> None:
+    """Reserve n1 and n2 for a job (the pool's own update, as a job's reserve activity sends)."""
+    tg = await TrainguardClient.connect(settings)
+    res = await pool_client.reserve(tg.temporal, ReserveInput(job_id="holder", count=2, pool=settings.pool))
+    assert res.granted and sorted(n.name for n in res.nodes) == ["n1", "n2"], res
+
+
+async def pool_state(settings: Settings) -> PoolState:
+    return await (await TrainguardClient.connect(settings)).nodes()

@@ -150,3 +150,72 @@ def test_load_reads_the_local_stacks_record(tmp_path: Path, monkeypatch: pytest.
     assert s.aws_access_key_id == cfg.access_key
     assert s.aws_secret_access_key is not None
     assert s.aws_secret_access_key.get_secret_value() == cfg.secret_key.get_secret_value()
+
+
+def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for key in [k for k in os.environ if k.startswith(("TRAINGUARD_", "AWS_", "TEMPORAL_"))]:
+        monkeypatch.delenv(key)
+    # No temporal.toml of the machine's: the default location is under the (empty) home.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+
+def test_temporal_envconfig_outranks_the_stack_record_and_trainguard_outranks_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from infra.stack import Stack, StackConfig
+
+    _clean_env(monkeypatch, tmp_path)
+    Stack(StackConfig.default(tmp_path).model_copy(update={"temporal_port": 17233})).save()
+    assert Settings.load(tmp_path).temporal_address == "127.0.0.1:17233"
+    monkeypatch.setenv("TEMPORAL_ADDRESS", "temporal.prod:7233")
+    monkeypatch.setenv("TEMPORAL_NAMESPACE", "training")
+    monkeypatch.setenv("TEMPORAL_API_KEY", API_KEY)
+    s = Settings.load(tmp_path)
+    assert (s.temporal_address, s.namespace) == ("temporal.prod:7233", "training")
+    kw = connect_kwargs(s)
+    assert kw["api_key"] == API_KEY and kw["tls"] is True
+    monkeypatch.setenv("TRAINGUARD_NAMESPACE", "override")
+    s = Settings.load(tmp_path)
+    assert (s.temporal_address, s.namespace) == ("temporal.prod:7233", "override")
+
+
+def test_a_temporal_toml_profile_sets_address_namespace_and_tls_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _clean_env(monkeypatch, tmp_path)
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    toml = tmp_path / "temporal.toml"
+    toml.write_text(
+        '[profile.default]\naddress = "localhost:1"\n'
+        '[profile.prod]\naddress = "tls.prod:7233"\nnamespace = "ml"\n'
+        f'[profile.prod.tls]\nserver_name = "temporal.internal"\nserver_ca_cert_path = "{ca}"\n'
+    )
+    monkeypatch.setenv("TEMPORAL_CONFIG_FILE", str(toml))
+    assert Settings.load(tmp_path).temporal_address == "localhost:1"
+    monkeypatch.setenv("TEMPORAL_PROFILE", "prod")
+    s = Settings.load(tmp_path)
+    assert (s.temporal_address, s.namespace) == ("tls.prod:7233", "ml")
+    tls = connect_kwargs(s)["tls"]
+    assert isinstance(tls, TLSConfig) and tls.domain == "temporal.internal"
+    assert tls.server_root_ca_cert == ca.read_bytes()
+    # The variables outrank the profile, as Temporal's own clients have it.
+    monkeypatch.setenv("TEMPORAL_NAMESPACE", "ml-dev")
+    assert Settings.load(tmp_path).namespace == "ml-dev"
+
+
+def test_unusable_temporal_envconfig_names_its_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _clean_env(monkeypatch, tmp_path)
+    toml = tmp_path / "temporal.toml"
+    toml.write_text(
+        '[profile.default]\naddress = "x:1"\n[profile.default.tls]\nserver_ca_cert_data = "PEM"\n'
+    )
+    monkeypatch.setenv("TEMPORAL_CONFIG_FILE", str(toml))
+    with pytest.raises(SettingsError, match=r"^TEMPORAL_TLS_SERVER_CA_CERT: .*file path"):
+        Settings.load(tmp_path)
+    monkeypatch.setenv("TEMPORAL_PROFILE", "missing")
+    with pytest.raises(SettingsError, match=r"^TEMPORAL_PROFILE: .*missing"):
+        Settings.load(tmp_path)

@@ -19,9 +19,17 @@ POOL_WORKFLOW_ID = "trainguard-pool"
 NODE_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 
 
-def node_queue(node: str) -> str:
-    """The task queue a node agent polls: work for that machine and no other."""
-    return f"node-{node}" if not node.startswith("node-") else node
+def node_queue(node: str, pool: str = POOL_WORKFLOW_ID) -> str:
+    """The task queue a node agent polls: work for that machine and no other. Machine names
+    may repeat across pools (two Slurm clusters both have an ``n1``): outside the default
+    pool the queue carries the pool's id."""
+    queue = f"node-{node}" if not node.startswith("node-") else node
+    return queue if pool == POOL_WORKFLOW_ID else f"{queue}@{pool}"
+
+
+def slurm_queue(pool: str) -> str:
+    """The task queue of the Slurm worker serving ``pool`` (the one place with operator rights)."""
+    return f"slurm-{pool}"
 
 
 class Msg(BaseModel):
@@ -63,6 +71,8 @@ class PoolNode(Msg):
 class ReserveInput(Msg):
     job_id: str
     count: int = Field(ge=1)
+    # Which NodePoolWorkflow (one per cluster or allocation) the job takes machines from.
+    pool: str = POOL_WORKFLOW_ID
 
 
 class CordonInput(Msg):
@@ -81,6 +91,7 @@ class ReserveResult(Msg):
 
 class ReleaseInput(Msg):
     job_id: str
+    pool: str = POOL_WORKFLOW_ID
 
 
 class EvictInput(Msg):
@@ -96,6 +107,7 @@ class EvictInput(Msg):
     # Names this eviction across retries (the activity's run and id): a retried request gets the
     # first one's answer instead of evicting again.
     request_id: str = ""
+    pool: str = POOL_WORKFLOW_ID
 
 
 class EvictResult(Msg):
@@ -126,6 +138,47 @@ class PoolState(Msg):
     # Filled in by the ``state`` query: spares wanted for the jobs running now, and spares ready.
     standby_target: int = 0
     standby: int = 0
+    # Slurm (``workers.slurm``): the task queue of the worker that drains and resumes this pool's
+    # machines (None: no Slurm), the machines drained in Slurm as far as the pool knows (name ->
+    # reason), those an operator drained (they stay out until resumed or released), and a count
+    # of the pool's own drains and resumes (an observation read before one of them is stale).
+    slurm_queue: str | None = None
+    slurm_drained: dict[str, str] = {}
+    slurm_held: list[str] = []
+    slurm_epoch: int = 0
+    # Whether the Slurm worker can start replacement agents, and the number of live machines
+    # when it was last asked to (None: no request outstanding).
+    slurm_replacements: bool = False
+    slurm_requested: int | None = None
+
+
+class SlurmAttach(Msg):
+    """A Slurm worker serves the pool on ``queue``; ``replacements``: it can submit agent jobs."""
+
+    queue: str
+    replacements: bool = False
+
+
+class SlurmReplacementInput(Msg):
+    """Submit one more agent job to Slurm, kept off ``exclude`` (drained, quarantined)."""
+
+    exclude: list[str] = []
+
+
+class SlurmNodeInput(Msg):
+    """Drain (with ``reason``) or resume one machine in Slurm."""
+
+    node: str = Field(pattern=NODE_NAME_RE)
+    drain: bool
+    reason: str = ""
+
+
+class SlurmObservation(Msg):
+    """What Slurm says of the pool's machines (name -> drain reason, or None when not
+    drained), read after the pool's ``slurm_epoch`` was ``epoch``."""
+
+    epoch: int
+    nodes: dict[str, str | None]
 
 
 # -- checkpoints -----------------------------------------------------------------

@@ -240,6 +240,9 @@ class JobSpec(_Frozen):
     checkpoint: CheckpointSpec = CheckpointSpec()
     detection: DetectionSpec = DetectionSpec()
     code_version: str = Field("v1", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    # The pool (one per cluster or Slurm allocation) the job takes its machines from; None: the
+    # submitting environment's (TRAINGUARD_POOL), else the default pool.
+    pool: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
     @property
     def world_size(self) -> int:

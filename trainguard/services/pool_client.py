@@ -37,6 +37,8 @@ from trainguard.domain.messages import (
     ReleaseInput,
     ReserveInput,
     ReserveResult,
+    SlurmAttach,
+    SlurmObservation,
 )
 
 T = TypeVar("T")
@@ -60,13 +62,14 @@ async def _update(
     result_type: type[T],
     update_id: str | None = None,
     max_delay_s: float = 5.0,
+    pool: str = POOL_WORKFLOW_ID,
 ) -> T:
     """An idempotent pool update: queued in this process's lane, retried while the server
     refuses or aborts it for being busy (the caller's own timeout bounds the wait)."""
     op = WithStartWorkflowOperation(
         "NodePoolWorkflow",
         None,
-        id=POOL_WORKFLOW_ID,
+        id=pool,
         task_queue=CONTROLLER_QUEUE,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         # Hundreds of machines make a long history: on a busy controller its replay can take more
@@ -87,53 +90,60 @@ async def _update(
         delay = min(delay * 2, max_delay_s)
 
 
-async def register(client: Client, info: NodeInfo, max_delay_s: float = 5.0) -> PoolNode:
+async def register(
+    client: Client, info: NodeInfo, max_delay_s: float = 5.0, pool: str = POOL_WORKFLOW_ID
+) -> PoolNode:
     """Join the pool; hundreds of agents starting at once back off and try again."""
-    return await _update(client, "register", info, PoolNode, max_delay_s=max_delay_s)
+    return await _update(client, "register", info, PoolNode, max_delay_s=max_delay_s, pool=pool)
 
 
-async def deregister(client: Client, name: str) -> None:
-    await client.get_workflow_handle(POOL_WORKFLOW_ID).execute_update("deregister", name)
+async def deregister(client: Client, name: str, pool: str = POOL_WORKFLOW_ID) -> None:
+    await client.get_workflow_handle(pool).execute_update("deregister", name)
 
 
 async def reserve(client: Client, req: ReserveInput) -> ReserveResult:
-    return await _update(client, "reserve", req, ReserveResult)
+    return await _update(client, "reserve", req, ReserveResult, pool=req.pool)
 
 
-async def release(client: Client, job_id: str) -> int:
-    return await _update(client, "release", ReleaseInput(job_id=job_id), int)
+async def release(client: Client, job_id: str, pool: str = POOL_WORKFLOW_ID) -> int:
+    return await _update(client, "release", ReleaseInput(job_id=job_id, pool=pool), int, pool=pool)
 
 
-async def state(client: Client) -> PoolState:
-    return await client.get_workflow_handle(POOL_WORKFLOW_ID).query("state", result_type=PoolState)
+async def state(client: Client, pool: str = POOL_WORKFLOW_ID) -> PoolState:
+    return await client.get_workflow_handle(pool).query("state", result_type=PoolState)
 
 
 async def evict(client: Client, req: EvictInput) -> EvictResult:
     # A repeated update id joins the first update while it is still running.
-    return await _update(client, "evict", req, EvictResult, req.request_id or None)
+    return await _update(client, "evict", req, EvictResult, req.request_id or None, pool=req.pool)
 
 
-async def inject(client: Client, req: InjectInput) -> InjectResult:
-    return await client.get_workflow_handle(POOL_WORKFLOW_ID).execute_update(
-        "inject", req, result_type=InjectResult
-    )
+async def inject(client: Client, req: InjectInput, pool: str = POOL_WORKFLOW_ID) -> InjectResult:
+    return await client.get_workflow_handle(pool).execute_update("inject", req, result_type=InjectResult)
 
 
-async def clear_faults(client: Client, name: str) -> int:
-    return await client.get_workflow_handle(POOL_WORKFLOW_ID).execute_update(
-        "clear_faults", name, result_type=int
-    )
+async def clear_faults(client: Client, name: str, pool: str = POOL_WORKFLOW_ID) -> int:
+    return await client.get_workflow_handle(pool).execute_update("clear_faults", name, result_type=int)
 
 
-async def configure(client: Client, config: PoolConfig) -> PoolConfig:
-    return await _update(client, "configure", config, PoolConfig)
+async def configure(client: Client, config: PoolConfig, pool: str = POOL_WORKFLOW_ID) -> PoolConfig:
+    return await _update(client, "configure", config, PoolConfig, pool=pool)
 
 
-async def release_node(client: Client, name: str) -> PoolNode:
-    return await client.get_workflow_handle(POOL_WORKFLOW_ID).execute_update(
-        "release_node", name, result_type=PoolNode
-    )
+async def release_node(client: Client, name: str, pool: str = POOL_WORKFLOW_ID) -> PoolNode:
+    return await client.get_workflow_handle(pool).execute_update("release_node", name, result_type=PoolNode)
 
 
-async def cordon(client: Client, req: CordonInput) -> PoolNode:
-    return await _update(client, "cordon", req, PoolNode)
+async def attach_slurm(client: Client, attach: SlurmAttach, pool: str = POOL_WORKFLOW_ID) -> PoolState:
+    """The Slurm worker of ``pool`` serves ``attach.queue``: the pool drains, resumes and asks
+    for replacement machines through it."""
+    return await _update(client, "attach_slurm", attach, PoolState, pool=pool)
+
+
+async def slurm_observed(client: Client, obs: SlurmObservation, pool: str = POOL_WORKFLOW_ID) -> int:
+    """Report what Slurm says of the pool's machines; returns how many changed in the pool."""
+    return await _update(client, "slurm_observed", obs, int, pool=pool)
+
+
+async def cordon(client: Client, req: CordonInput, pool: str = POOL_WORKFLOW_ID) -> PoolNode:
+    return await _update(client, "cordon", req, PoolNode, pool=pool)

@@ -14,7 +14,18 @@ Production Temporal:
 | ``TRAINGUARD_TEMPORAL_TLS_CERT``, ``..._TLS_KEY`` | client certificate and key (mTLS), both or neither |
 | ``TRAINGUARD_TEMPORAL_TLS_SERVER_NAME`` | name the server certificate is checked against (SNI) |
 | ``TRAINGUARD_TEMPORAL_API_KEY`` | API key (Temporal Cloud), sent as a bearer token |
+| ``TRAINGUARD_POOL`` | the machine pool agents join and jobs take from (default ``trainguard-pool``) |
 | ``TRAINGUARD_PAYLOAD_KEY`` or ``..._PAYLOAD_KEY_FILE`` | encrypt every payload (``services.codec``) |
+
+Temporal's own environment configuration (``temporalio.envconfig``) is read too: the
+``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``, ``TEMPORAL_API_KEY``, ``TEMPORAL_TLS*``
+variables and the ``temporal.toml`` profile that ``TEMPORAL_PROFILE`` names (file:
+``TEMPORAL_CONFIG_FILE``, else Temporal's default location). Precedence, highest first:
+
+1. ``TRAINGUARD_*`` variables;
+2. Temporal's environment configuration (its ``TEMPORAL_*`` variables over its profile);
+3. the local stack's record (``trainguard up``);
+4. defaults (``127.0.0.1:7233``, namespace ``default``).
 
 Every credential is a ``SecretStr``: the settings' repr, str and JSON never show it.
 """
@@ -23,9 +34,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, SecretStr
+from temporalio.envconfig import ClientConfigProfile
+
+from trainguard.domain.messages import POOL_WORKFLOW_ID
 
 DEFAULT_STATE_DIR = Path.home() / ".trainguard"
 _TRUE = ("1", "true", "yes", "on")
@@ -65,6 +80,8 @@ class Settings(BaseModel):
     # SecretStr: repr, logs and status never show it.
     aws_secret_access_key: SecretStr | None = None
     state_dir: Path = DEFAULT_STATE_DIR
+    # The machine pool (one per cluster or Slurm allocation) that agents join and jobs take from.
+    pool: str = POOL_WORKFLOW_ID
 
     @classmethod
     def load(cls, state_dir: str | Path | None = None) -> Settings:
@@ -80,6 +97,7 @@ class Settings(BaseModel):
                 values.update({k: v for k, v in env.items() if isinstance(v, str)})
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 pass
+        values.update(temporal_envconfig(os.environ))
         values.update({k: v for k, v in os.environ.items() if k.startswith(("TRAINGUARD_", "AWS_"))})
         if state_dir is not None:
             values["TRAINGUARD_STATE_DIR"] = str(sd)
@@ -123,6 +141,7 @@ class Settings(BaseModel):
             aws_access_key_id=get("AWS_ACCESS_KEY_ID"),
             aws_secret_access_key=secret("AWS_SECRET_ACCESS_KEY"),
             state_dir=Path(get("TRAINGUARD_STATE_DIR") or state_dir or DEFAULT_STATE_DIR),
+            pool=get("TRAINGUARD_POOL") or POOL_WORKFLOW_ID,
         )
 
     def to_env(self) -> dict[str, str]:
@@ -134,6 +153,8 @@ class Settings(BaseModel):
             "AWS_DEFAULT_REGION": self.s3_region,
             "TRAINGUARD_STATE_DIR": str(self.state_dir),
         }
+        if self.pool != POOL_WORKFLOW_ID:
+            env["TRAINGUARD_POOL"] = self.pool
         if self.s3_endpoint:
             env["TRAINGUARD_S3_ENDPOINT"] = self.s3_endpoint
         if self.aws_access_key_id:
@@ -169,3 +190,40 @@ class Settings(BaseModel):
             raise SettingsError(
                 f"TRAINGUARD_PAYLOAD_KEY_FILE: cannot read {self.payload_key_file}: {exc}"
             ) from None
+
+
+def _path(source: object, variable: str) -> str | None:
+    """A certificate of Temporal's configuration as the file path trainguard passes on."""
+    if source is None:
+        return None
+    if isinstance(source, Path):
+        return str(source)
+    raise SettingsError(f"{variable}: give the certificate as a file path (*_PATH), not inline data")
+
+
+def temporal_envconfig(environ: Mapping[str, str]) -> dict[str, str]:
+    """Temporal's environment configuration (``TEMPORAL_*`` variables and the ``temporal.toml``
+    profile) as the ``TRAINGUARD_*`` values it stands for; empty when none is set."""
+    try:
+        profile = ClientConfigProfile.load(override_env_vars=dict(environ))
+    except Exception as exc:  # a missing profile, a malformed file: the bridge's own error types
+        raise SettingsError(f"TEMPORAL_PROFILE: {exc}") from None
+    out: dict[str, str] = {}
+    if profile.address:
+        out["TRAINGUARD_TEMPORAL_ADDRESS"] = profile.address
+    if profile.namespace:
+        out["TRAINGUARD_NAMESPACE"] = profile.namespace
+    if profile.api_key:
+        out["TRAINGUARD_TEMPORAL_API_KEY"] = profile.api_key
+    tls = profile.tls
+    if tls is not None:
+        out["TRAINGUARD_TEMPORAL_TLS"] = "false" if tls.disabled else "true"
+        for key, val in (
+            ("TRAINGUARD_TEMPORAL_TLS_SERVER_NAME", tls.server_name),
+            ("TRAINGUARD_TEMPORAL_TLS_CA", _path(tls.server_root_ca_cert, "TEMPORAL_TLS_SERVER_CA_CERT")),
+            ("TRAINGUARD_TEMPORAL_TLS_CERT", _path(tls.client_cert, "TEMPORAL_TLS_CLIENT_CERT")),
+            ("TRAINGUARD_TEMPORAL_TLS_KEY", _path(tls.client_private_key, "TEMPORAL_TLS_CLIENT_KEY")),
+        ):
+            if val:
+                out[key] = val
+    return out

@@ -347,6 +347,7 @@ def setup(
     service: str,
     attributes: Mapping[str, str] | None = None,
     environ: Mapping[str, str] = os.environ,
+    metric_readers: Sequence[MetricReader] = (),
 ) -> bool:
     """Install the process's tracer and meter providers (first call only); False when
     telemetry is off or the process already has SDK providers of its own."""
@@ -361,7 +362,9 @@ def setup(
         span_exporter, metric_exporter = select_exporters(settings.state_dir, environ)
         # Export interval: OTEL_METRIC_EXPORT_INTERVAL (ms), 60 s by default.
         reader = PeriodicExportingMetricReader(metric_exporter)
-        tracer_provider, meter_provider = build_providers(service, span_exporter, [reader], attributes)
+        # Extra readers: a Prometheus endpoint's pull reader (trainguard.services.prometheus).
+        readers = [reader, *metric_readers]
+        tracer_provider, meter_provider = build_providers(service, span_exporter, readers, attributes)
         trace.set_tracer_provider(tracer_provider)
         metrics.set_meter_provider(meter_provider)
         _installed = (tracer_provider, meter_provider)

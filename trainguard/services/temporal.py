@@ -18,6 +18,7 @@ from temporalio.client import Client
 from temporalio.contrib.opentelemetry import TracingInterceptor
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import DataConverter
+from temporalio.runtime import Runtime
 from temporalio.service import TLSConfig
 
 from trainguard.services.codec import PayloadKeyError, codec_from_text
@@ -77,5 +78,9 @@ def connect_kwargs(settings: Settings) -> dict[str, Any]:
     }
 
 
-async def connect(settings: Settings) -> Client:
-    return await Client.connect(**connect_kwargs(settings), interceptors=[TracingInterceptor()])
+async def connect(settings: Settings, runtime: Runtime | None = None) -> Client:
+    """``runtime``: a Temporal runtime of the caller's (a Prometheus endpoint's metrics buffer,
+    ``trainguard.services.prometheus``); None: the SDK's default."""
+    return await Client.connect(
+        **connect_kwargs(settings), interceptors=[TracingInterceptor()], runtime=runtime
+    )

@@ -45,6 +45,8 @@ with workflow.unsafe.imports_passed_through():
         ReserveResult,
         RunRanksInput,
         RunRanksResult,
+        SlurmNodeInput,
+        SlurmReplacementInput,
         StackDump,
         StackFinding,
         StackInput,
@@ -176,6 +178,26 @@ clear_faults: Activity[ClearFaultsInput, int] = Activity(
     Options(schedule_to_start=timedelta(seconds=30), start_to_close=timedelta(seconds=10)),
 )
 
+# -- Slurm (the pool's Slurm worker, on its own queue given per call) --------------------------
+# Retried: scontrol may meet a busy slurmctld; the pool tries again later if every attempt fails.
+slurm_node: Activity[SlurmNodeInput, bool] = Activity(
+    "slurm_node",
+    SlurmNodeInput,
+    bool,
+    Options(
+        schedule_to_start=timedelta(seconds=60),
+        start_to_close=SHORT,
+        retry=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3),
+    ),
+)
+# Submits an agent job (sbatch) for a pool short of standbys; returns Slurm's job id.
+slurm_request_node: Activity[SlurmReplacementInput, str] = Activity(
+    "slurm_request_node",
+    SlurmReplacementInput,
+    str,
+    Options(schedule_to_start=timedelta(seconds=60), start_to_close=SHORT),
+)
+
 # Every activity of the contract.
 ALL: tuple[Activity[Any, Any], ...] = (
     reserve_nodes,
@@ -195,6 +217,8 @@ ALL: tuple[Activity[Any, Any], ...] = (
     pair_test,
     inject_fault,
     clear_faults,
+    slurm_node,
+    slurm_request_node,
 )
 
 

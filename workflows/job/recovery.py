@@ -22,7 +22,7 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.domain import checkpoints, ettr
     from trainguard.domain.code_versions import CodeEvent
     from trainguard.domain.job_state import Incident, JobInput, JobState, RunningAttempt
-    from trainguard.domain.messages import EvictInput, IncidentReport
+    from trainguard.domain.messages import POOL_WORKFLOW_ID, EvictInput, IncidentReport
     from trainguard.domain.policy import PolicyConfig, decide, record_incident
 
 
@@ -137,6 +137,7 @@ class Recovery:
                 reason=f"{incident.id} {incident.kind}: {incident.evidence[:300]}",
                 current=[n.name for n in self.s.nodes],
                 confirmed=confirmed,
+                pool=self.s.spec.pool or POOL_WORKFLOW_ID,
             )
         )
         if res.replaced:

@@ -46,6 +46,7 @@ with workflow.unsafe.imports_passed_through():
         status_json,
     )
     from trainguard.domain.messages import (
+        POOL_WORKFLOW_ID,
         InjectResult,
         ProgressReport,
         ReleaseInput,
@@ -190,7 +191,9 @@ class TrainingJobWorkflow:
         spec = self.s.spec
         since = workflow.now()
         while self.stop_reason is None:
-            res = await calls.reserve_nodes(ReserveInput(job_id=spec.name, count=spec.nodes))
+            res = await calls.reserve_nodes(
+                ReserveInput(job_id=spec.name, count=spec.nodes, pool=spec.pool or POOL_WORKFLOW_ID)
+            )
             if res.granted:
                 self.s.waiting = None
                 self.s.nodes = list(res.nodes)
@@ -242,7 +245,9 @@ class TrainingJobWorkflow:
         if phase == "stopped":
             self.s.verdict = self.stop_reason
         if self.s.nodes:
-            await calls.release_nodes(ReleaseInput(job_id=self.s.spec.name))
+            await calls.release_nodes(
+                ReleaseInput(job_id=self.s.spec.name, pool=self.s.spec.pool or POOL_WORKFLOW_ID)
+            )
         self.vis.set_phase(phase)
         await self.vis.wait_exports()
         await workflow.wait_condition(workflow.all_handlers_finished)
