@@ -435,11 +435,15 @@ class RankSession:
                 size = path.stat().st_size
             except FileNotFoundError:
                 return
+        new_step = step not in self.backups
         self.backups.setdefault(step, {})[of_rank] = ShardInfo(
             rank=of_rank, step=step, key="", size=size, sha256=digest
         )
         for old in sorted(self.backups)[:-MEMORY_STEPS_REPORTED]:
             del self.backups[old]
+        self._progress_dirty.set()
+        if not new_step:
+            return  # the directory was pruned when this step's first backup arrived
         # Older backups here (this attempt's or earlier ones') are superseded; the resume step's
         # was read when the ranks started.
         with contextlib.suppress(FileNotFoundError):
@@ -447,7 +451,6 @@ class RankSession:
                 old_step = parse_step_dir(d.name)
                 if old_step is not None and old_step < min(self.backups):
                     shutil.rmtree(d, ignore_errors=True)
-        self._progress_dirty.set()
 
     def backup_shards(self) -> list[ShardInfo]:
         return [s for step in sorted(self.backups) for s in self.backups[step].values()]

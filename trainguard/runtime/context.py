@@ -139,11 +139,9 @@ class Context:
             self._local["param_hash"] = param_hash(model)
             self._local["hash_step"] = step - 1
         faults.apply(self._faults.active(step), step, model, self._median_step_s(), self._fault_fired)
-        sq = torch.zeros((), dtype=torch.float64)
-        for p in model.parameters():
-            if p.grad is not None:
-                sq += p.grad.detach().double().pow(2).sum()
-        norm = float(sq.sqrt())
+        # Two ops for the whole model (one norm per gradient, then theirs), not four per parameter.
+        grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+        norm = float(torch.stack(torch._foreach_norm(grads)).double().norm()) if grads else 0.0
         finite = math.isfinite(norm)
         # Sent now, before the all-reduce spreads a NaN or a spike to every rank.
         local: protocol.Local = {"t": "local", "step": step, "local_grad_norm": norm if finite else None}
@@ -370,7 +368,7 @@ class Context:
         """Block until every snapshot handed over is written and backed up; re-raise a failure."""
         self._snapshots.drain()
 
-    def _store_snapshot(self, snap: Snapshot, data: bytes) -> None:
+    def _store_snapshot(self, snap: Snapshot, data: memoryview) -> None:
         """The writer thread's part: memory tier, peer backup, then the record for the agent."""
         # Hashed here, where the bytes already are: the agent need not read the file again.
         digest = hashlib.sha256(data).hexdigest()

@@ -81,7 +81,7 @@ class SnapshotPipeline:
     the writer thread. A failure is raised on the training thread at the next hand-over
     (or :meth:`drain`); snapshots handed over after it are dropped until then."""
 
-    def __init__(self, store: Callable[[Snapshot, bytes], None], depth: int = DEPTH) -> None:
+    def __init__(self, store: Callable[[Snapshot, memoryview], None], depth: int = DEPTH) -> None:
         self._store = store
         self._slots = [BufferSet() for _ in range(depth)]
         self._free = [threading.Event() for _ in range(depth)]
@@ -90,7 +90,7 @@ class SnapshotPipeline:
         self._next = 0
         self._latest: Snapshot | None = None
         self._copy_q: queue.SimpleQueue[Snapshot] = queue.SimpleQueue()
-        self._write_q: queue.SimpleQueue[tuple[Snapshot, bytes]] = queue.SimpleQueue()
+        self._write_q: queue.SimpleQueue[tuple[Snapshot, memoryview]] = queue.SimpleQueue()
         self._pending = 0
         self._idle = threading.Condition()
         self._error: BaseException | None = None
@@ -147,7 +147,7 @@ class SnapshotPipeline:
         while True:
             snap = self._copy_q.get()
             t0 = time.thread_time()
-            data: bytes | None = None
+            data: memoryview | None = None
             try:
                 if self._error is None:
                     try:
