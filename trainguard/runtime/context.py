@@ -40,6 +40,7 @@ from trainguard.runtime.tracked import TrackedState
 VOTE_EVERY = 10
 VOTE_WARMUP = 5
 VOTE_LAG = 2
+MAX_STRETCH = 10.0
 
 
 class Context:
@@ -61,6 +62,8 @@ class Context:
             os.set_inheritable(env.report_fd, False)
             self._report = os.fdopen(env.report_fd, "w", buffering=1)
         self._last_report_t: float | None = None
+        self._last_report_cpu = 0.0  # the training thread's CPU time at the last report
+        self._train_cpu: list[float] = []  # its CPU time per step, the newest 50
         self._faults = faults.FaultFile(env.fault_file, env.rank)
         self._drilled_step: int | None = None
         self._local: dict[str, Any] = {}
@@ -88,6 +91,7 @@ class Context:
         self._last_cost = 0.0
         self._cpu_mark = (time.process_time(), time.monotonic())
         self._contention = 1.0  # share of the snapshot threads' CPU taken from training
+        self._stretch = 1.0  # training's wall time per CPU second of its own
         # Step-time cost of snapshots beyond training's waits: the job's protection badput.
         self._slowdown = protection.SlowdownMeter()
         self._last_snap: tuple[int, float] | None = None  # (step, hand-over wait) of the newest
@@ -167,9 +171,11 @@ class Context:
         if self._drilled_step != step:
             # The script has no before_sync: drills that need no model still act here.
             faults.apply(self._faults.active(step), step, None, self._median_step_s(), self._fault_fired)
-        now = time.monotonic()
+        now, cpu = time.monotonic(), time.thread_time()
         step_time = None if self._last_report_t is None else now - self._last_report_t
-        self._last_report_t = now
+        if step_time is not None:
+            self._train_cpu = [*self._train_cpu[-49:], cpu - self._last_report_cpu]
+        self._last_report_t, self._last_report_cpu = now, cpu
         if step_time is not None:
             self._step_times = [*self._step_times[-49:], step_time]
             self._meter_step(step, step_time)
@@ -194,7 +200,8 @@ class Context:
             # The hand-over and this step's fence waits: already the checkpoint badput.
             blocked = self._last_snap[1] + self._fence_wait_s
         costs = list(self._snapshots.costs)
-        fallback = statistics.median(self._contention * c.cpu_s for c in costs) if costs else 0.0
+        share = self._contention * self._stretch
+        fallback = statistics.median(share * c.cpu_s for c in costs) if costs else 0.0
         self._slowdown.step(step_time, since, blocked, fallback)
 
     def _snapshot_cost(self) -> float | None:
@@ -209,7 +216,13 @@ class Context:
         cores = len(os.sched_getaffinity(0)) / max(1, self.env.local_world_size)
         load = os.getloadavg()[0] / (os.cpu_count() or 1)
         self._contention = protection.contention(rate, cores, load)
-        return statistics.median(c.blocked_s + self._contention * c.cpu_s for c in costs)
+        # Where cores are busy, a CPU second taken from training delays it by as much wall time
+        # as training needs for a CPU second of its own (step time over its thread's CPU time).
+        # Capped: a pipeline stage also waits for its neighbours without using CPU.
+        if self._train_cpu and self._step_times:
+            train_cpu = max(1e-6, statistics.median(self._train_cpu))
+            self._stretch = min(MAX_STRETCH, max(1.0, self._median_step_s() / train_cpu))
+        return statistics.median(c.blocked_s + self._contention * self._stretch * c.cpu_s for c in costs)
 
     def _agree_interval(self, step: int) -> None:
         """Every VOTE_EVERY steps each rank proposes an interval; the largest wins (the costliest
