@@ -163,6 +163,8 @@ class RankSession:
         self.save_s: dict[int, float] = {}  # step -> slowest local rank's snapshot time so far
         self.saved_meta: dict[int, dict[int, tuple[int, str]]] = {}  # step -> rank -> (bytes, sha256)
         self.ckpt_block_s = 0.0
+        self.protection_s: dict[int, float] = {}  # rank -> step time lost to snapshots (cumulative)
+        self.interval: protocol.Interval | None = None  # the snapshot interval the ranks agreed on
         self.unsent: list[ShardInfo] = []
         self.exits: dict[int, RankExit] = {}
         self.result: asyncio.Future[RunRanksResult] = asyncio.get_running_loop().create_future()
@@ -254,6 +256,7 @@ class RankSession:
         bin_dir = str(Path(sys.executable).parent)
         env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
         env["PYTHONUNBUFFERED"] = "1"
+        ckpt = self.spec.checkpoint
         renv = RankEnv(
             rank=rank,
             world_size=self.spec.world_size,
@@ -267,7 +270,11 @@ class RankSession:
             topology=self.spec.topology,
             target_steps=self.spec.target_steps,
             ckpt_dir=str(self.ckpt_dir),
-            ckpt_every=self.spec.checkpoint.memory_every_steps,
+            ckpt_every=ckpt.memory_every_steps or 1,
+            # Unset, the ranks choose the interval: every step until they have measured its cost.
+            ckpt_budget=ckpt.overhead_budget if ckpt.memory_every_steps is None else 0.0,
+            max_lost_s=ckpt.max_lost_s,
+            persist_every=ckpt.every_steps,
             resume_step=self.inp.resume.step if self.inp.resume else None,
             code_version=self.spec.code_version,
             report_fd=report_fd,
@@ -360,6 +367,8 @@ class RankSession:
                 self.step_times = [*self.step_times[-49:], float(rec["step_time_s"])]
             if rec.get("compute_s") is not None:
                 self.compute_s.setdefault(rank, deque(maxlen=20)).append(float(rec["compute_s"]))
+            if rec.get("protection_s") is not None:
+                self.protection_s[rank] = float(rec["protection_s"])
             if rec.get("param_hash") and rec.get("hash_step") is not None:
                 self.hashes.setdefault(int(rec["hash_step"]), {})[rank] = str(rec["param_hash"])
             anomaly = self.monitor.on_step(rank, rec, time.monotonic())
@@ -401,6 +410,9 @@ class RankSession:
             fired = [f for f in self.drills.load() if f["id"] == rec.get("id")]
             self.fired.extend(fired)
             self.drills.consume(str(rec.get("id")))
+        elif kind == "interval":
+            self.interval = rec
+            self._progress_dirty.set()
         elif kind == "restored":
             self.restored.add(rank)
         elif kind == "start":
@@ -466,11 +478,15 @@ class RankSession:
                 size = path.stat().st_size
             except FileNotFoundError:
                 return
+        new_step = step not in self.backups
         self.backups.setdefault(step, {})[of_rank] = ShardInfo(
             rank=of_rank, step=step, key="", size=size, sha256=digest
         )
         for old in sorted(self.backups)[:-MEMORY_STEPS_REPORTED]:
             del self.backups[old]
+        self._progress_dirty.set()
+        if not new_step:
+            return  # the directory was pruned when this step's first backup arrived
         # Older backups here (this attempt's or earlier ones') are superseded; the resume step's
         # was read when the ranks started.
         with contextlib.suppress(FileNotFoundError):
@@ -478,7 +494,6 @@ class RankSession:
                 old_step = parse_step_dir(d.name)
                 if old_step is not None and old_step < min(self.backups):
                     shutil.rmtree(d, ignore_errors=True)
-        self._progress_dirty.set()
 
     def backup_shards(self) -> list[ShardInfo]:
         return [s for step in sorted(self.backups) for s in self.backups[step].values()]
@@ -565,6 +580,10 @@ class RankSession:
             memory=self.memory_shards(),
             ckpt_block_s=round(self.ckpt_block_s, 6),
             backups=self.backup_shards(),
+            # The job steps at its slowest rank's pace.
+            protection_s=round(max(self.protection_s.values(), default=0.0), 6),
+            snapshot_every=self.interval["every"] if self.interval else None,
+            snapshot_cost_s=self.interval["cost_s"] if self.interval else None,
         )
 
     def memory_shards(self) -> list[ShardInfo]:

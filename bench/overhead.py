@@ -33,7 +33,8 @@ step much less. ``cpu_ms_per_step`` (the ranks' CPU, plus for trainguard its age
 and control plane's), ``cpu_ratio`` and ``ablation_cpu_saved_ms`` (what each ablation
 saves of it) are the load-robust view of the same cost.
 
-    python bench/overhead.py [--steps 400] [--repeats 3] [--parts hash,backup,s3,snapshot] [--json]
+    python bench/overhead.py [--steps 400] [--repeats 3] [--parts hash,backup,s3,snapshot]
+                             [--env GPT_LAYERS=8 ...] [--json]
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from bench.overhead_rank import OUT_ENV  # noqa: E402
 from infra.private_stack import choose, connect, run_bench  # noqa: E402
 from infra.processes import stop_pid  # noqa: E402
 from infra.stack import Stack  # noqa: E402
-from trainguard.domain.spec import JobSpec, load_spec  # noqa: E402
+from trainguard.domain.spec import JobSpec, env_problem, load_spec, shown  # noqa: E402
 from trainguard.face.cli import exit_now  # noqa: E402
 from trainguard.runtime.env import inheritable_environ  # noqa: E402
 
@@ -89,9 +90,9 @@ def warmup_steps(steps: int) -> int:
 # -- the job under each system -------------------------------------------------------
 
 
-def base_spec(steps: int) -> JobSpec:
+def base_spec(steps: int, env: dict[str, str] | None = None) -> JobSpec:
     spec = load_spec(JOB_YAML)
-    return spec.model_copy(update={"target_steps": steps})
+    return spec.model_copy(update={"target_steps": steps, "env": {**spec.env, **(env or {})}})
 
 
 def ablated(spec: JobSpec, part: str | None, name: str, out: Path) -> JobSpec:
@@ -277,12 +278,17 @@ def analyse(out: Path, world: int, steps: int) -> dict[str, Any]:
 
 
 async def bench(
-    state_dir: Path, steps: int, repeats: int, parts: list[str], log: Callable[[str], None]
+    state_dir: Path,
+    steps: int,
+    repeats: int,
+    parts: list[str],
+    log: Callable[[str], None],
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     tg = await connect(state_dir)
     pids = {n: r.pid for n, r in Stack.load(state_dir).processes.items()}
     groups = stack_groups(pids)
-    spec = base_spec(steps)
+    spec = base_spec(steps, env)
     work = Path(tempfile.mkdtemp(prefix="tg-overhead-"))
     variants = ["torchrun", "trainguard", *parts]
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
@@ -310,6 +316,7 @@ async def bench(
                         "ettr": status["ettr"],
                         "badput_s": status["badput_s"],
                         "step_time_s": status["step_time_s"],
+                        "protection": status.get("protection"),
                     }
                 runs[v].append(res)
                 log(f"round {r + 1} {v}: {1e3 * res['step_s']:.1f} ms/step, wall {res['wall_s']} s")
@@ -407,7 +414,7 @@ def summarize(
         "throughput_ratio_per_repeat": [
             _r(a["step_s"] / b["step_s"], 3) for a, b in zip(runs["torchrun"], full, strict=True)
         ],
-        "snapshot_every": spec.checkpoint.memory_every_steps,
+        "snapshot_every": spec.checkpoint.memory_every_steps,  # None: chosen by the ranks (status.protection)
         "s3_every": spec.checkpoint.every_steps,
         "components_ms": {k: _r(v, 2) for k, v in comp.items() if v is not None},
         "components_method": {k: v for k, v in method.items() if comp.get(k) is not None},
@@ -446,6 +453,9 @@ def summarize(
         "status": {
             "ettr": [s["ettr"] for s in status],
             "checkpoint_badput_s": [s["badput_s"].get("checkpoint") for s in status],
+            "protection_badput_s": [s["badput_s"].get("protection") for s in status],
+            # The interval the ranks chose within the cost budget, and lost seconds per failure.
+            "protection": [s.get("protection") for s in status],
             "step_time_s": [s["step_time_s"] for s in status],
         },
         "runs": {
@@ -478,8 +488,23 @@ def main() -> None:
     ap.add_argument("--steps", default="400")
     ap.add_argument("--repeats", default="3")
     ap.add_argument("--parts", default=",".join(PARTS), help="ablations, comma-separated ('' for none)")
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="added to the job's env for both systems, e.g. GPT_LAYERS=8 for a longer step",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    env: dict[str, str] = {}
+    for item in args.env:
+        key, eq, value = item.partition("=")
+        problem = "expected KEY=VALUE" if not eq else env_problem(key, value)
+        if problem:
+            print(f"error: --env: {shown(item)}: {problem}", file=sys.stderr)
+            exit_now(2)
+        env[key] = value
     for flag, value, low in (("--steps", args.steps, MIN_STEPS), ("--repeats", args.repeats, 1)):
         if not value.isdigit() or int(value) < low:
             print(f"error: {flag}: must be an integer >= {low}, got {value!r}", file=sys.stderr)
@@ -493,7 +518,7 @@ def main() -> None:
         result = run_bench(
             "tg-bench-overhead-",
             NODES,
-            lambda d, log: bench(d, int(args.steps), int(args.repeats), parts, log),
+            lambda d, log: bench(d, int(args.steps), int(args.repeats), parts, log, env),
         )
     finally:
         for pid in list(launched):

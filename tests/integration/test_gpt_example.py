@@ -118,7 +118,14 @@ class Ranks:
         return {r: rec["param_hash"] for r, rec in self.of("final")}
 
 
-def launch(ckpt_dir: Path, log_dir: Path, resume_step: int | None = None, **knobs: str) -> Ranks:
+def launch(
+    ckpt_dir: Path,
+    log_dir: Path,
+    resume_step: int | None = None,
+    ckpt_every: int = CKPT_EVERY,
+    ckpt_budget: float = 0.0,
+    **knobs: str,
+) -> Ranks:
     """Start the 4 ranks as the agent would: one process group, one report pipe per rank."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -139,7 +146,9 @@ def launch(ckpt_dir: Path, log_dir: Path, resume_step: int | None = None, **knob
             topology=TOPO,
             target_steps=STEPS,
             ckpt_dir=str(ckpt_dir),
-            ckpt_every=CKPT_EVERY,
+            ckpt_every=ckpt_every,
+            ckpt_budget=ckpt_budget,
+            persist_every=CKPT_EVERY,
             resume_step=resume_step,
             report_fd=write_fd,
         )
@@ -249,3 +258,35 @@ def test_resume_after_kill_is_bitwise_exact(uninterrupted: Ranks, tmp_path: Path
     want, got = uninterrupted.losses(), resumed.losses()
     for rank in got:
         assert got[rank] == {s: want[rank][s] for s in range(resume_at + 1, STEPS + 1)}
+
+
+def test_budget_interval_is_agreed_by_every_rank(uninterrupted: Ranks, tmp_path: Path) -> None:
+    """With a cost budget the ranks start with a snapshot every step, then vote on an interval
+    and switch at the same step, so every step snapshotted is snapshotted by every rank; and
+    the training itself is the same, bit for bit."""
+    ranks = launch(tmp_path / "ckpt", tmp_path / "logs", ckpt_every=1, ckpt_budget=0.02)
+    try:
+        ranks.wait()
+    finally:
+        ranks.kill()
+    assert ranks.hashes() == uninterrupted.hashes()
+    votes: dict[int, set[tuple[int, int]]] = {}
+    for r, rec in ranks.of("interval"):
+        votes.setdefault(r, set()).add((rec["step"], rec["every"]))
+        assert rec["cost_s"] > 0 and rec["step_s"] > 0
+    assert len(votes) == TOPO.world_size and len({frozenset(v) for v in votes.values()}) == 1, votes
+    agreed = sorted(votes[0])
+    assert agreed and agreed[0][0] == 12  # the first vote (step 10) applies two steps later
+    saved: dict[int, set[int]] = {}
+    for r, rec in ranks.of("ckpt"):
+        saved.setdefault(r, set()).add(rec["step"])
+    assert len({frozenset(v) for v in saved.values()}) == 1, saved
+    every = dict(agreed)
+    for step in sorted(saved[0]):
+        k = next((every[s] for s in sorted(every, reverse=True) if s <= step), 1)
+        assert step % k == 0 or step == STEPS, (step, agreed)
+        # Every interval is consistent with the S3 interval: each of its steps is snapshotted.
+        assert CKPT_EVERY % k == 0 or k % CKPT_EVERY == 0
+    assert {1, 2, 3, 10} <= saved[0]  # every step until the first vote applies
+    # The protection badput rides on the step reports once measurable.
+    assert any("protection_s" in rec for _, rec in ranks.of("step"))

@@ -23,7 +23,12 @@ def test_overhead_bench_prints_ratio_and_breakdown() -> None:
     ratio = out["throughput_ratio"]
     # From the unrounded medians: the rounded step times give it to within rounding.
     assert math.isfinite(ratio) and abs(ratio - out["torchrun_step_s"] / out["trainguard_step_s"]) < 0.01, out
-    assert out["snapshot_every"] == 1  # the example's default: a memory snapshot every step
+    # The example's default: the ranks choose the interval within the cost budget (every step
+    # until their first vote, at step 10, applies).
+    assert out["snapshot_every"] is None
+    chosen = out["status"]["protection"][0]
+    assert chosen["chosen_by"] == "budget" and chosen["memory_every_steps"] >= 1, chosen
+    assert out["status"]["protection_badput_s"][0] >= 0, out
     comp = out["components_ms"]
     # Measured inside the ranks: every step reports and checks its gradients, every step
     # snapshots (copy, serialize, hash, write) and backs up; the agents read the reports.
@@ -41,7 +46,12 @@ def test_overhead_bench_prints_ratio_and_breakdown() -> None:
 
 
 def test_overhead_bench_refuses_bad_flags_naming_them() -> None:
-    for argv, flag in ((["--steps", "3"], "--steps"), (["--parts", "hash,disk"], "--parts")):
+    for argv, flag in (
+        (["--steps", "3"], "--steps"),
+        (["--parts", "hash,disk"], "--parts"),
+        (["--env", "GPT_LAYERS"], "--env"),
+        (["--env", "TG_CKPT_EVERY=1"], "--env"),
+    ):
         proc = subprocess.run(
             [sys.executable, str(BENCH), *argv], capture_output=True, text=True, timeout=60, cwd=REPO
         )

@@ -124,6 +124,7 @@ def test_one_transient_fault_costs_exactly_its_stages() -> None:
             "recompute": 3.0,  # the step in progress
             "checkpoint": 0.0,
             "idle": 0.0,
+            "protection": 0.0,  # the sim models no snapshot cost
         }
     )
     assert tg.ettr == pytest.approx((DAY_S - 160.5) / DAY_S, abs=1e-12)

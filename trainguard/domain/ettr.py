@@ -15,7 +15,9 @@ from pydantic import BaseModel
 
 WINDOW = timedelta(hours=1)
 SAMPLE_EVERY = timedelta(seconds=30)
-BUCKETS = ("startup", "detection", "diagnosis", "recovery", "recompute", "checkpoint", "idle")
+# checkpoint: training waited for its snapshots; protection: the snapshots' background work
+# (copy, serialize, hash, peer backup) slowed the steps beyond that.
+BUCKETS = ("startup", "detection", "diagnosis", "recovery", "recompute", "checkpoint", "idle", "protection")
 
 
 class Ledger(BaseModel):
@@ -36,7 +38,7 @@ def start(ledger: Ledger, now: datetime) -> Ledger:
 def add_badput(ledger: Ledger, bucket: str, seconds: float) -> Ledger:
     if bucket not in BUCKETS:
         raise ValueError(f"unknown badput bucket {bucket!r}")
-    b = dict(ledger.badput_s)
+    b = {k: 0.0 for k in BUCKETS} | dict(ledger.badput_s)  # a ledger from before a bucket existed
     b[bucket] += max(0.0, seconds)
     return ledger.model_copy(update={"badput_s": b})
 

@@ -220,6 +220,11 @@ class JobState(BaseModel):
     backups: dict[str, list[ShardInfo]] = {}
     # Checkpoint blocking reported this attempt, per machine (cumulative).
     ckpt_block_s: dict[str, float] = {}
+    # Step time lost to the snapshots' background work this attempt, per machine (cumulative).
+    protection_s: dict[str, float] = {}
+    # The memory-snapshot interval the ranks chose within the cost budget, and a snapshot's cost.
+    snapshot_every: int | None = None
+    snapshot_cost_s: float | None = None
     # Step and productive time over wall time, bounded (trainguard report draws it).
     progress_series: ProgressSeries = ProgressSeries()
 
@@ -237,7 +242,8 @@ def status_json(state: JobState, now: datetime) -> dict[str, Any]:
         "pending_code_version": _pending(state),
         "ettr": round(ettr.ettr(state.ledger, now), 4),
         "ettr_window_1h": round(ettr.ettr_window(state.ledger, now), 4),
-        "badput_s": {k: round(v, 3) for k, v in state.ledger.badput_s.items()},
+        "badput_s": {k: round(state.ledger.badput_s.get(k, 0.0), 3) for k in ettr.BUCKETS},
+        "protection": _protection(state),
         "nodes": {str(i): n.name for i, n in enumerate(state.nodes)},
         "checkpoint": state.checkpoint.model_dump(mode="json") if state.checkpoint else None,
         "resumed_from_step": state.resumed_from_step,
@@ -255,6 +261,23 @@ def status_json(state: JobState, now: datetime) -> dict[str, Any]:
         # When this document was made: a saved one still says how far its ETTR and open incident reach.
         "as_of": now.isoformat(),
         "progress": _progress(state.progress_series),
+    }
+
+
+def _protection(state: JobState) -> dict[str, Any]:
+    """The memory-snapshot interval in force and what a failure loses with it."""
+    ckpt = state.spec.checkpoint
+    every = ckpt.memory_every_steps or state.snapshot_every
+    step_s = state.step_time_s
+    return {
+        "memory_every_steps": every,
+        "chosen_by": "spec" if ckpt.memory_every_steps is not None else "budget",
+        "overhead_budget": None if ckpt.memory_every_steps is not None else ckpt.overhead_budget,
+        "max_lost_s": ckpt.max_lost_s,
+        "snapshot_cost_s": state.snapshot_cost_s,
+        # Up to one interval of steps since the newest snapshot (a failure during a snapshot's
+        # write loses the interval before it as well).
+        "lost_s_per_failure": round(every * step_s, 3) if every and step_s else None,
     }
 
 

@@ -311,6 +311,11 @@ class ProgressReport(Msg):
     ckpt_block_s: float = 0.0
     # Other machines' snapshots this machine keeps (``rank`` is the rank they belong to).
     backups: list[ShardInfo] = []
+    # Step time lost to snapshots this attempt beyond the blocking above (slowest local rank).
+    protection_s: float = 0.0
+    # The memory-snapshot interval the ranks agreed on (a cost budget), and a snapshot's cost.
+    snapshot_every: int | None = None
+    snapshot_cost_s: float | None = None
 
 
 # -- drills and incidents ---------------------------------------------------------

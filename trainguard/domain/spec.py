@@ -127,11 +127,25 @@ class Topology(_Frozen):
 
 class CheckpointSpec(_Frozen):
     every_steps: int = Field(10, ge=1, le=1_000_000, description="persist a checkpoint to S3 every N steps")
-    memory_every_steps: int = Field(
-        1,
+    memory_every_steps: int | None = Field(
+        None,
         ge=1,
         le=1_000_000,
-        description="snapshot into the machine's memory every N steps (divides every_steps)",
+        description="snapshot into the machine's memory every N steps (divides every_steps); unset: "
+        "the runtime chooses the interval from overhead_budget and max_lost_s",
+    )
+    overhead_budget: float = Field(
+        0.02,
+        gt=0,
+        le=1,
+        description="share of step time that memory snapshots and peer backups may cost (when "
+        "memory_every_steps is unset)",
+    )
+    max_lost_s: float = Field(
+        10.0,
+        gt=0,
+        le=86400,
+        description="a failure loses at most this much training: caps the chosen snapshot interval",
     )
     peer_backup: bool = Field(
         True, description="copy each snapshot to a machine outside the rank's TP, PP and DP groups"
@@ -141,7 +155,7 @@ class CheckpointSpec(_Frozen):
 
     @model_validator(mode="after")
     def _prefix_is_safe(self) -> CheckpointSpec:
-        if self.every_steps % self.memory_every_steps:
+        if self.memory_every_steps is not None and self.every_steps % self.memory_every_steps:
             raise FieldProblem(
                 "memory_every_steps",
                 f"{self.memory_every_steps} must divide every_steps "

@@ -33,7 +33,15 @@ def _send_bytes(data: bytes, peer: int) -> None:
     dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), peer)
 
 
-def write_whole(path: Path, data: bytes) -> None:
+def _as_tensor(data: bytes | memoryview) -> torch.Tensor:
+    """``data`` as a uint8 tensor: the same memory when it is writable (a shard from
+    ``shardfile.dumps``), a copy otherwise (torch tensors may not share read-only memory)."""
+    if isinstance(data, memoryview) and not data.readonly:
+        return torch.frombuffer(data, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def write_whole(path: Path, data: bytes | memoryview) -> None:
     """Write ``data`` to ``path`` whole or not at all. No fsync: snapshots live in tmpfs."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -44,7 +52,7 @@ def write_whole(path: Path, data: bytes) -> None:
 def exchange(
     rank: int,
     plan: dict[int, int],
-    data: bytes,
+    data: bytes | memoryview,
     backup_path: dict[int, Path],
     group: dist.ProcessGroup | None = None,
 ) -> dict[int, tuple[int, str]]:
@@ -59,13 +67,13 @@ def exchange(
     for r in reqs:
         r.wait()
     bufs = {q: torch.empty(int(sizes[q].item()), dtype=torch.uint8) for q in sources}
-    reqs = [dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), target, group)]
+    reqs = [dist.isend(_as_tensor(data), target, group)]
     reqs += [dist.irecv(bufs[q], q, group) for q in sources]
     for r in reqs:
         r.wait()
     out = {}
     for q in sources:
-        got = bufs[q].numpy().tobytes()
+        got = memoryview(bufs[q].numpy())  # the received bytes themselves, not a copy
         write_whole(backup_path[q], got)
         out[q] = (len(got), hashlib.sha256(got).hexdigest())
     return out

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from trainguard.domain import protection
 from trainguard.domain.checkpoints import shard_name
 from trainguard.domain.topology import GroupKind, all_groups, coords
 from trainguard.runtime import backup, faults, protocol, shardfile
@@ -33,6 +34,13 @@ from trainguard.runtime.env import RankEnv, backup_shard_name
 from trainguard.runtime.snapshots import Snapshot, SnapshotPipeline
 from trainguard.runtime.state import param_hash
 from trainguard.runtime.tracked import TrackedState
+
+# The ranks agree on the snapshot interval every VOTE_EVERY steps (once VOTE_WARMUP steps of
+# this attempt have measured it), and apply it VOTE_LAG steps after the vote.
+VOTE_EVERY = 10
+VOTE_WARMUP = 5
+VOTE_LAG = 2
+MAX_STRETCH = 10.0
 
 
 class Context:
@@ -54,6 +62,8 @@ class Context:
             os.set_inheritable(env.report_fd, False)
             self._report = os.fdopen(env.report_fd, "w", buffering=1)
         self._last_report_t: float | None = None
+        self._last_report_cpu = 0.0  # the training thread's CPU time at the last report
+        self._train_cpu: list[float] = []  # its CPU time per step, the newest 50
         self._faults = faults.FaultFile(env.fault_file, env.rank)
         self._drilled_step: int | None = None
         self._local: dict[str, Any] = {}
@@ -73,6 +83,19 @@ class Context:
         self._tracked: TrackedState | None = None
         self._send_lock = threading.Lock()
         self._owns_group = True  # init() made the default process group (not a framework)
+        # The memory-snapshot interval: fixed, or agreed by every rank (see _vote) when the job
+        # gives a cost budget instead.
+        self._every = env.ckpt_every
+        self._ctl_group: dist.ProcessGroup | None = None
+        self._vote: tuple[int, torch.Tensor, Any] | None = None  # (apply at step, value, work)
+        self._announced = False
+        self._last_cost = 0.0
+        self._cpu_mark = (time.process_time(), time.monotonic())
+        self._contention = 1.0  # share of the snapshot threads' CPU taken from training
+        self._stretch = 1.0  # training's wall time per CPU second of its own
+        # Step-time cost of snapshots beyond training's waits: the job's protection badput.
+        self._slowdown = protection.SlowdownMeter()
+        self._last_snap: tuple[int, float] | None = None  # (step, hand-over wait) of the newest
 
     # -- process groups -------------------------------------------------------
     def _make_groups(self) -> None:
@@ -84,6 +107,9 @@ class Context:
                     self._groups[kind] = pg
         if self._backups is not None:
             self._backup_group = dist.new_group(list(range(self.world_size)), backend="gloo")
+        if self.env.ckpt_budget > 0 and self.world_size > 1:
+            # One int a vote, never on the job's groups nor the backup thread's.
+            self._ctl_group = dist.new_group(list(range(self.world_size)), backend="gloo")
 
     def group(self, kind: GroupKind) -> dist.ProcessGroup | None:
         """This rank's TP, PP or DP process group (None when the group is just this rank)."""
@@ -118,11 +144,9 @@ class Context:
             self._local["param_hash"] = param_hash(model)
             self._local["hash_step"] = step - 1
         faults.apply(self._faults.active(step), step, model, self._median_step_s(), self._fault_fired)
-        sq = torch.zeros((), dtype=torch.float64)
-        for p in model.parameters():
-            if p.grad is not None:
-                sq += p.grad.detach().double().pow(2).sum()
-        norm = float(sq.sqrt())
+        # Two ops for the whole model (one norm per gradient, then theirs), not four per parameter.
+        grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+        norm = float(torch.stack(torch._foreach_norm(grads)).double().norm()) if grads else 0.0
         finite = math.isfinite(norm)
         # Sent now, before the all-reduce spreads a NaN or a spike to every rank.
         local: protocol.Local = {"t": "local", "step": step, "local_grad_norm": norm if finite else None}
@@ -148,19 +172,107 @@ class Context:
         if self._drilled_step != step:
             # The script has no before_sync: drills that need no model still act here.
             faults.apply(self._faults.active(step), step, None, self._median_step_s(), self._fault_fired)
-        now = time.monotonic()
+        now, cpu = time.monotonic(), time.thread_time()
         step_time = None if self._last_report_t is None else now - self._last_report_t
-        self._last_report_t = now
+        if step_time is not None:
+            self._train_cpu = [*self._train_cpu[-49:], cpu - self._last_report_cpu]
+        self._last_report_t, self._last_report_cpu = now, cpu
         if step_time is not None:
             self._step_times = [*self._step_times[-49:], step_time]
+            self._meter_step(step, step_time)
         rec: protocol.Step = {"t": "step", "step": step, "step_time_s": step_time, **self._local}  # type: ignore[typeddict-item]
         self._local = {}
+        if self._slowdown.total_s:
+            rec["protection_s"] = round(self._slowdown.total_s, 6)
+        if self.env.ckpt_budget > 0:
+            self._agree_interval(step)
         if loss is not None:
             rec["loss"] = float(loss)
         if grad_norm is not None:
             rec["grad_norm"] = float(grad_norm)
         rec.update(extra)
         self._send(rec)
+
+    # -- the snapshot interval ---------------------------------------------------
+    def _meter_step(self, step: int, step_time: float) -> None:
+        since, blocked = None, 0.0
+        if self._last_snap is not None:
+            since = step - self._last_snap[0]
+            # The hand-over and this step's fence waits: already the checkpoint badput.
+            blocked = self._last_snap[1] + self._fence_wait_s
+        costs = list(self._snapshots.costs)
+        share = self._contention * self._stretch
+        fallback = statistics.median(share * c.cpu_s for c in costs) if costs else 0.0
+        self._slowdown.step(step_time, since, blocked, fallback)
+
+    def _snapshot_cost(self) -> float | None:
+        """Training seconds one snapshot costs: its waits, and the snapshot threads' CPU time as
+        far as it is taken from training (:func:`trainguard.domain.protection.contention`)."""
+        costs = list(self._snapshots.costs)
+        if not costs:
+            return None
+        cpu, wall = time.process_time(), time.monotonic()
+        rate = (cpu - self._cpu_mark[0]) / max(1e-6, wall - self._cpu_mark[1])
+        self._cpu_mark = (cpu, wall)
+        cores = len(os.sched_getaffinity(0)) / max(1, self.env.local_world_size)
+        load = os.getloadavg()[0] / (os.cpu_count() or 1)
+        self._contention = protection.contention(rate, cores, load)
+        # Where cores are busy, a CPU second taken from training delays it by as much wall time
+        # as training needs for a CPU second of its own (step time over its thread's CPU time).
+        # Capped: a pipeline stage also waits for its neighbours without using CPU.
+        if self._train_cpu and self._step_times:
+            train_cpu = max(1e-6, statistics.median(self._train_cpu))
+            self._stretch = min(MAX_STRETCH, max(1.0, self._median_step_s() / train_cpu))
+        return statistics.median(c.blocked_s + self._contention * self._stretch * c.cpu_s for c in costs)
+
+    def _agree_interval(self, step: int) -> None:
+        """Every VOTE_EVERY steps each rank proposes an interval; the largest wins (the costliest
+        rank sets the pace), from VOTE_LAG steps later, on every rank at the same step: peer
+        backups are paired exchanges and a memory restore needs a step every machine holds."""
+        env = self.env
+        if self._vote is not None and self._vote[0] == step:
+            _, value, work = self._vote
+            self._vote = None
+            if work is not None:
+                work.wait()
+            agreed = int(value.item())
+            if agreed > 0 and (agreed != self._every or not self._announced):
+                self._every, self._announced = agreed, True
+                self._send(
+                    protocol.Interval(
+                        t="interval",
+                        step=step,
+                        every=agreed,
+                        step_s=round(self._median_step_s(), 6),
+                        cost_s=round(self._last_cost, 6),
+                    )
+                )
+        if (
+            step % VOTE_EVERY
+            or step < self.start_step + VOTE_WARMUP
+            or step + VOTE_LAG > self.target_steps
+            or self._vote is not None
+            or (self.world_size > 1 and self._ctl_group is None)
+        ):
+            return
+        cost = self._snapshot_cost()
+        self._last_cost = cost or 0.0
+        proposal = 0
+        if cost is not None and self._step_times:
+            proposal = protection.choose_interval(
+                cost,
+                self._median_step_s(),
+                env.ckpt_budget,
+                env.max_lost_s,
+                env.persist_every,
+                env.target_steps,
+            )
+        value = torch.tensor([proposal], dtype=torch.int64)
+        work = None
+        if self._ctl_group is not None:
+            # Waited for VOTE_LAG steps later: by then every rank has sent its proposal.
+            work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._ctl_group, async_op=True)
+        self._vote = (step + VOTE_LAG, value, work)
 
     # -- checkpoints ----------------------------------------------------------
     def _shard_path(self, step: int) -> Path:
@@ -190,7 +302,7 @@ class Context:
         return state
 
     def should_save(self, step: int) -> bool:
-        return step % self.env.ckpt_every == 0 or step == self.target_steps
+        return step % self._every == 0 or step == self.target_steps
 
     def track(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Snapshot ``model``, ``optimizer`` and the RNGs without a state function.
@@ -242,6 +354,7 @@ class Context:
         blocked = time.monotonic() - t0 + self._fence_wait_s
         self._fence_wait_s = 0.0
         path = self._shard_path(step)
+        self._last_snap = (step, time.monotonic() - t0)
         self._snapshots.submit(step, path, blocked, complete)
         return path
 
@@ -269,7 +382,7 @@ class Context:
         """Block until every snapshot handed over is written and backed up; re-raise a failure."""
         self._snapshots.drain()
 
-    def _store_snapshot(self, snap: Snapshot, data: bytes) -> None:
+    def _store_snapshot(self, snap: Snapshot, data: memoryview) -> None:
         """The writer thread's part: memory tier, peer backup, then the record for the agent."""
         # Hashed here, where the bytes already are: the agent need not read the file again.
         digest = hashlib.sha256(data).hexdigest()

@@ -44,6 +44,12 @@ class RankEnv(BaseModel):
     target_steps: int | None = None  # None: the job runs until its ranks exit
     ckpt_dir: str
     ckpt_every: int
+    # Above 0: ckpt_every is only the first interval; the ranks agree on one that costs at most
+    # this share of step time (trainguard.domain.protection), at most ``max_lost_s`` of training,
+    # and divides (or is a multiple of) the S3 interval ``persist_every``.
+    ckpt_budget: float = 0.0
+    max_lost_s: float = 10.0
+    persist_every: int = 1
     resume_step: int | None = None
     code_version: str = "v1"
     report_fd: int | None = None
@@ -88,6 +94,9 @@ class RankEnv(BaseModel):
             target_steps=int(e.get("TG_TARGET_STEPS", "100")),
             ckpt_dir=e.get("TG_CKPT_DIR", "checkpoints"),
             ckpt_every=int(e.get("TG_CKPT_EVERY", "10")),
+            ckpt_budget=float(e.get("TG_CKPT_BUDGET", "0")),
+            max_lost_s=float(e.get("TG_MAX_LOST_S", "10")),
+            persist_every=int(e.get("TG_PERSIST_EVERY", "1")),
             resume_step=int(resume) if resume else None,
             code_version=e.get("TG_CODE_VERSION", "v1"),
             report_fd=int(fd) if fd else None,
@@ -142,6 +151,10 @@ class RankEnv(BaseModel):
             out[REPORT_FD] = str(self.report_fd)
         if self.fault_file:
             out["TG_FAULT_FILE"] = self.fault_file
+        if self.ckpt_budget:
+            out["TG_CKPT_BUDGET"] = str(self.ckpt_budget)
+            out["TG_MAX_LOST_S"] = str(self.max_lost_s)
+            out["TG_PERSIST_EVERY"] = str(self.persist_every)
         if self.hash_every:
             out["TG_HASH_EVERY"] = str(self.hash_every)
         if self.backup:

@@ -54,6 +54,18 @@ class Step(_Sent, total=False):
     # Parameters after ``hash_step`` (data-parallel replicas must agree on it).
     param_hash: str
     hash_step: int
+    # Step time lost to snapshots beyond training's waits, this attempt so far (cumulative).
+    protection_s: float
+
+
+class Interval(_Sent):
+    """The ranks agreed to snapshot every ``every`` steps from ``step`` on (a cost budget)."""
+
+    t: Literal["interval"]
+    step: int
+    every: int
+    step_s: float  # median step time it was chosen for
+    cost_s: float  # what a snapshot costs training, as this rank measured it
 
 
 class Ckpt(_Sent):
@@ -113,7 +125,7 @@ class Warm(_Sent):
     t: Literal["warm"]
 
 
-Message = Start | Restored | Local | Step | Ckpt | Backup | Fault | Error | Final | Exiting | Warm
+Message = Start | Restored | Local | Step | Interval | Ckpt | Backup | Fault | Error | Final | Exiting | Warm
 
 # Written by a warm process with os.write before any runtime exists.
 READY_LINE = b'{"t": "warm"}\n'

@@ -40,11 +40,13 @@ def _tensor(raw: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     return flat.view(getattr(torch, dtype)).reshape(shape)
 
 
-def dumps(state: Any) -> bytes:
+def dumps(state: Any) -> memoryview:
+    """The shard's bytes, as a writable view of the buffer they were pickled into (no copy:
+    hashing, the memory-tier write and the peer backup all read these same bytes)."""
     buf = io.BytesIO()
     buf.write(MAGIC)
     _Pickler(buf, protocol=5).dump(state)
-    return buf.getvalue()
+    return buf.getbuffer()
 
 
 def loads(data: bytes | bytearray | memoryview) -> Any:

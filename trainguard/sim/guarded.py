@@ -147,7 +147,7 @@ class TrainguardJob(JobSim):
             self.history = mark_progress(self.history)
 
     def _memory_step(self) -> int:
-        every = self.cfg.checkpoint.memory_every_steps
+        every = self.cfg.checkpoint.memory_every_steps or 1  # the sim models no snapshot cost
         return self.tl.step // every * every
 
     # -- incidents -------------------------------------------------------------------------------

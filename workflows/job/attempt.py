@@ -119,7 +119,7 @@ class Attempt:
         s.step = resume.step if resume else 0
         s.resumed_from_step = resume.step if resume else None
         s.compute_s, s.slow_suspect, s.slow_rounds = {}, None, 0
-        s.ckpt_block_s = {}
+        s.ckpt_block_s, s.protection_s = {}, {}
         s.replica_hashes = {}
         if s.incidents and s.incidents[-1].attempt == s.attempt - 1:
             # Steps reached before the failure that must be computed again.

@@ -122,12 +122,21 @@ class Progress:
             self._advance(min(steps), self.s.step_time_s)
 
     def _note_ckpt_block(self, r: ProgressReport) -> None:
-        """The job waits for its slowest machine: badput grows with the largest machine's total."""
-        before = max(self.s.ckpt_block_s.values(), default=0.0)
-        self.s.ckpt_block_s[r.node] = max(self.s.ckpt_block_s.get(r.node, 0.0), r.ckpt_block_s)
-        grown = max(self.s.ckpt_block_s.values()) - before
-        if grown > 0:
-            self.s.ledger = ettr.reclassify(self.s.ledger, "checkpoint", grown)
+        """The job waits for its slowest machine: badput grows with the largest machine's total.
+        Step time counted as productive moves to ``checkpoint`` (training waited for snapshots)
+        and ``protection`` (the snapshots' background work slowed the steps)."""
+        for bucket, per_node, value in (
+            ("checkpoint", self.s.ckpt_block_s, r.ckpt_block_s),
+            ("protection", self.s.protection_s, r.protection_s),
+        ):
+            before = max(per_node.values(), default=0.0)
+            per_node[r.node] = max(per_node.get(r.node, 0.0), value)
+            grown = max(per_node.values()) - before
+            if grown > 0:
+                self.s.ledger = ettr.reclassify(self.s.ledger, bucket, grown)
+        if r.snapshot_every is not None:
+            self.s.snapshot_every = r.snapshot_every
+            self.s.snapshot_cost_s = r.snapshot_cost_s
 
     def note_memory(self, r: ProgressReport | RunRanksResult) -> None:
         if r.memory:

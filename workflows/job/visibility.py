@@ -76,6 +76,13 @@ class Visibility:
         ]
         if s.checkpoint:
             lines.append(f"checkpoint: step {s.checkpoint.step} ({s.checkpoint.tier})")
+        every = s.spec.checkpoint.memory_every_steps or s.snapshot_every
+        if every:
+            lost = f", a failure loses up to {every * s.step_time_s:.1f}s" if s.step_time_s else ""
+            lines.append(
+                f"memory snapshot every {every} steps{lost}; protection cost "
+                f"{s.ledger.badput_s.get('protection', 0.0) + s.ledger.badput_s['checkpoint']:.1f}s"
+            )
         for inc in s.incidents[-3:]:
             evicted = f" (evicted {', '.join(inc.evicted)})" if inc.evicted else ""
             on = ", ".join(inc.suspects)

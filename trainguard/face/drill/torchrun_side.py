@@ -102,7 +102,7 @@ def torchrun_env(spec: JobSpec, ckpt_dir: Path, fault_file: Path, code_dir: Path
         TG_DP=str(spec.topology.dp),
         TG_TARGET_STEPS=str(spec.target_steps),
         TG_CKPT_DIR=str(ckpt_dir),
-        TG_CKPT_EVERY=str(spec.checkpoint.memory_every_steps),
+        TG_CKPT_EVERY=str(spec.checkpoint.memory_every_steps or 1),
         TG_HASH_EVERY=str(spec.detection.replica_check_every),
         TG_FAULT_FILE=str(fault_file),
     )

@@ -1,0 +1,110 @@
+"""The cost budget's arithmetic and the protection badput (trainguard.domain.protection)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from trainguard.domain import ettr
+from trainguard.domain.job_state import JobState, status_json
+from trainguard.domain.protection import (
+    SlowdownMeter,
+    candidate_intervals,
+    choose_interval,
+    contention,
+)
+from trainguard.domain.spec import parse_spec
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _series(every: int, steps: int, clean_s: float, slow_s: float) -> tuple[SlowdownMeter, float]:
+    """Snapshots every ``every`` steps; the step right after each takes ``slow_s``."""
+    meter = SlowdownMeter()
+    wall = 0.0
+    last_snap: int | None = None
+    for step in range(1, steps + 1):
+        since = None if last_snap is None else step - last_snap
+        t = slow_s if since == 1 else clean_s
+        wall += t
+        meter.step(t, since, blocked_s=0.0, fallback_s=0.0)
+        if step % every == 0:
+            last_snap = step
+    return meter, wall
+
+
+def test_snapshot_steps_twice_as_slow_are_protection_badput_not_productive() -> None:
+    meter, wall = _series(every=5, steps=200, clean_s=0.1, slow_s=0.2)
+    slow_steps = 199 // 5  # every snapshot but the last is followed by a slow step
+    assert meter.total_s == pytest.approx(slow_steps * 0.1)
+    led = ettr.record_steps(ettr.start(ettr.Ledger(), T0), T0 + timedelta(seconds=wall), 0, 200, wall / 200)
+    led = ettr.reclassify(led, "protection", meter.total_s)
+    # Productive time is what the steps would have taken without snapshots.
+    assert led.productive_s == pytest.approx(200 * 0.1)
+    assert led.badput_s["protection"] == pytest.approx(slow_steps * 0.1)
+    assert ettr.ettr(led, T0 + timedelta(seconds=wall)) == pytest.approx(20.0 / wall)
+
+
+def test_half_speed_with_a_snapshot_every_step_uses_the_measured_cost() -> None:
+    """No clean step to compare with: the snapshot threads' measured cost stands in."""
+    meter = SlowdownMeter()
+    for step in range(1, 101):
+        meter.step(0.2, None if step == 1 else 1, blocked_s=0.01, fallback_s=0.1)
+    assert meter.total_s == pytest.approx(99 * 0.1)
+
+
+def test_blocked_time_is_not_counted_twice() -> None:
+    meter = SlowdownMeter()
+    for _ in range(10):
+        meter.step(0.1, None, 0.0, 0.0)
+    assert meter.step(0.25, 1, blocked_s=0.05, fallback_s=0.0) == pytest.approx(0.1)
+    assert meter.step(0.12, 2, blocked_s=0.05, fallback_s=0.0) == pytest.approx(0.02)
+
+
+def test_intervals_divide_or_are_multiples_of_the_s3_interval() -> None:
+    assert candidate_intervals(20, 100) == [1, 2, 4, 5, 10, 20, 40, 60, 80, 100]
+    assert candidate_intervals(20, 7) == [1, 2, 4, 5]
+    assert candidate_intervals(1_000_000, 3) == [1, 2]
+
+
+def test_cpu_bound_ranks_snapshot_every_few_steps() -> None:
+    # The example on 2 cores: ~12 ms of CPU per snapshot against ~19 ms steps, 2% budget.
+    assert choose_interval(0.012, 0.019, 0.02, 10.0, 20, 10_000) == 40
+
+
+def test_long_steps_snapshot_every_step() -> None:
+    assert choose_interval(0.004, 1.0, 0.02, 10.0, 20, 10_000) == 1
+
+
+def test_max_lost_caps_the_interval() -> None:
+    # Snapshots would need every 50 steps to fit the budget, but 10 s is 10 steps of 1 s.
+    assert choose_interval(1.0, 1.0, 0.02, 10.0, 20, 10_000) == 10
+    assert choose_interval(1.0, 1.0, 0.02, 3.0, 20, 10_000) == 2
+
+
+def test_contention() -> None:
+    assert contention(cpu_rate=0.5, cores_per_rank=0.5, load_per_core=0.2) == 1.0  # CPU-bound
+    assert contention(cpu_rate=1.0, cores_per_rank=16.0, load_per_core=0.1) == 0.1  # idle cores
+    assert contention(cpu_rate=1.0, cores_per_rank=16.0, load_per_core=3.0) == 1.0  # loaded machine
+
+
+def test_status_shows_the_interval_and_the_protection_badput() -> None:
+    spec = parse_spec(
+        {"name": "j", "entrypoint": ["python", "t.py"], "nodes": 1, "target_steps": 100, "checkpoint": {}}
+    )
+    assert spec.checkpoint.memory_every_steps is None
+    old = ettr.Ledger(badput_s={b: 0.0 for b in ettr.BUCKETS if b != "protection"})  # an older state
+    state = JobState(spec=spec, ledger=ettr.add_badput(old, "protection", 1.5), step_time_s=0.1)
+    state.snapshot_every, state.snapshot_cost_s = 20, 0.012
+    st = status_json(state, T0)
+    assert st["badput_s"]["protection"] == 1.5 and st["badput_s"]["checkpoint"] == 0.0
+    assert st["protection"]["memory_every_steps"] == 20
+    assert st["protection"]["chosen_by"] == "budget"
+    assert st["protection"]["lost_s_per_failure"] == pytest.approx(2.0)
+    fixed = JobState(
+        spec=spec.model_copy(
+            update={"checkpoint": spec.checkpoint.model_copy(update={"memory_every_steps": 5})}
+        )
+    )
+    assert status_json(fixed, T0)["protection"]["chosen_by"] == "spec"

@@ -1,0 +1,84 @@
+"""What protection costs, and how often a job can afford a memory snapshot.
+
+Pure arithmetic shared by the in-rank runtime (which measures and proposes an interval)
+and the tests. Two questions:
+
+- :func:`choose_interval`: the snapshot interval that keeps the cost of snapshots and
+  peer backups inside ``checkpoint.overhead_budget`` of step time, capped so that a
+  failure loses at most ``checkpoint.max_lost_s`` of training, and consistent with the
+  S3 interval (every persisted step is a snapshot: the interval divides ``every_steps``
+  or is a multiple of it).
+- :class:`SlowdownMeter`: how many seconds of step time the snapshots took, from the
+  step times of the steps right after a snapshot against the steps far from one (an
+  interval above 2 makes that measurable); otherwise from the measured cost.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+# Steps after a snapshot that its background work (copy, serialize, hash, backup) slows.
+AFFECTED_STEPS = 2
+# Clean steps needed before their median is trusted as the unprotected step time.
+MIN_CLEAN = 5
+
+
+def candidate_intervals(persist_every: int, up_to: int) -> list[int]:
+    """Intervals consistent with an S3 persist every ``persist_every`` steps, ascending, <= ``up_to``:
+    its divisors, then its multiples."""
+    up_to = max(up_to, 1)
+    divisors = [k for k in range(1, min(persist_every, up_to) + 1) if persist_every % k == 0]
+    return [*divisors, *range(2 * persist_every, up_to + 1, persist_every)]
+
+
+def choose_interval(
+    cost_s: float, step_s: float, budget: float, max_lost_s: float, persist_every: int, target_steps: int
+) -> int:
+    """The smallest allowed interval whose snapshots cost at most ``budget`` of step time, but no
+    more steps than ``max_lost_s`` of training (then the largest allowed within that)."""
+    if step_s <= 0:
+        return 1
+    cap = max(1, min(target_steps, math.floor(max_lost_s / step_s)))
+    need = max(1, math.ceil(cost_s / (budget * step_s) - 1e-9))
+    allowed = candidate_intervals(persist_every, cap)
+    fits = [k for k in allowed if k >= need]
+    return fits[0] if fits else allowed[-1]
+
+
+def contention(cpu_rate: float, cores_per_rank: float, load_per_core: float) -> float:
+    """Fraction of background CPU time taken from training: 1 where the rank's cores are busy
+    (CPU-bound ranks, a loaded machine), near 0 where cores sit idle (a GPU rank waiting on its
+    device), where the background costs only the GIL it holds."""
+    busy = max(cpu_rate / cores_per_rank if cores_per_rank > 0 else 1.0, load_per_core)
+    return min(1.0, max(0.1, (busy - 0.5) / 0.4))
+
+
+class SlowdownMeter:
+    """Seconds of step time lost to snapshots beyond what training waited for at hand-over
+    and fence (the ``checkpoint`` badput): the background work's share of the step."""
+
+    def __init__(self, window: int = 50) -> None:
+        self._clean: deque[float] = deque(maxlen=window)
+        self.total_s = 0.0
+
+    def step(
+        self, step_time_s: float, since_snapshot: int | None, blocked_s: float, fallback_s: float
+    ) -> float:
+        """One step of ``step_time_s``; ``since_snapshot``: steps since the newest snapshot was
+        handed over (1: the step right after it; None: none yet); ``blocked_s``: what training
+        waited for that snapshot (counted once, on the step right after it); ``fallback_s``:
+        the measured background cost of a snapshot, used while no clean steps compare.
+        Returns the seconds added to :attr:`total_s`."""
+        if since_snapshot is None or since_snapshot > AFFECTED_STEPS:
+            self._clean.append(step_time_s)
+            return 0.0
+        if len(self._clean) >= MIN_CLEAN:
+            extra = max(0.0, step_time_s - statistics.median(self._clean))
+        else:
+            extra = fallback_s if since_snapshot == 1 else 0.0
+            blocked_s = 0.0  # the fallback is background cost alone
+        extra = max(0.0, extra - (blocked_s if since_snapshot == 1 else 0.0))
+        self.total_s += extra
+        return extra
