@@ -465,7 +465,11 @@ class TrainguardClient:
             duration_s=duration_s,
             evades_checks=evades_checks,
         )
-        await self._known_node(node)
+        return await self.send_drill(req)
+
+    async def send_drill(self, req: InjectInput) -> InjectResult:
+        """Send a drill request already built (and validated) by :func:`inject_request`."""
+        await self._known_node(req.node)
         return await pool_client.inject(self.temporal, req, self.settings.pool)
 
     async def clear_faults(self, node: str) -> int:
@@ -530,6 +534,9 @@ class SyncClient:
 
     def inject(self, node: str, fault: str, **options: Any) -> InjectResult:
         return self._run(self._c.inject(node, fault, **options))
+
+    def send_drill(self, req: InjectInput) -> InjectResult:
+        return self._run(self._c.send_drill(req))
 
     def clear_faults(self, node: str) -> int:
         return self._run(self._c.clear_faults(node))

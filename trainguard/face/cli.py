@@ -672,8 +672,11 @@ def inject(
 ) -> None:
     """Fault drill: inject FAULT on NODE through its agent (it stands until cleared or evicted)."""
     check_node_name(node)
-    if fault != "clear":  # a bad drill never connects
-        inject_request(
+    # Built before connecting: a bad drill never connects.
+    req = (
+        None
+        if fault == "clear"
+        else inject_request(
             node,
             fault,
             rank=rank,
@@ -682,21 +685,13 @@ def inject(
             duration_s=duration_s,
             evades_checks=evades_checks,
         )
+    )
 
     async def go() -> dict[str, Any]:
         c = await _client(state_dir)
-        if fault == "clear":
+        if req is None:
             return {"node": node, "cleared": await c.clear_faults(node)}
-        r = await c.inject(
-            node,
-            fault,
-            rank=rank,
-            at_step=at_step,
-            count=count,
-            duration_s=duration_s,
-            evades_checks=evades_checks,
-        )
-        return r.model_dump(mode="json")
+        return (await c.send_drill(req)).model_dump(mode="json")
 
     res = _run(go())
     if json_out:
