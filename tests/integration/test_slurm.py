@@ -59,17 +59,29 @@ def test_srun_runs_a_task_on_every_node(slurm: SlurmCluster) -> None:
     assert sorted(done.stdout.split()) == list(NODES)
 
 
-def test_the_agent_script_puts_one_agent_per_node_into_the_pool(
-    slurm: SlurmCluster, empty_stack: Settings, tmp_path: Path
-) -> None:
-    env = slurm.env(process_env(Stack.load(empty_stack.state_dir).config))
+def agent_env(slurm: SlurmCluster, stack: Settings, workdir: Path, **extra: str) -> dict[str, str]:
+    """The environment the shipped agent script gets through srun: the stack's, Slurm's, its own."""
+    env = slurm.env(process_env(Stack.load(stack.state_dir).config))
     env.update(
         PYTHONPATH=str(REPO),
         TRAINGUARD_PYTHON=sys.executable,
-        TRAINGUARD_WORKDIR=str(tmp_path / "agents"),
+        TRAINGUARD_WORKDIR=str(workdir),
         TRAINGUARD_CODE_DIR=str(REPO),
         TRAINGUARD_AGENT_HOST="127.0.0.1",
+        **extra,
     )
+    return env
+
+
+def pool_settings(stack: Settings, pool: str) -> Settings:
+    """Client settings of ``stack`` naming ``pool``, as a submitter inside the allocation has them."""
+    return Settings.from_mapping({**stack.to_env(), "TRAINGUARD_POOL": pool}, stack.state_dir)
+
+
+def test_the_agent_script_puts_one_agent_per_node_into_the_pool(
+    slurm: SlurmCluster, empty_stack: Settings, tmp_path: Path
+) -> None:
+    env = agent_env(slurm, empty_stack, tmp_path / "agents")
     argv = ["srun", f"-N{len(NODES)}", "--ntasks-per-node=1", "--job-name=tg-agents", str(AGENT_SCRIPT)]
     log = tmp_path / "srun.log"
     pid = spawn(argv, log, env=env, cwd=REPO)
@@ -129,16 +141,8 @@ async def wait_pool(settings: Settings, node: str, pred: Callable[[dict[str, Any
 def test_eviction_drains_the_node_in_slurm_and_release_resumes_it(
     slurm: SlurmCluster, empty_stack: Settings, tmp_path: Path
 ) -> None:
-    settings = Settings.from_mapping({**empty_stack.to_env(), "TRAINGUARD_POOL": POOL}, empty_stack.state_dir)
-    env = slurm.env(process_env(Stack.load(empty_stack.state_dir).config))
-    env.update(
-        PYTHONPATH=str(REPO),
-        TRAINGUARD_POOL=POOL,
-        TRAINGUARD_PYTHON=sys.executable,
-        TRAINGUARD_WORKDIR=str(tmp_path / "agents"),
-        TRAINGUARD_CODE_DIR=str(REPO),
-        TRAINGUARD_AGENT_HOST="127.0.0.1",
-    )
+    settings = pool_settings(empty_stack, POOL)
+    env = agent_env(slurm, empty_stack, tmp_path / "agents", TRAINGUARD_POOL=POOL)
     started: list[tuple[int, int | None]] = []
 
     def start(argv: list[str], log: Path) -> None:
@@ -225,17 +229,10 @@ def test_a_pool_short_of_standbys_asks_slurm_for_a_replacement_node(
     slurm: SlurmCluster, empty_stack: Settings, tmp_path: Path
 ) -> None:
     pool = "slurm-replace"
-    settings = Settings.from_mapping({**empty_stack.to_env(), "TRAINGUARD_POOL": pool}, empty_stack.state_dir)
-    env = slurm.env(process_env(Stack.load(empty_stack.state_dir).config))
-    env.update(
-        PYTHONPATH=str(REPO),
-        TRAINGUARD_POOL=pool,
-        TRAINGUARD_PYTHON=sys.executable,
-        TRAINGUARD_WORKDIR=str(tmp_path / "agents"),
-        TRAINGUARD_CODE_DIR=str(REPO),
-        TRAINGUARD_AGENT_HOST="127.0.0.1",
-        TRAINGUARD_SLURM_DIR=str(AGENT_SCRIPT.parent),
-    )
+    settings = pool_settings(empty_stack, pool)
+    slurm_dir = str(AGENT_SCRIPT.parent)
+    agents = tmp_path / "agents"
+    env = agent_env(slurm, empty_stack, agents, TRAINGUARD_POOL=pool, TRAINGUARD_SLURM_DIR=slurm_dir)
     sbatch = AGENT_SCRIPT.parent / "trainguard-agents.sbatch"
     started: list[tuple[int, int | None]] = []
 
