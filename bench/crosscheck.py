@@ -25,7 +25,6 @@ sys.path.insert(0, str(REPO))
 from temporalio.api.enums.v1 import IndexedValueType  # noqa: E402
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest  # noqa: E402
 from temporalio.client import WorkflowFailureError  # noqa: E402
-from temporalio.contrib.pydantic import pydantic_data_converter  # noqa: E402
 from temporalio.testing import WorkflowEnvironment  # noqa: E402
 from temporalio.worker import Worker  # noqa: E402
 
@@ -34,6 +33,7 @@ from infra.stack import SEARCH_ATTRIBUTES, find_binary  # noqa: E402
 from trainguard.domain.job_state import JobInput  # noqa: E402
 from trainguard.domain.messages import CONTROLLER_QUEUE  # noqa: E402
 from trainguard.domain.spec import JobSpec  # noqa: E402
+from trainguard.services.temporal import wire_data_converter  # noqa: E402
 from trainguard.sim.config import SimConfig  # noqa: E402
 from trainguard.sim.guarded import job_topology  # noqa: E402
 from trainguard.sim.run import check_args, generate_trace, parse_config, run_policy  # noqa: E402
@@ -99,7 +99,7 @@ async def crosscheck(
     sim = run_policy(trace, cfg)
     began = time.monotonic()
     env = await WorkflowEnvironment.start_time_skipping(
-        data_converter=pydantic_data_converter,
+        data_converter=wire_data_converter,
         test_server_existing_path=find_binary("temporal-test-server"),
     )
     async with env:

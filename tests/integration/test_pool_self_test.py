@@ -8,7 +8,6 @@ them up does, after its 30 s schedule-to-start timeout: the same error path, in 
 from __future__ import annotations
 
 from temporalio import activity
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
@@ -16,6 +15,7 @@ from temporalio.worker import Worker
 from infra.stack import find_binary
 from trainguard.domain.messages import CONTROLLER_QUEUE, CheckResult, DiagnosticInput, NodeInfo, PoolState
 from trainguard.services import pool_client
+from trainguard.services.temporal import wire_data_converter
 from workflows.job.calls import self_test
 from workflows.node_pool import SELF_TEST_MISSES, NodePoolWorkflow
 
@@ -38,7 +38,7 @@ async def test_a_missed_self_test_is_retried_and_only_repeated_misses_quarantine
         raise ApplicationError("agent away", non_retryable=True)
 
     env = await WorkflowEnvironment.start_time_skipping(
-        data_converter=pydantic_data_converter,
+        data_converter=wire_data_converter,
         test_server_existing_path=find_binary("temporal-test-server"),
     )
     async with (

@@ -7,12 +7,11 @@ import os
 from pathlib import Path
 
 import pytest
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import TLSConfig
 
 from trainguard.services.codec import EncryptionCodec, new_key
 from trainguard.services.settings import Settings, SettingsError
-from trainguard.services.temporal import connect_kwargs
+from trainguard.services.temporal import connect_kwargs, wire_data_converter
 
 API_KEY = "tmprl_APIKEY_abcdef0123456789"
 S3_SECRET = "s3-SECRET-abcdef0123456789"
@@ -27,7 +26,7 @@ def test_defaults_connect_to_the_local_stack_in_clear() -> None:
     assert kw == {
         "target_host": "127.0.0.1:7233",
         "namespace": "default",
-        "data_converter": pydantic_data_converter,
+        "data_converter": wire_data_converter,
         "tls": False,
         "api_key": None,
     }
@@ -75,7 +74,7 @@ def test_a_payload_key_puts_the_codec_on_the_converter(tmp_path: Path) -> None:
     kw = connect_kwargs(settings(TRAINGUARD_PAYLOAD_KEY=key))
     codec = kw["data_converter"].payload_codec
     assert isinstance(codec, EncryptionCodec)
-    assert kw["data_converter"].payload_converter_class is pydantic_data_converter.payload_converter_class
+    assert kw["data_converter"].payload_converter_class is wire_data_converter.payload_converter_class
     key_file = tmp_path / "payload.key"
     key_file.write_text(key + "\n")
     from_file = connect_kwargs(settings(TRAINGUARD_PAYLOAD_KEY_FILE=str(key_file)))["data_converter"]

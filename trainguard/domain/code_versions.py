@@ -28,6 +28,7 @@ from trainguard.domain.spec import (
     check_env,
     parse_spec,
 )
+from trainguard.domain.wire import StrictModel
 
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 PLACEHOLDER = "{code_version}"
@@ -37,14 +38,14 @@ DEFAULT_LAZY_WINDOW_S = 24 * 3600.0
 How = Literal["submitted", "urgent", "lazy", "forced", "rollback"]
 
 
-class CodeUpdate(BaseModel):
+class CodeUpdate(StrictModel):
     """A request to change the job's code version (the ``update_code`` workflow update).
 
     Its entrypoint and env obey the spec's rules, so a bad request is refused where it is
     made, before anything is sent.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(strict=True)
 
     version: str = Field(pattern=VERSION_PATTERN)
     urgent: bool = False

@@ -9,9 +9,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from trainguard.domain.spec import JobSpec, Topology
+from trainguard.domain.wire import WireModel
 
 CONTROLLER_QUEUE = "trainguard-controller"
 POOL_WORKFLOW_ID = "trainguard-pool"
@@ -32,8 +33,8 @@ def slurm_queue(pool: str) -> str:
     return f"slurm-{pool}"
 
 
-class Msg(BaseModel):
-    model_config = ConfigDict(frozen=True)
+class Msg(WireModel):
+    """Frozen; a field a newer release added is dropped (see trainguard.domain.wire)."""
 
 
 # -- node pool -----------------------------------------------------------------

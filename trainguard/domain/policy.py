@@ -38,10 +38,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from trainguard.domain.analysis.alignment import alignment_minority
 from trainguard.domain.analysis.replay import ReplayPlan, replay_culprit
+from trainguard.domain.wire import StrictModel
 
 Action = Literal[
     "evict",
@@ -83,8 +84,8 @@ Rung = Literal[
 ]
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class _Frozen(StrictModel):
+    """Frozen; an unknown field is refused where one is built, dropped off the wire."""
 
 
 class PolicyConfig(_Frozen):

@@ -16,13 +16,14 @@ from typing import Annotated, Any
 
 import yaml
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     StringConstraints,
     ValidationError,
     model_validator,
 )
+
+from trainguard.domain.wire import StrictModel
 
 # Job names become workflow ids, S3 key segments and directory names.
 NAME_RE = r"^[a-z0-9][a-z0-9-]{0,62}$"
@@ -108,9 +109,10 @@ def check_argv(argv: Sequence[str], field: str = "entrypoint") -> None:
             raise FieldProblem(f"{field}.{i}", "contains control characters")
 
 
-class _Frozen(BaseModel):
+class _Frozen(StrictModel):
     # strict: `nodes: "2"` or `peer_backup: yes-as-a-string` is a typo to report, not to coerce.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # StrictModel: an unknown field is refused here, dropped off the wire (a newer release's).
+    model_config = ConfigDict(strict=True)
 
 
 class Topology(_Frozen):

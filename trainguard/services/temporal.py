@@ -14,13 +14,21 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from pydantic import TypeAdapter
+from temporalio.api.common.v1 import Payload
 from temporalio.client import Client
 from temporalio.contrib.opentelemetry import TracingInterceptor
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.converter import DataConverter
+from temporalio.contrib.pydantic import PydanticJSONPlainPayloadConverter
+from temporalio.converter import (
+    CompositePayloadConverter,
+    DataConverter,
+    DefaultPayloadConverter,
+    JSONPlainPayloadConverter,
+)
 from temporalio.runtime import Runtime
 from temporalio.service import TLSConfig
 
+from trainguard.domain.wire import WIRE
 from trainguard.services.codec import PayloadKeyError, codec_from_text
 from trainguard.services.settings import Settings, SettingsError
 
@@ -56,15 +64,56 @@ def tls_config(settings: Settings) -> TLSConfig | bool:
     return bool(settings.temporal_tls or settings.temporal_api_key)
 
 
+class WireJSONConverter(PydanticJSONPlainPayloadConverter):
+    """Pydantic JSON across releases (``trainguard.domain.wire``): a model's fields left at their
+    defaults are not sent, so a receiver of the previous release never sees a field it does not
+    know while that field is unused; what is read is validated in the ``WIRE`` context, so a
+    strict model (the spec inside a message) drops a newer release's fields instead of failing.
+
+    Plain values (the status dict, strings, numbers) are sent whole: only model fields equal to
+    their declared defaults are left out, and the receiver's model fills them in again."""
+
+    def to_payload(self, value: Any) -> Payload | None:
+        return Payload(
+            metadata={"encoding": self.encoding.encode()},
+            data=self._schema_serializer.to_json(value, exclude_defaults=True),
+        )
+
+    def from_payload(self, payload: Payload, type_hint: type | None = None) -> Any:
+        hint = type_hint if type_hint is not None else Any
+        try:
+            adapter = self._type_adapter(hint)
+        except TypeError:  # an unhashable hint: not cached
+            adapter = TypeAdapter(hint)
+        return adapter.validate_json(payload.data, context={WIRE: True})
+
+
+class WirePayloadConverter(CompositePayloadConverter):
+    """Temporal's default payload converters with :class:`WireJSONConverter` for JSON (as
+    ``temporalio.contrib.pydantic`` builds its own)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            *(
+                WireJSONConverter() if isinstance(c, JSONPlainPayloadConverter) else c
+                for c in DefaultPayloadConverter.default_encoding_payload_converters
+            )
+        )
+
+
+# What every client, worker and replayer of trainguard uses (the codec added where a key is set).
+wire_data_converter = DataConverter(payload_converter_class=WirePayloadConverter)
+
+
 def data_converter(settings: Settings) -> DataConverter:
-    """The pydantic converter, with the payload codec when a payload key is configured."""
+    """The wire converter, with the payload codec when a payload key is configured."""
     try:
         codec = codec_from_text(settings.payload_key_text())
     except PayloadKeyError as exc:
         raise SettingsError(str(exc)) from None
     if codec is None:
-        return pydantic_data_converter
-    return dataclasses.replace(pydantic_data_converter, payload_codec=codec)
+        return wire_data_converter
+    return dataclasses.replace(wire_data_converter, payload_codec=codec)
 
 
 def connect_kwargs(settings: Settings) -> dict[str, Any]:
