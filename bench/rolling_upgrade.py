@@ -30,8 +30,7 @@ OLD = "controller-old"
 async def _roll(state_dir: Path, old: Path, log: Callable[[str], None]) -> dict[str, Any]:
     stack = Stack.load(state_dir)
     stack.stop("controller")
-    argv = [sys.executable, "-m", "workers.controller", "--identity", OLD]
-    stack.start_process(OLD, argv, {"PYTHONPATH": str(old)}, cwd=old)
+    start_controller(stack, OLD, release=old)
     tg = await connect(state_dir)
     ref = await run_to_end(await tg.submit(example_spec("roll-ref")))
     log(f"reference on the old controller: {ref['phase']}, {ref['result']}")

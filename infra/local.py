@@ -47,13 +47,23 @@ def process_env(cfg: StackConfig) -> dict[str, str]:
     return {**os.environ, **client_env(cfg)}
 
 
-def start_controller(stack: Stack, name: str = "controller") -> None:
+def release_env(release: Path | None) -> dict[str, str]:
+    """The environment of a process running another checkout's code (an older release's, under a
+    rolling upgrade): that checkout first on the import path."""
+    return {} if release is None else {"PYTHONPATH": str(release)}
+
+
+def start_controller(stack: Stack, name: str = "controller", release: Path | None = None) -> None:
+    """Start a controller worker; ``release``: another checkout's code, run from there."""
     argv = [sys.executable, "-m", "workers.controller", "--identity", name]
-    stack.start_process(name, argv, process_env(stack.config))
+    stack.start_process(name, argv, {**process_env(stack.config), **release_env(release)}, cwd=release)
 
 
-def start_agent(stack: Stack, name: str, code_dir: Path, plan: NetnsPlan | None = None) -> None:
-    """Start one node agent; in a netns stack (``plan``, else the recorded one) inside its namespace."""
+def start_agent(
+    stack: Stack, name: str, code_dir: Path, plan: NetnsPlan | None = None, release: Path | None = None
+) -> None:
+    """Start one node agent; in a netns stack (``plan``, else the recorded one) inside its namespace;
+    ``release``: another checkout's code, run from there."""
     plan = plan or netns_mod.load(stack.config.state_dir)
     workdir = stack.config.state_dir / "nodes" / name
     argv = [
@@ -73,7 +83,7 @@ def start_agent(stack: Stack, name: str, code_dir: Path, plan: NetnsPlan | None 
         "--warm-ranks",
         str(stack.config.warm_ranks),
     ]
-    env = process_env(stack.config)
+    env = {**process_env(stack.config), **release_env(release)}
     if plan is not None:
         env.update(netns_env(stack.config, plan))
         node = plan.node(name)
@@ -81,7 +91,7 @@ def start_agent(stack: Stack, name: str, code_dir: Path, plan: NetnsPlan | None 
         # (by default it binds what the hostname resolves to, 127.0.0.1 here).
         argv = [*netns_mod.exec_prefix(plan, name), *argv, "--host", node.ip, "--nic", plan.nic]
         env["GLOO_SOCKET_IFNAME"] = plan.nic
-    stack.start_process(f"agent-{name}", argv, env)
+    stack.start_process(f"agent-{name}", argv, env, cwd=release)
 
 
 def netns_env(cfg: StackConfig, plan: NetnsPlan) -> dict[str, str]:

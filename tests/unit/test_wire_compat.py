@@ -4,7 +4,9 @@ halves, senders omitting defaults and receivers dropping unknown fields."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import types
 import typing
 from collections.abc import Iterator
@@ -27,6 +29,7 @@ from trainguard.domain.messages import (
 )
 from trainguard.domain.spec import JobSpec, SpecError, parse_spec
 from trainguard.domain.wire import StrictModel
+from trainguard.services.codec import EncryptionCodec
 from trainguard.services.temporal import wire_data_converter
 
 SNAPSHOT = Path(__file__).resolve().parents[1] / "wire_fields.json"
@@ -239,3 +242,18 @@ def test_plain_values_keep_every_key() -> None:
     status = status_json(JobState(spec=spec()), datetime(2026, 1, 1, tzinfo=UTC))
     assert send(status) == json.loads(json.dumps(status, default=str))
     assert receive(send(status), dict) == json.loads(json.dumps(status, default=str))
+
+
+async def test_the_encrypted_path_carries_the_same_json() -> None:
+    """With a payload key the codec seals what the converter wrote: defaults still omitted,
+    unknown fields still dropped after opening."""
+    converter = dataclasses.replace(wire_data_converter, payload_codec=EncryptionCodec(os.urandom(32)))
+    msg = run_ranks_input(spec())
+    (sealed,) = await converter.encode([msg])
+    assert sealed.metadata["encoding"] == b"binary/encrypted" and b"skew" not in sealed.data
+    (opened,) = await converter.payload_codec.decode([sealed])  # type: ignore[union-attr]
+    assert json.loads(opened.data) == send(msg)
+    data = {**send(msg), "from_next_release": True}
+    newer = Payload(metadata={"encoding": b"json/plain"}, data=json.dumps(data).encode())
+    (resealed,) = await converter.payload_codec.encode([newer])  # type: ignore[union-attr]
+    assert await converter.decode([resealed], [RunRanksInput]) == [msg]

@@ -1,0 +1,111 @@
+"""Adjacent releases work together (docs/upgrades.md), on the real local stack: a job runs on
+the previous release's agents under this checkout's controller, and on this checkout's agents
+under the previous release's controller; both end with the parameter hash of an uninterrupted
+run, and the history the previous controller wrote replays on this code.
+
+The previous release is the one ``tests/wire_fields.json`` was taken from; its code comes from
+this clone's git history (``git archive``), run from there with the same virtual environment.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.worker import Replayer
+
+from infra.local import node_names, restore_pool, start_agent, start_controller, wait_agents
+from infra.stack import Stack
+from tests.conftest import NODES
+from tests.integration.helpers import REPO, example_spec, run_to_end
+from trainguard.client import TrainguardClient
+from trainguard.services.temporal import wire_data_converter
+from workflows.job.workflow import TrainingJobWorkflow
+from workflows.node_pool import NodePoolWorkflow
+
+PREVIOUS = json.loads((REPO / "tests" / "wire_fields.json").read_text())["release"]
+PREVIOUS_CONTROLLER = "controller-previous"
+
+
+def _git(*args: str, **kw: Any) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, timeout=120, **kw)
+
+
+@pytest.fixture(scope="module")
+def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The previous release's code, from this clone's history. Missing is a failure, not a skip:
+    CI must run this test."""
+    if _git("cat-file", "-e", f"{PREVIOUS}^{{commit}}").returncode != 0:
+        pytest.fail(
+            f"the previous release {PREVIOUS} (tests/wire_fields.json) is not in this clone of {REPO}: "
+            f"a shallow clone? run `git fetch --unshallow` (or `git fetch origin {PREVIOUS}`)"
+        )
+    out = tmp_path_factory.mktemp(f"release-{PREVIOUS}")
+    archive = _git("archive", PREVIOUS)
+    assert archive.returncode == 0, archive.stderr.decode()
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True, timeout=120)
+    assert (out / "workers" / "node_agent.py").is_file(), f"{PREVIOUS} has no workers/node_agent.py"
+    return out
+
+
+@pytest.fixture
+async def this_release_after(
+    tg: TrainguardClient, stack_dir: Path, previous_release: Path
+) -> AsyncIterator[None]:
+    """After a test: this checkout's controller and agents again, as the other tests expect."""
+    yield
+    stack = Stack.load(stack_dir)
+    stack.stop(PREVIOUS_CONTROLLER)
+    start_controller(stack)
+    names = node_names(NODES, 0)
+    for name in names:
+        record = stack.processes.get(f"agent-{name}")
+        if record is not None and str(previous_release) in record.argv:
+            stack.stop(f"agent-{name}")
+    await restore_pool(tg, stack_dir, names, REPO)
+
+
+async def _hash_of(tg: TrainguardClient, name: str) -> dict[str, Any]:
+    final = await run_to_end(await tg.submit(example_spec(name)))
+    assert final["phase"] == "completed", final
+    return final
+
+
+async def test_the_previous_releases_agents_under_this_controller(
+    tg: TrainguardClient,
+    stack_dir: Path,
+    reference: dict[str, Any],
+    previous_release: Path,
+    this_release_after: None,
+) -> None:
+    stack = Stack.load(stack_dir)
+    names = node_names(NODES, 0)
+    for name in names:
+        stack.stop(f"agent-{name}")
+        start_agent(stack, name, previous_release, release=previous_release)
+    await wait_agents(tg.settings, names)
+    final = await _hash_of(tg, "skew-old-agents")
+    assert final["result"]["param_hash"] == reference["result"]["param_hash"], (final["result"], PREVIOUS)
+
+
+async def test_the_previous_releases_controller_with_these_agents(
+    tg: TrainguardClient,
+    stack_dir: Path,
+    reference: dict[str, Any],
+    previous_release: Path,
+    this_release_after: None,
+) -> None:
+    stack = Stack.load(stack_dir)
+    stack.stop("controller")
+    start_controller(stack, PREVIOUS_CONTROLLER, release=previous_release)
+    final = await _hash_of(tg, "skew-old-controller")
+    assert final["result"]["param_hash"] == reference["result"]["param_hash"], (final["result"], PREVIOUS)
+    # The history the previous release's workflow code wrote replays on this checkout's.
+    history = await tg.temporal.get_workflow_handle("skew-old-controller").fetch_history()
+    replayer = Replayer(workflows=[TrainingJobWorkflow, NodePoolWorkflow], data_converter=wire_data_converter)
+    result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
+    assert result.replay_failure is None, result.replay_failure
