@@ -5,7 +5,8 @@ hash of an uninterrupted run.
 The old controller runs a fault-free job (the reference hash), then starts a second one; at
 step 25 it is stopped as a rolling deploy would (SIGTERM) and this checkout's controller takes
 over, replaying both workflows' histories (the job's and the pool's) written by the old code.
-At step 45 a rank crashes: the recovery runs on the new code.
+A rank crash, armed through the old controller, strikes at step 60: the recovery runs on the
+new code.
 
     python -m bench.rolling_upgrade --old /path/to/older/checkout
 """
@@ -25,6 +26,7 @@ from infra.stack import Stack
 from tests.integration.helpers import example_spec, run_to_end, wait_until
 
 OLD = "controller-old"
+CRASH_AT = 60
 
 
 async def _roll(state_dir: Path, old: Path, log: Callable[[str], None]) -> dict[str, Any]:
@@ -35,6 +37,10 @@ async def _roll(state_dir: Path, old: Path, log: Callable[[str], None]) -> dict[
     ref = await run_to_end(await tg.submit(example_spec("roll-ref")))
     log(f"reference on the old controller: {ref['phase']}, {ref['result']}")
     job = await tg.submit(example_spec("roll"))
+    await wait_until(job, lambda s: s["step"] >= 5)
+    # Armed now, acting after the roll: the ranks train on while no controller runs, so a crash
+    # injected after the switch could come only after the last step on a loaded machine.
+    await tg.inject("node-1", "crash", rank=1, at_step=CRASH_AT)
     at = (await wait_until(job, lambda s: s["step"] >= 25))["step"]
     t0 = time.monotonic()
     Stack.load(state_dir).stop(OLD)
@@ -42,7 +48,6 @@ async def _roll(state_dir: Path, old: Path, log: Callable[[str], None]) -> dict[
     log(f"controller rolled at step {at}")
     resumed = (await wait_until(job, lambda s: s["step"] >= 45))["step"]
     log(f"new controller drives the job: step {resumed} after {time.monotonic() - t0:.1f}s")
-    await tg.inject("node-1", "crash", rank=1)
     final = await run_to_end(job)
     incidents = [(i["kind"], i["action"]) for i in final["incidents"]]
     log(f"rolled job: {final['phase']}, {final['result']}, incidents {incidents}")
@@ -52,6 +57,8 @@ async def _roll(state_dir: Path, old: Path, log: Callable[[str], None]) -> dict[
         "phase": final["phase"],
         "rolled_at_step": at,
         "incidents": incidents,
+        # The crash came after the roll: the new controller's code recovered it.
+        "recovered_after_roll": at < CRASH_AT and ("crash", "reattempt") in incidents,
         "same_hash": final["phase"] == "completed"
         and final["result"]["param_hash"] == ref["result"]["param_hash"],
     }
@@ -67,7 +74,7 @@ def main() -> None:
         sys.exit(2)
     result = run_bench("tg-roll-", 3, lambda d, log: _roll(d, old, log))
     print(result)
-    sys.exit(0 if result["same_hash"] else 1)
+    sys.exit(0 if result["same_hash"] and result["recovered_after_roll"] else 1)
 
 
 if __name__ == "__main__":
