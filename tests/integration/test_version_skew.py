@@ -35,14 +35,16 @@ def _git(*args: str, **kw: Any) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(["git", *args], cwd=REPO, capture_output=True, timeout=120, **kw)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The previous release's code, from this clone's history. Missing is a failure, not a skip:
-    CI must run this test."""
-    if _git("cat-file", "-e", f"{PREVIOUS}^{{commit}}").returncode != 0:
+    CI must run this test. (Named first by the tests: it fails before the stack starts.)"""
+    found = _git("cat-file", "-e", f"{PREVIOUS}^{{commit}}")
+    if found.returncode != 0:
         pytest.fail(
-            f"the previous release {PREVIOUS} (tests/wire_fields.json) is not in this clone of {REPO}: "
-            f"a shallow clone? run `git fetch --unshallow` (or `git fetch origin {PREVIOUS}`)"
+            f"the previous release {PREVIOUS} (tests/wire_fields.json) is not in this clone of {REPO} "
+            f"({found.stderr.decode().strip() or 'no such commit'}): a shallow clone? run "
+            f"`git fetch --unshallow` (or `git fetch origin {PREVIOUS}`)"
         )
     out = tmp_path_factory.mktemp(f"release-{PREVIOUS}")
     archive = _git("archive", PREVIOUS)
@@ -69,6 +71,14 @@ async def this_release_after(
     await restore_pool(tg, stack_dir, names, REPO)
 
 
+def _runs_from(stack: Stack, name: str, tree: Path) -> None:
+    """The process ``name`` runs the code in ``tree`` (its working directory and import path)."""
+    pid = stack.processes[name].pid
+    assert Path(f"/proc/{pid}/cwd").resolve() == tree.resolve(), name
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert f"PYTHONPATH={tree}".encode() in environ, name
+
+
 async def _hash_of(tg: TrainguardClient, name: str) -> dict[str, Any]:
     final = await run_to_end(await tg.submit(example_spec(name)))
     assert final["phase"] == "completed", final
@@ -76,10 +86,10 @@ async def _hash_of(tg: TrainguardClient, name: str) -> dict[str, Any]:
 
 
 async def test_the_previous_releases_agents_under_this_controller(
+    previous_release: Path,
     tg: TrainguardClient,
     stack_dir: Path,
     reference: dict[str, Any],
-    previous_release: Path,
     this_release_after: None,
 ) -> None:
     stack = Stack.load(stack_dir)
@@ -87,21 +97,23 @@ async def test_the_previous_releases_agents_under_this_controller(
     for name in names:
         stack.stop(f"agent-{name}")
         start_agent(stack, name, previous_release, release=previous_release)
+        _runs_from(stack, f"agent-{name}", previous_release)
     await wait_agents(tg.settings, names)
     final = await _hash_of(tg, "skew-old-agents")
     assert final["result"]["param_hash"] == reference["result"]["param_hash"], (final["result"], PREVIOUS)
 
 
 async def test_the_previous_releases_controller_with_these_agents(
+    previous_release: Path,
     tg: TrainguardClient,
     stack_dir: Path,
     reference: dict[str, Any],
-    previous_release: Path,
     this_release_after: None,
 ) -> None:
     stack = Stack.load(stack_dir)
     stack.stop("controller")
     start_controller(stack, PREVIOUS_CONTROLLER, release=previous_release)
+    _runs_from(stack, PREVIOUS_CONTROLLER, previous_release)
     final = await _hash_of(tg, "skew-old-controller")
     assert final["result"]["param_hash"] == reference["result"]["param_hash"], (final["result"], PREVIOUS)
     # The history the previous release's workflow code wrote replays on this checkout's.
