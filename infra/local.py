@@ -155,8 +155,10 @@ def bring_up(
     code_dir: Path | None = None,
     controllers: int = 1,
     netns: bool = False,
+    release: Path | None = None,
 ) -> dict[str, str]:
-    """Start (or find running) the whole stack; returns the addresses to print."""
+    """Start (or find running) the whole stack; returns the addresses to print. ``release``: the
+    controllers run another checkout's code (a previous release's, tests/integration/test_version_skew.py)."""
     stack = Stack.load_or_create(state_dir, (lambda _: config) if config else StackConfig.default)
     names = node_names(nodes, standby)
     plan = _network(stack, names, netns)
@@ -164,7 +166,7 @@ def bring_up(
     if plan is not None:
         start_relay(stack, plan)
     for i in range(controllers):
-        start_controller(stack, "controller" if i == 0 else f"controller-{i + 1}")
+        start_controller(stack, "controller" if i == 0 else f"controller-{i + 1}", release)
     for name in names:
         start_agent(stack, name, (code_dir or Path.cwd()).resolve(), plan)
     settings = Settings.from_mapping(client_env(stack.config), state_dir)

@@ -11,24 +11,24 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from temporalio.worker import Replayer
 
-from infra.local import node_names, restore_pool, start_agent, start_controller, wait_agents
-from infra.stack import Stack
+from infra.local import bring_down, bring_up, node_names, restore_pool, start_agent, wait_agents
+from infra.stack import Stack, StackConfig, client_env
 from tests.conftest import NODES
 from tests.integration.helpers import REPO, example_spec, run_to_end
 from trainguard.client import TrainguardClient
+from trainguard.services.settings import Settings
 from trainguard.services.temporal import wire_data_converter
 from workflows.job.workflow import TrainingJobWorkflow
 from workflows.node_pool import NodePoolWorkflow
 
 PREVIOUS = json.loads((REPO / "tests" / "wire_fields.json").read_text())["release"]
-PREVIOUS_CONTROLLER = "controller-previous"
 
 
 def _git(*args: str, **kw: Any) -> subprocess.CompletedProcess[bytes]:
@@ -58,11 +58,9 @@ def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def this_release_after(
     tg: TrainguardClient, stack_dir: Path, previous_release: Path
 ) -> AsyncIterator[None]:
-    """After a test: this checkout's controller and agents again, as the other tests expect."""
+    """After the test: this checkout's agents again, as the other tests expect."""
     yield
     stack = Stack.load(stack_dir)
-    stack.stop(PREVIOUS_CONTROLLER)
-    start_controller(stack)
     names = node_names(NODES, 0)
     for name in names:
         record = stack.processes.get(f"agent-{name}")
@@ -103,21 +101,36 @@ async def test_the_previous_releases_agents_under_this_controller(
     assert final["result"]["param_hash"] == reference["result"]["param_hash"], (final["result"], PREVIOUS)
 
 
+@pytest.fixture
+def previous_controllers_stack(
+    previous_release: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path]:
+    """A stack of its own whose controller ran the previous release's code from the start, so
+    every history it keeps (the pool's too) was written by that code, as before an upgrade."""
+    state_dir = tmp_path_factory.mktemp("tg-previous")
+    try:
+        config = StackConfig.for_tests(state_dir)
+        # The job's two machines, no spare: each agent costs a torch import on a loaded machine.
+        bring_up(state_dir, nodes=2, config=config, code_dir=REPO, release=previous_release)
+        yield state_dir
+    finally:
+        bring_down(state_dir)
+
+
 async def test_the_previous_releases_controller_with_these_agents(
-    previous_release: Path,
-    tg: TrainguardClient,
-    stack_dir: Path,
-    reference: dict[str, Any],
-    this_release_after: None,
+    previous_release: Path, previous_controllers_stack: Path, reference: dict[str, Any]
 ) -> None:
-    stack = Stack.load(stack_dir)
-    stack.stop("controller")
-    start_controller(stack, PREVIOUS_CONTROLLER, release=previous_release)
-    _runs_from(stack, PREVIOUS_CONTROLLER, previous_release)
+    stack = Stack.load(previous_controllers_stack)
+    _runs_from(stack, "controller", previous_release)
+    tg = await TrainguardClient.connect(
+        Settings.from_mapping(client_env(stack.config), previous_controllers_stack)
+    )
     final = await _hash_of(tg, "skew-old-controller")
     assert final["result"]["param_hash"] == reference["result"]["param_hash"], (final["result"], PREVIOUS)
-    # The history the previous release's workflow code wrote replays on this checkout's.
-    history = await tg.temporal.get_workflow_handle("skew-old-controller").fetch_history()
+    # The histories the previous release's workflow code wrote (the job's, and the pool's so
+    # far) replay on this checkout's.
     replayer = Replayer(workflows=[TrainingJobWorkflow, NodePoolWorkflow], data_converter=wire_data_converter)
-    result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
-    assert result.replay_failure is None, result.replay_failure
+    for workflow_id in ("skew-old-controller", tg.settings.pool):
+        history = await tg.temporal.get_workflow_handle(workflow_id).fetch_history()
+        result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
+        assert result.replay_failure is None, (workflow_id, result.replay_failure)
