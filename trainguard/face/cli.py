@@ -563,6 +563,41 @@ def nodes(
 
 @app.command()
 @handles_errors
+def logs(
+    job: Annotated[str, typer.Argument(metavar="JOB")],
+    rank: Annotated[int | None, typer.Option(min=0, help="only this rank")] = None,
+    attempt: Annotated[int | None, typer.Option(min=1, help="only this attempt (default: all)")] = None,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="keep printing the running attempt's output")
+    ] = False,
+    state_dir: StateDir = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Every rank's stdout and stderr, from every machine the job ran on (evicted ones too):
+    finished attempts from the bucket, the running one live from its machines."""
+    from trainguard.face import logs as job_logs
+
+    check_job_id(job)
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    async def go() -> None:
+        printer = job_logs.LogPrinter(write, json_out)
+        warn = functools.partial(err.print, markup=False, highlight=False)
+        await job_logs.show(await _client(state_dir), job, rank, attempt, follow, printer, warn)
+
+    try:
+        _run(go())
+    except job_logs.BadLogsInput as exc:
+        raise BadInput(str(exc)) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
+@app.command()
+@handles_errors
 def stop(job: Annotated[str, typer.Argument(metavar="JOB")], state_dir: StateDir = None) -> None:
     """Stop a job; its last complete checkpoint stays, and submitting it again resumes there."""
     check_job_id(job)
