@@ -117,6 +117,18 @@ class LogActivities:
         self.store = store
         self.sessions = sessions
         self._uris: weakref.WeakKeyDictionary[RankSession, dict[int, str]] = weakref.WeakKeyDictionary()
+        self._later: set[asyncio.Task[RunRanksResult | None]] = set()
+
+    async def attempt_ended(self, sess: RankSession, result: RunRanksResult | None) -> RunRanksResult | None:
+        """The output of an attempt that ended here: uploaded before the workflow hears of it when
+        this machine reports the incident (it may be evicted and released next) or completed;
+        in the background when the workflow stopped the ranks (a recovery waits for those)."""
+        if result is not None and (result.incident is not None or result.ok):
+            return await self.upload(sess, result)
+        task = asyncio.create_task(self.upload(sess))
+        self._later.add(task)
+        task.add_done_callback(self._later.discard)
+        return result
 
     async def upload(self, sess: RankSession, result: RunRanksResult | None = None) -> RunRanksResult | None:
         """Upload the attempt's output (once per session); ``result`` with its incident naming

@@ -162,8 +162,7 @@ class RankActivities:
                 await asyncio.wait([sess.result], timeout=HEARTBEAT_EVERY.total_seconds())
             result = sess.result.result()
             if self.logs is not None:
-                # Before the workflow hears of the end: it may evict and release this machine then.
-                result = await self.logs.upload(sess, result) or result
+                result = await self.logs.attempt_ended(sess, result) or result
             return result
         except asyncio.CancelledError:
             details = activity.cancellation_details()
@@ -179,5 +178,5 @@ class RankActivities:
                     # The workflow restarts from the newest snapshot every machine holds: say which.
                     await sess.flush()
                     if self.logs is not None:
-                        await self.logs.upload(sess)
+                        await self.logs.attempt_ended(sess, None)
             raise

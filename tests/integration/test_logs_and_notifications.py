@@ -118,10 +118,10 @@ async def test_an_evicted_machines_output_stays_readable_and_the_webhook_hears_t
     name = "logs-notify"
     hook_file = tmp_path / "webhook-url"
     hook_file.write_text(receiver.url + "\n")
-    # Slower steps than the example's: the output is read live (two CLI runs) before the drill.
+    # Slower steps than the example's: the running attempt's output is read live (two CLI runs).
     spec = example_spec(
         name,
-        target_steps=120,
+        target_steps=150,
         env={**example_spec(name).env, "GPT_STEP_SLEEP_S": "0.25", "API_TOKEN": SECRET},
         secret_env=["API_TOKEN"],
         notify={"webhook_file": str(hook_file), "format": "json"},
@@ -129,16 +129,20 @@ async def test_an_evicted_machines_output_stays_readable_and_the_webhook_hears_t
     job = await tg.submit(spec)
     st = await wait_until(job, lambda s: s["step"] >= 10)
     victim = st["nodes"]["0"]  # the machine of rank 0, which prints the model's size
+    await tg.inject(victim, "gpu-lost")
 
-    # While it runs: rank 0's output comes live from its machine, once and following.
+    # The next attempt runs on a standby: rank 0's output comes live from its machine, once
+    # and following.
+    st = await wait_until(job, lambda s: s["attempt"] >= 2 and s["attempt_first_step_at"] is not None)
+    assert st["step"] < 130, st["step"]  # time enough to read it before the job ends
+    now = st["nodes"]["0"]
+    assert now != victim
     live = cli(settings, "logs", name, "--rank", "0", "--json")
     assert live.returncode == 0, live.stderr
     docs = json.loads(live.stdout)
-    assert any(d["source"] == f"live from {victim}" and "gpt: " in d["text"] for d in docs), docs
-    assert f"[{victim} rank 0 out] gpt: " in _follow_until(settings, name, "rank 0 out] gpt: ")
+    assert any(d["source"] == f"live from {now}" and "gpt: " in d["text"] for d in docs), docs
+    assert f"[{now} rank 0 out] gpt: " in _follow_until(settings, name, "rank 0 out] gpt: ")
 
-    await tg.inject(victim, "gpu-lost")
-    assert (await job.status())["step"] < 110  # the drill acted mid-job
     final = await run_to_end(job)
     assert final["phase"] == "completed", final
     [inc] = final["incidents"]
@@ -167,7 +171,7 @@ async def test_an_evicted_machines_output_stays_readable_and_the_webhook_hears_t
     assert incident["kind"] == "gpu-lost" and incident["action"] == "evict", incident
     assert incident["evicted"] == [victim] and incident["log_uri"] == inc["log_uri"], incident
     assert evicted["nodes"] == [victim] and victim in evicted["text"], evicted
-    assert completed["step"] == 120 and "completed at step 120" in completed["text"], completed
+    assert completed["step"] == 150 and "completed at step 150" in completed["text"], completed
     assert SECRET not in json.dumps(bodies)
     # The URL (a secret itself) is nowhere in the job's history; the file naming it is.
     history = (await tg.temporal.get_workflow_handle(name).fetch_history()).to_json_dict()

@@ -255,11 +255,22 @@ _NODE_ACTIONS: dict[str, Callable[[TrainguardClient, str], Coroutine[Any, Any, A
 def submit(
     spec_path: Annotated[Path, typer.Argument(metavar="SPEC.yaml", help="job spec (YAML)")],
     wait: Annotated[bool, typer.Option("--wait", help="show progress until the job ends")] = False,
+    notify_env: Annotated[
+        str | None,
+        typer.Option(
+            "--notify-env",
+            metavar="NAME",
+            help="notify the Slack-style webhook whose URL the controllers hold in $NAME (the spec's "
+            "notify.webhook_env)",
+        ),
+    ] = None,
     state_dir: StateDir = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Validate a job spec and start the job."""
     spec = load_spec(spec_path)  # a bad spec stops here: nothing is reserved or started
+    if notify_env is not None:
+        spec = parse_spec({**spec.model_dump(), "notify": {"webhook_env": notify_env}})
     _start_job(spec, wait, state_dir, json_out)
 
 
@@ -473,6 +484,9 @@ def _print_status(st: dict[str, Any]) -> None:
                 i["evidence"][:120],
             )
         out.print(it)
+        for i in st["incidents"]:
+            if i.get("log_uri"):  # the output of the rank it came from (`trainguard logs JOB`)
+                out.print(f"{i['id']} log: {i['log_uri']}", highlight=False, soft_wrap=True)
 
 
 @app.command("list")
