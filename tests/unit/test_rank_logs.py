@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from activities.rank_logs import read_chunk
 from trainguard.domain.rank_logs import (
+    LogChunk,
     bounded_tail,
     expired_attempts,
     job_logs_prefix,
     log_key,
     parse_key,
 )
+from trainguard.face.logs import BadLogsInput, LogPrinter, check_range
 from trainguard.services.rank_logs import TAIL_LOGS
 from workflows.job import calls
 
@@ -53,3 +58,24 @@ def test_live_chunks_are_whole_lines_while_the_rank_writes(tmp_path: Path) -> No
 
 def test_the_cli_calls_the_agents_activity_by_its_contract_name() -> None:
     assert calls.tail_logs.name == TAIL_LOGS
+
+
+def test_a_rank_or_attempt_the_job_lacks_is_named_in_one_line() -> None:
+    st: Any = {"job_id": "gpt", "world_size": 4, "attempt": 2}
+    check_range(st, 3, 2)
+    with pytest.raises(BadLogsInput, match=r"^rank: 4 is out of range \(job gpt has ranks 0-3\)$"):
+        check_range(st, 4, None)
+    with pytest.raises(BadLogsInput, match=r"^attempt: 3 is out of range \(job gpt has attempts 1-2\)$"):
+        check_range(st, None, 3)
+
+
+def test_live_output_is_prefixed_per_line_and_blocks_are_headed() -> None:
+    written: list[str] = []
+    p = LogPrinter(written.append, json_out=False)
+    p.live(2, "node-3", LogChunk(rank=1, stream="err", offset=0, text="a\nb\n", end=4))
+    p.block(1, "node-1", 0, "out", "x", "s3://b/k")
+    assert written == [
+        "[node-3 rank 1 err] a\n[node-3 rank 1 err] b\n",
+        "==> attempt 1 · node-1 · rank 0 · stdout (s3://b/k) <==\n",
+        "x\n",
+    ]
