@@ -23,8 +23,6 @@ from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
     from trainguard.domain.job_state import IncidentTelemetryInput
-    from trainguard.domain.notify import NotifyInput
-    from trainguard.domain.rank_logs import TailLogsInput, TailLogsResult
     from trainguard.domain.messages import (
         CONTROLLER_QUEUE,
         CheckpointRef,
@@ -54,6 +52,8 @@ with workflow.unsafe.imports_passed_through():
         StackInput,
         StopRanksInput,
     )
+    from trainguard.domain.notify import NotifyInput
+    from trainguard.domain.rank_logs import TailLogsInput, TailLogsResult
 
 I = TypeVar("I")  # noqa: E741 - the input, beside R the result
 R = TypeVar("R")
