@@ -53,8 +53,8 @@ class Notifier:
         if inc.evicted:
             self.send(
                 "evicted",
-                f"{', '.join(inc.evicted)} quarantined after {inc.id} ({inc.kind}); "
-                "standbys took their places",
+                f"{', '.join(inc.evicted)} evicted after {inc.id} ({inc.kind}): quarantined, or suspect "
+                "until its self-test passes; standbys took their places",
                 incident=inc.id,
                 nodes=list(inc.evicted),
             )
