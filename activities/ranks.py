@@ -18,6 +18,7 @@ from temporalio.client import Client
 
 from activities.drills import DrillState
 from activities.health import HealthMonitor
+from activities.rank_logs import LogActivities
 from activities.rank_session import RankSession, RestoreUnavailable
 from activities.warm_pool import WarmPool
 from trainguard.agent.ports import free_port
@@ -58,6 +59,7 @@ class RankActivities:
         self.code_dir = code_dir
         self.host = host
         self.sessions: dict[tuple[str, int], RankSession] = {}
+        self.logs: LogActivities | None = None  # uploads each attempt's rank output when it ends
         # Attempts told to stop before (or while) their ranks started here: (job, attempt, chain).
         self.stopped: OrderedDict[tuple[str, int, str], None] = OrderedDict()
 
@@ -158,7 +160,10 @@ class RankActivities:
             while not sess.done:
                 activity.heartbeat(sess.machine_step)
                 await asyncio.wait([sess.result], timeout=HEARTBEAT_EVERY.total_seconds())
-            return sess.result.result()
+            result = sess.result.result()
+            if self.logs is not None:
+                result = await self.logs.attempt_ended(sess, result) or result
+            return result
         except asyncio.CancelledError:
             details = activity.cancellation_details()
             if sess.owner is token:
@@ -172,4 +177,6 @@ class RankActivities:
                     await sess.kill()
                     # The workflow restarts from the newest snapshot every machine holds: say which.
                     await sess.flush()
+                    if self.logs is not None:
+                        await self.logs.attempt_ended(sess, None)
             raise

@@ -35,6 +35,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 from temporalio.worker import Worker
 
+from activities.notify import NotifyActivities
 from activities.pool import PoolActivities
 from trainguard.domain.job_state import IncidentTelemetryInput
 from trainguard.domain.messages import (
@@ -384,6 +385,7 @@ class SimController:
             self.commit_checkpoint,
             self.localize_stacks,
             self.record_incident,
+            NotifyActivities({}).notify,  # no webhook in a simulation
         ]
 
     @activity.defn(name=calls.latest_checkpoint.name)

@@ -32,6 +32,7 @@ from temporalio.client import Client, WorkflowUpdateStage
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from activities.notify import NotifyActivities
 from trainguard.domain.code_versions import CodeUpdate
 from trainguard.domain.job_state import IncidentTelemetryInput
 from trainguard.domain.messages import (
@@ -495,6 +496,7 @@ class SimController:
             self.commit_checkpoint,
             self.localize_stacks,
             self.record_incident,
+            NotifyActivities({}).notify,  # no webhook in a simulation
         ]
 
     @activity.defn(name=calls.reserve_nodes.name)

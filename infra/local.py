@@ -169,7 +169,11 @@ def bring_up(
         start_controller(stack, "controller" if i == 0 else f"controller-{i + 1}", release)
     for name in names:
         start_agent(stack, name, (code_dir or Path.cwd()).resolve(), plan)
-    settings = Settings.from_mapping(client_env(stack.config), state_dir)
+    # The workers' payload key, from the environment they start in: the pool's state is encrypted.
+    key = {
+        k: v for k, v in os.environ.items() if k in ("TRAINGUARD_PAYLOAD_KEY", "TRAINGUARD_PAYLOAD_KEY_FILE")
+    }
+    settings = Settings.from_mapping({**client_env(stack.config), **key}, state_dir)
     asyncio.run(wait_agents(settings, names))
     out = {**addresses(stack.config), "nodes": ", ".join(names)}
     if plan is not None:

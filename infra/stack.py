@@ -96,6 +96,9 @@ class StackConfig(BaseModel):
     # Temporal dynamic config (KEY -> JSON value), e.g. one partition per task queue for a bench
     # with hundreds of per-machine queues on the dev server's SQLite.
     temporal_dynamic_config: dict[str, str] = {}
+    # The Web UI decodes payloads through this codec server (`trainguard codec-server`) when the
+    # stack's payloads are encrypted (TRAINGUARD_PAYLOAD_KEY).
+    ui_codec_endpoint: str | None = None
     access_key: str = Field(default_factory=_access_key)
     secret_key: SecretStr = Field(default_factory=_secret_key)
 
@@ -258,6 +261,8 @@ def temporal_argv(config: StackConfig, binary: str | None = None) -> list[str]:
         argv.append("--headless")
     else:
         argv += ["--ui-port", str(config.temporal_ui_port), "--ui-disable-news-fetch"]
+        if config.ui_codec_endpoint:
+            argv += ["--ui-codec-endpoint", config.ui_codec_endpoint]
     for name, kind in SEARCH_ATTRIBUTES.items():
         argv += ["--search-attribute", f"{name}={kind}"]
     for key, value in config.temporal_dynamic_config.items():

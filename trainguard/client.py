@@ -101,6 +101,8 @@ class IncidentDoc(TypedDict, total=False):
     recovered_at: str | None
     recovery_s: float | None
     lost_steps: int
+    # The uploaded stderr of the rank the incident came from (`trainguard logs` reads it).
+    log_uri: str | None
 
 
 class ResultDoc(TypedDict):
@@ -123,6 +125,8 @@ class JobStatus(TypedDict, total=False):
     ettr_window_1h: float
     badput_s: dict[str, float]
     nodes: dict[str, str]
+    world_size: int
+    pool: str
     checkpoint: CheckpointDoc | None
     resumed_from_step: int | None
     attempt_started_at: str | None

@@ -16,6 +16,7 @@ from datetime import timedelta
 from temporalio.worker import Worker
 
 from activities.checkpoints import CheckpointActivities
+from activities.notify import NotifyActivities
 from activities.pool import PoolActivities
 from activities.stacks import StackActivities
 from activities.telemetry import TelemetryActivities
@@ -57,6 +58,7 @@ async def main(identity: str | None = None, metrics_port: int | None = None) -> 
             ckpt.commit_checkpoint,
             stacks.localize_stacks,
             tele.record_incident,
+            NotifyActivities().notify,
         ],
         identity=identity,
         graceful_shutdown_timeout=timedelta(seconds=10),

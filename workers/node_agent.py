@@ -32,6 +32,7 @@ from temporalio.worker import Worker
 from activities.diagnostics import DiagnosticActivities
 from activities.drills import DrillActivities, DrillProbe, DrillState, LinkControl
 from activities.health import HealthMonitor
+from activities.rank_logs import LogActivities
 from activities.rank_session import rank_preexec
 from activities.ranks import RankActivities
 from activities.stacks import StackActivities
@@ -115,6 +116,7 @@ async def main(
         client, store, workdir, code_dir, host, health, drills, rank_nice, name, memory_dir, warm
     )
     stacks = StackActivities(store, ranks)
+    ranks.logs = LogActivities(name, store, lambda: ranks.sessions)
     diagnostics = DiagnosticActivities(name, health, drills)
     sessions.append(ranks)
     worker = Worker(
@@ -127,6 +129,7 @@ async def main(
             drill.clear_faults,
             stacks.dump_stacks,
             stacks.stop_ranks,
+            ranks.logs.tail_logs,
             diagnostics.self_test,
             diagnostics.alignment_test,
             diagnostics.collective_test,

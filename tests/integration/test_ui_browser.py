@@ -1,7 +1,9 @@
 """The Temporal UI in a real browser: a running job is found by its search attributes and its page
 shows the current details the workflow keeps (phase, step, ETTR, machines).
 
-Runs on a stack of its own with the UI on (the shared test stack is headless). Needs Chromium:
+Runs on a stack of its own with the UI on (the shared test stack is headless), its payloads
+encrypted (TRAINGUARD_PAYLOAD_KEY) and the UI pointed at a codec server holding the key: the
+page shows the decoded details, not ciphertext. Needs Chromium:
 installed with apt-get when missing and this runs as root, else the test is skipped.
 A screenshot of the job's page is kept under the test's tmp dir and in $TG_ARTIFACTS_DIR.
 """
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from temporalio.client import Client
 
 from infra.browser import (
     Browser,
@@ -30,6 +33,8 @@ from infra.local import bring_down, bring_up
 from infra.stack import Stack, StackConfig, client_env
 from tests.integration.helpers import REPO, example_spec, wait_until
 from trainguard.client import TrainguardClient
+from trainguard.services.codec import codec_from_text, new_key
+from trainguard.services.codec_server import CodecServer
 from trainguard.services.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -37,20 +42,35 @@ pytestmark = pytest.mark.integration
 JOB = "ui-job"
 
 
+KEY = new_key()
+
+
 @pytest.fixture(scope="module")
 def ui_stack(chromium: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackConfig]:
-    """Two machines, the Temporal UI on a free port (requested after the browser: no browser, no stack)."""
+    """Two machines, the Temporal UI on a free port (requested after the browser: no browser, no
+    stack), every payload encrypted and the UI decoding through a codec server."""
     state_dir = tmp_path_factory.mktemp("tg-stack-ui")
+    config = StackConfig.for_tests(state_dir, headless=False)
+    assert config.ui_url is not None
+    codec = CodecServer(codec_from_text(KEY), origins=[config.ui_url])  # type: ignore[arg-type]
+    codec.start()
     try:
-        bring_up(state_dir, nodes=2, config=StackConfig.for_tests(state_dir, headless=False), code_dir=REPO)
+        # The controller and agents take the key from the environment they are started in.
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("TRAINGUARD_PAYLOAD_KEY", KEY)
+            config = config.model_copy(update={"ui_codec_endpoint": codec.url})
+            bring_up(state_dir, nodes=2, config=config, code_dir=REPO)
         yield Stack.load(state_dir).config
     finally:
         bring_down(state_dir)
+        codec.shutdown()
+        codec.server_close()
 
 
 @pytest.fixture(scope="module")
 async def ui_tg(ui_stack: StackConfig) -> AsyncIterator[TrainguardClient]:
-    yield await TrainguardClient.connect(Settings.from_mapping(client_env(ui_stack), ui_stack.state_dir))
+    env = {**client_env(ui_stack), "TRAINGUARD_PAYLOAD_KEY": KEY}
+    yield await TrainguardClient.connect(Settings.from_mapping(env, ui_stack.state_dir))
 
 
 @dataclass
@@ -111,3 +131,10 @@ async def test_running_job_is_found_by_search_attributes_and_shows_its_details(
     machines = ", ".join(f"{i}: {node}" for i, node in sorted(after["nodes"].items()))
     assert f"machines: {machines}" in seen.details
     assert shot.read_bytes().startswith(b"\x89PNG")
+    # Decoded by the codec server: the server itself holds only ciphertext.
+    assert "binary/encrypted" not in seen.details
+    plain = await Client.connect(ui_stack.temporal_address, namespace=ui_stack.namespace)
+    stored = b"".join(
+        e.SerializeToString() for e in (await plain.get_workflow_handle(JOB).fetch_history()).events
+    )
+    assert b"binary/encrypted" in stored and b'"entrypoint"' not in stored  # the job's input

@@ -3,6 +3,10 @@ recurring crash (checked, evicted, restored from peer backups) on a private loca
 then write every closed workflow's history.
 
     python -m tests.replay.record_run --out tests/replay/histories
+
+``--pool`` records the node pool instead: a machine cordoned before a job (the job takes the
+others), another cordoned while the job runs (it goes on), both uncordoned; the pool workflow
+never closes, so its running history is written as it stands.
 """
 
 from __future__ import annotations
@@ -30,11 +34,27 @@ async def _record(state_dir: Path, out: Path, log: Any) -> dict[str, Any]:
     return {"histories": await export_histories(tg.temporal, out)}
 
 
+async def _record_pool(state_dir: Path, out: Path, log: Any) -> dict[str, Any]:
+    tg = await connect(state_dir)
+    await tg.cordon("node-1")
+    job = await tg.submit(example_spec("pool-cordon"))
+    st = await wait_until(job, lambda s: s["step"] >= 5)
+    assert "node-1" not in st["nodes"].values(), st["nodes"]
+    await tg.cordon(st["nodes"]["0"])  # its job goes on
+    final = await run_to_end(job)
+    log(f"pool-cordon: {final['phase']} on {sorted(final['nodes'].values())}")
+    for name in ("node-1", st["nodes"]["0"]):
+        await tg.cordon(name, cordoned=False)
+    return {"histories": await export_histories(tg.temporal, out, "WorkflowType = 'NodePoolWorkflow'")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--pool", action="store_true", help="record the node pool through cordons")
     args = ap.parse_args()
-    print(run_bench("tg-record-", 3, lambda d, log: _record(d, args.out, log)))
+    record = _record_pool if args.pool else _record
+    print(run_bench("tg-record-", 3, lambda d, log: record(d, args.out, log)))
 
 
 if __name__ == "__main__":

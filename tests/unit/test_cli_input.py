@@ -135,6 +135,14 @@ def test_submit_refuses_bad_yaml_without_connecting(
     assert connects == []
 
 
+def test_submit_notify_env_names_the_variable_and_a_bad_name_is_bad_input(
+    tmp_path: Path, connects: list[Settings]
+) -> None:
+    path = str(spec_file(tmp_path, {}))
+    assert_bad_input(*invoke("submit", path, "--notify-env", "1-bad"), "error: notify.webhook_env:")
+    assert connects == []
+
+
 def test_submit_refuses_a_missing_or_huge_file(tmp_path: Path, connects: list[Settings]) -> None:
     assert_bad_input(*invoke("submit", str(tmp_path / "nope.yaml")), "error: spec:")
     big = tmp_path / "big.yaml"
@@ -185,6 +193,10 @@ def test_a_good_spec_does_get_to_connecting(tmp_path: Path, connects: list[Setti
         (["status", ""], "job"),
         (["status"], "JOB"),
         (["stop", "../job"], "job"),
+        (["logs", "Job_1"], "job"),
+        (["logs", "job-1", "--rank", "-1"], "--rank"),
+        (["logs", "job-1", "--attempt", "0"], "--attempt"),
+        (["logs"], "JOB"),
         (["stop", "job\x00"], "job"),
         (["nodes", "release", "bad node"], "node"),
         (["nodes", "evict", "node-1"], "action"),

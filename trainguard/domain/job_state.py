@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from trainguard.domain import ettr
 from trainguard.domain.code_versions import CodeEvent, CodeRelease, PendingUpdate
 from trainguard.domain.messages import (
+    POOL_WORKFLOW_ID,
     CheckpointRef,
     Endpoint,
     IncidentReport,
@@ -57,6 +58,8 @@ class Incident(BaseModel):
     # Where the recovery restored from: memory (every machine's own snapshot) or s3; none: from scratch.
     restored_from: str | None = None
     attempt: int = 0
+    # The uploaded output (stderr) of the rank the incident came from, when its machine sent it.
+    log_uri: str | None = None
 
     # -- its life, one transition each (the job keeps it in ``JobState.incidents``) -------------
     @classmethod
@@ -85,6 +88,7 @@ class Incident(BaseModel):
             action="reattempt",
             evidence=evidence[:2000],
             attempt=attempt,
+            log_uri=primary.log_uri,
         )
 
     def facts(self, primary: IncidentReport) -> IncidentFacts:
@@ -245,6 +249,8 @@ def status_json(state: JobState, now: datetime) -> dict[str, Any]:
         "badput_s": {k: round(state.ledger.badput_s.get(k, 0.0), 3) for k in ettr.BUCKETS},
         "protection": _protection(state),
         "nodes": {str(i): n.name for i, n in enumerate(state.nodes)},
+        "world_size": state.spec.world_size,
+        "pool": state.spec.pool or POOL_WORKFLOW_ID,
         "checkpoint": state.checkpoint.model_dump(mode="json") if state.checkpoint else None,
         "resumed_from_step": state.resumed_from_step,
         # The running attempt: when its ranks were launched and when its first step came.

@@ -436,6 +436,8 @@ class IncidentReport(Msg):
     # Every rank on this machine had loaded the checkpoint it was started from: a failure after
     # that is not the checkpoint's fault.
     restored: bool = False
+    # The output of the rank it reports, uploaded by the machine (trainguard.domain.rank_logs).
+    log_uri: str | None = None
 
 
 RunRanksResult.model_rebuild()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -217,6 +217,39 @@ class DetectionSpec(_Frozen):
     replay_steps: int = Field(3, ge=1, le=1000, description="steps each dual-phase replay group runs")
 
 
+NotifyEvent = Literal["incident", "evicted", "completed", "failed", "stopped"]
+NOTIFY_EVENTS: tuple[str, ...] = get_args(NotifyEvent)
+NotifyFormat = Literal["slack", "json"]
+
+
+class NotifySpec(_Frozen):
+    """Where a job's notifications go: the variable (or file) on the controllers that holds the
+    webhook URL, the payload's shape, and which events are sent."""
+
+    webhook_env: str | None = Field(
+        None, description="environment variable on the controllers that holds the webhook URL"
+    )
+    webhook_file: str | None = Field(
+        None, min_length=1, max_length=1024, description="file on the controllers that holds the URL"
+    )
+    format: NotifyFormat = "slack"
+    events: list[NotifyEvent] = Field(default_factory=lambda: list(NOTIFY_EVENTS), min_length=1)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> NotifySpec:
+        if (self.webhook_env is None) == (self.webhook_file is None):
+            raise FieldProblem(
+                "webhook_env", "give webhook_env or webhook_file (where the controllers find the URL)"
+            )
+        if self.webhook_env is not None and not _ENV_KEY_RE.fullmatch(self.webhook_env):
+            raise FieldProblem(
+                "webhook_env", f"'{shown(self.webhook_env)}' is not an environment variable name"
+            )
+        if self.webhook_file is not None and any(ord(c) < 32 for c in self.webhook_file):
+            raise FieldProblem("webhook_file", "contains control characters")
+        return self
+
+
 class JobSpec(_Frozen):
     """One training job.
 
@@ -259,6 +292,8 @@ class JobSpec(_Frozen):
     # The pool (one per cluster or Slurm allocation) the job takes its machines from; None: the
     # submitting environment's (TRAINGUARD_POOL), else the default pool.
     pool: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+    # Webhook notifications (trainguard.domain.notify); None: only the deployment's, if any.
+    notify: NotifySpec | None = None
 
     @property
     def world_size(self) -> int:

@@ -255,11 +255,22 @@ _NODE_ACTIONS: dict[str, Callable[[TrainguardClient, str], Coroutine[Any, Any, A
 def submit(
     spec_path: Annotated[Path, typer.Argument(metavar="SPEC.yaml", help="job spec (YAML)")],
     wait: Annotated[bool, typer.Option("--wait", help="show progress until the job ends")] = False,
+    notify_env: Annotated[
+        str | None,
+        typer.Option(
+            "--notify-env",
+            metavar="NAME",
+            help="notify the Slack-style webhook whose URL the controllers hold in $NAME (the spec's "
+            "notify.webhook_env)",
+        ),
+    ] = None,
     state_dir: StateDir = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Validate a job spec and start the job."""
     spec = load_spec(spec_path)  # a bad spec stops here: nothing is reserved or started
+    if notify_env is not None:
+        spec = parse_spec({**spec.model_dump(), "notify": {"webhook_env": notify_env}})
     _start_job(spec, wait, state_dir, json_out)
 
 
@@ -473,6 +484,9 @@ def _print_status(st: dict[str, Any]) -> None:
                 i["evidence"][:120],
             )
         out.print(it)
+        for i in st["incidents"]:
+            if i.get("log_uri"):  # the output of the rank it came from (`trainguard logs JOB`)
+                out.print(f"{i['id']} log: {i['log_uri']}", highlight=False, soft_wrap=True)
 
 
 @app.command("list")
@@ -559,6 +573,41 @@ def nodes(
         state = r["state"] + (" (cordoned)" if r["cordoned"] else "")
         t.add_row(r["node"], state, r["job"] or "-", (r["reason"] or "-")[:80])
     out.print(t)
+
+
+@app.command()
+@handles_errors
+def logs(
+    job: Annotated[str, typer.Argument(metavar="JOB")],
+    rank: Annotated[int | None, typer.Option(min=0, help="only this rank")] = None,
+    attempt: Annotated[int | None, typer.Option(min=1, help="only this attempt (default: all)")] = None,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="keep printing the running attempt's output")
+    ] = False,
+    state_dir: StateDir = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Every rank's stdout and stderr, from every machine the job ran on (evicted ones too):
+    finished attempts from the bucket, the running one live from its machines."""
+    from trainguard.face import logs as job_logs
+
+    check_job_id(job)
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    async def go() -> None:
+        printer = job_logs.LogPrinter(write, json_out)
+        warn = functools.partial(err.print, markup=False, highlight=False)
+        await job_logs.show(await _client(state_dir), job, rank, attempt, follow, printer, warn)
+
+    try:
+        _run(go())
+    except job_logs.BadLogsInput as exc:
+        raise BadInput(str(exc)) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
 
 
 @app.command()

@@ -89,6 +89,14 @@ class S3Store:
             raise
         return json.loads(body)
 
+    def get_bytes(self, key: str) -> bytes | None:
+        try:
+            return self._client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise
+
     def head(self, key: str) -> ObjectInfo | None:
         try:
             r = self._client.head_object(Bucket=self.bucket, Key=key)

@@ -52,6 +52,8 @@ with workflow.unsafe.imports_passed_through():
         StackInput,
         StopRanksInput,
     )
+    from trainguard.domain.notify import NotifyInput
+    from trainguard.domain.rank_logs import TailLogsInput, TailLogsResult
 
 I = TypeVar("I")  # noqa: E741 - the input, beside R the result
 R = TypeVar("R")
@@ -142,6 +144,18 @@ record_incident: Activity[IncidentTelemetryInput, bool] = Activity(
     bool,
     dataclasses.replace(ON_CONTROLLER, retry=TELEMETRY_RETRY),
 )
+# A webhook message (incident, eviction, verdict, the job's end): retried a few times, then dropped.
+notify: Activity[NotifyInput, int] = Activity(
+    "notify",
+    NotifyInput,
+    int,
+    dataclasses.replace(
+        ON_CONTROLLER,
+        retry=RetryPolicy(
+            initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=8), maximum_attempts=4
+        ),
+    ),
+)
 
 # -- on a machine (its own task queue) --------------------------------------------------------
 pick_master_port: Activity[PortInput, Endpoint] = Activity(
@@ -177,6 +191,11 @@ clear_faults: Activity[ClearFaultsInput, int] = Activity(
     int,
     Options(schedule_to_start=timedelta(seconds=30), start_to_close=timedelta(seconds=10)),
 )
+# The live output of the job's ranks on the machine. Not called by a workflow: `trainguard logs
+# --follow` runs it as a standalone activity on the machine's queue (no history grows).
+tail_logs: Activity[TailLogsInput, TailLogsResult] = Activity(
+    "tail_logs", TailLogsInput, TailLogsResult, dataclasses.replace(ON_MACHINE, start_to_close=SHORT)
+)
 
 # -- Slurm (the pool's Slurm worker, on its own queue given per call) --------------------------
 # Retried: scontrol may meet a busy slurmctld; the pool tries again later if every attempt fails.
@@ -207,6 +226,7 @@ ALL: tuple[Activity[Any, Any], ...] = (
     commit_checkpoint,
     localize_stacks,
     record_incident,
+    notify,
     pick_master_port,
     run_ranks,
     stop_ranks,
@@ -217,6 +237,7 @@ ALL: tuple[Activity[Any, Any], ...] = (
     pair_test,
     inject_fault,
     clear_faults,
+    tail_logs,
     slurm_node,
     slurm_request_node,
 )

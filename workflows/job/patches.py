@@ -41,3 +41,5 @@ CANCEL_AT_ONCE = "cancel-at-once"
 # A job whose ranks did not all use the runtime (a script run as it is) completes when every rank
 # exits 0, at the step seen last, without a parameter hash.
 SCRIPT_COMPLETION = "script-completion"
+# Webhook notifications (incident, eviction, the job's end) through the `notify` activity.
+NOTIFY = "notify"

@@ -21,6 +21,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 from workflows.job import calls, patches
 from workflows.job.attempt import Attempt, history_full
 from workflows.job.diagnosis import Diagnosis
+from workflows.job.notify import Notifier
 from workflows.job.outcome import AttemptOutcome, machine_lost
 from workflows.job.progress import Progress
 from workflows.job.recovery import Recovery
@@ -79,6 +80,7 @@ class TrainingJobWorkflow:
             inp, self.s, self.vis, self.progress, lambda: self.stop_reason is not None, lambda: self.cancelled
         )
         self.recovery = Recovery(inp, self.s, self.vis, self.progress, Diagnosis(inp, self.s))
+        self.notifier = Notifier(self.s)
 
     # -- queries, signals, updates ---------------------------------------------------------
     @workflow.query
@@ -213,6 +215,7 @@ class TrainingJobWorkflow:
 
     async def _recover(self, outcome: AttemptOutcome) -> None:
         verdict = await self.recovery.recover(outcome)
+        self.notifier.incident(self.s.incidents[-1])
         if verdict is not None:
             await self._finish("failed")
             raise ApplicationError(verdict, type="JobFailed", non_retryable=True)
@@ -249,6 +252,8 @@ class TrainingJobWorkflow:
                 ReleaseInput(job_id=self.s.spec.name, pool=self.s.spec.pool or POOL_WORKFLOW_ID)
             )
         self.vis.set_phase(phase)
+        self.notifier.end(phase)
+        await self.notifier.flush()
         await self.vis.wait_exports()
         await workflow.wait_condition(workflow.all_handlers_finished)
         return status_json(self.s, workflow.now())
@@ -257,6 +262,7 @@ class TrainingJobWorkflow:
         await self.progress.wait_commits()
         self.progress.drain()
         await self.progress.wait_commits()
+        await self.notifier.flush()
         await self.vis.wait_exports()
         await workflow.wait_condition(workflow.all_handlers_finished)
         workflow.continue_as_new(self.inp.model_copy(update={"state": self.s}))

@@ -1,0 +1,53 @@
+"""Reading rank output back: what agents uploaded (S3), and the live tail from the agents.
+
+The live tail is the agents' ``tail_logs`` activity run as a standalone activity on the
+machine's task queue (``Client.execute_activity``): agents listen on no port, and no workflow
+history grows however long someone follows.
+"""
+
+from __future__ import annotations
+
+import gzip
+import uuid
+from datetime import timedelta
+
+from temporalio.client import Client
+from temporalio.common import RetryPolicy
+
+from trainguard.domain.rank_logs import LogObject, TailLogsInput, TailLogsResult, job_logs_prefix, parse_key
+from trainguard.services.storage import S3Store
+
+# The name in the activity contract (workflows.job.calls.tail_logs), which this layer cannot import.
+TAIL_LOGS = "tail_logs"
+TAIL_TIMEOUT = timedelta(seconds=10)
+
+
+def uploaded(
+    store: S3Store, job_id: str, attempt: int | None = None, rank: int | None = None
+) -> list[LogObject]:
+    """The streams uploaded for ``job_id`` (optionally one attempt, one rank), in reading order:
+    by attempt, rank, then stdout before stderr."""
+    objs = [o for o in (parse_key(i.key) for i in store.list(job_logs_prefix(job_id))) if o is not None]
+    chosen = [
+        o for o in objs if (attempt is None or o.attempt == attempt) and (rank is None or o.rank == rank)
+    ]
+    return sorted(chosen, key=lambda o: (o.attempt, o.rank, o.stream != "out", o.node))
+
+
+def read(store: S3Store, obj: LogObject) -> str:
+    data = store.get_bytes(obj.key)
+    return gzip.decompress(data).decode(errors="replace") if data else ""
+
+
+async def tail(client: Client, task_queue: str, req: TailLogsInput) -> TailLogsResult:
+    """New output of the job's ranks on one machine, from its agent (standalone activity)."""
+    return await client.execute_activity(
+        TAIL_LOGS,
+        req,
+        id=f"tail-logs-{req.job_id}-{uuid.uuid4().hex[:12]}",
+        task_queue=task_queue,
+        result_type=TailLogsResult,
+        schedule_to_start_timeout=TAIL_TIMEOUT,
+        start_to_close_timeout=TAIL_TIMEOUT,
+        retry_policy=RetryPolicy(maximum_attempts=1),  # the caller asks again anyway
+    )
