@@ -15,17 +15,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
 from trainguard.domain.spec import NotifyEvent, NotifyFormat, NotifySpec
+from trainguard.domain.wire import WireModel
 
 MAX_TEXT = 3000  # Slack shows at most ~4000 characters of a message
 
 
-class NotifyInput(BaseModel):
+class NotifyInput(WireModel):
     """One notification, as the workflow hands it to the ``notify`` activity (no URL in it)."""
-
-    model_config = ConfigDict(frozen=True)
 
     job_id: str
     event: NotifyEvent

@@ -16,7 +16,9 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from trainguard.domain.wire import WireModel
 
 STREAMS: tuple[Literal["out"], Literal["err"]] = ("out", "err")
 Stream = Literal["out", "err"]
@@ -47,10 +49,8 @@ def local_name(rank: int, stream: Stream) -> str:
     return f"rank-{rank:05d}.{stream}"
 
 
-class LogObject(BaseModel):
+class LogObject(WireModel):
     """One uploaded stream, read back from its key."""
-
-    model_config = ConfigDict(frozen=True)
 
     key: str
     attempt: int
@@ -85,10 +85,8 @@ def bounded_tail(data: bytes, skipped: int = 0, limit: int = MAX_STREAM_BYTES) -
     return f"[trainguard: {dropped} earlier bytes dropped]\n".encode() + tail
 
 
-class TailLogsInput(BaseModel):
+class TailLogsInput(WireModel):
     """Ask an agent for the output of a job's ranks on its machine, from these offsets on."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     job_id: str
     # None: the newest attempt this machine ran of the job.
@@ -103,10 +101,8 @@ def offset_key(rank: int, stream: Stream) -> str:
     return f"{rank}.{stream}"
 
 
-class LogChunk(BaseModel):
+class LogChunk(WireModel):
     """New output of one rank's stream: ``text`` starts at byte ``offset`` of the stream."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     rank: int
     stream: Stream
@@ -115,9 +111,7 @@ class LogChunk(BaseModel):
     end: int  # the offset to ask from next time
 
 
-class TailLogsResult(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class TailLogsResult(WireModel):
     node: str
     attempt: int | None  # None: this machine never ran the job
     running: bool  # the attempt's ranks still run here
