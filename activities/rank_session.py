@@ -160,6 +160,7 @@ class RankSession:
         self.memory: dict[int, list[ShardInfo]] = {}  # complete memory snapshots, step -> shards
         self.backups: dict[int, dict[int, ShardInfo]] = {}  # step -> of_rank -> other machines' shards
         self.uploading: set[int] = set()
+        self.upload_hashes: dict[int, dict[int, str]] = {}  # step -> rank -> sha256 it reported
         self.save_s: dict[int, float] = {}  # step -> slowest local rank's snapshot time so far
         self.saved_meta: dict[int, dict[int, tuple[int, str]]] = {}  # step -> rank -> (bytes, sha256)
         self.ckpt_block_s = 0.0
@@ -360,7 +361,9 @@ class RankSession:
             now = datetime.now(UTC)
             if self.first_step_at is None:
                 self.first_step_at = now
-            self.step_wall.setdefault(step, now)
+            # The rank's own clock: a step record may wait in its buffer (FLUSH_S) before it comes.
+            ts = rec.get("ts")
+            self.step_wall.setdefault(step, datetime.fromtimestamp(ts, UTC) if ts else now)
             if rec.get("loss") is not None:
                 self.loss = float(rec["loss"])
             if rec.get("step_time_s") is not None:
@@ -392,6 +395,9 @@ class RankSession:
                 self.ckpt_block_s += self.save_s.pop(step)
                 if step % self.spec.checkpoint.every_steps == 0 or step == self.spec.target_steps:
                     self.uploading.add(step)
+                    # The ranks' own hashes of what they wrote: the upload need not read twice.
+                    meta = self.saved_meta.get(step, {})
+                    self.upload_hashes[step] = {r: sha for r, (_, sha) in meta.items()}
                     self._uploads.put_nowait(step)
                 self._tasks.append(asyncio.create_task(self._note_memory(step), name=f"memory-{step}"))
         elif kind == "backup":
@@ -505,6 +511,7 @@ class RankSession:
         the manifest is written by the controller only after every machine's are. A
         step saved at or after an anomaly (NaN, spike) is never uploaded.
         """
+        hashes = self.upload_hashes.pop(step, {})
         if self.incident is not None and (self.incident.step is None or step >= self.incident.step):
             return
         if self.inp.dry_run:
@@ -516,7 +523,7 @@ class RankSession:
                 for rank in self.inp.ranks:
                     path = self.ckpt_dir / shard_name(step, rank)
                     key = checkpoints.shard_key(self.inp.ckpt_prefix, step, rank)
-                    size, digest = await asyncio.to_thread(self.store.put_file, key, path)
+                    size, digest = await asyncio.to_thread(self.store.put_file, key, path, hashes.get(rank))
                     shards.append(ShardInfo(rank=rank, step=step, key=key, size=size, sha256=digest))
                 break
             except Exception as exc:  # storage outage: keep training, keep trying
