@@ -188,6 +188,7 @@ class RankSession:
         self.frozen = False  # hung ranks kept alive for their stacks
         self.started = False  # every rank launched and supervised
         self._first_step_sent = False  # a report carrying first_step_at reached the workflow
+        self._hash_sent: int | None = None  # the newest replica hash step that reached it
 
     @property
     def key(self) -> tuple[str, int]:
@@ -605,9 +606,9 @@ class RankSession:
         last_sent = 0.0
         while True:
             await self._progress_dirty.wait()
-            # The attempt's first step is news for every machine; the rest waits for the
-            # machine's routine interval (trainguard.domain.report_interval), re-checked at the fast rate.
-            news = self.first_step_at is not None and not self._first_step_sent
+            # News goes at the fast rate from every machine; the rest waits for the machine's
+            # routine interval (trainguard.domain.report_interval), re-checked at the fast rate.
+            news = self._news()
             due = report_interval(detection, self.inp.node_index, news)
             wait = due - (time.monotonic() - last_sent)
             if wait > 0:
@@ -615,8 +616,19 @@ class RankSession:
                 continue
             self._progress_dirty.clear()
             if await self._flush_progress():
-                self._first_step_sent = self._first_step_sent or news
+                self._first_step_sent = True
             last_sent = time.monotonic()
+
+    def _news(self) -> bool:
+        """What the workflow acts on soon, whichever machine has it: the attempt's first step
+        (the job is back), uploaded shards (a checkpoint commits once every machine's are in), a
+        replica hash step not sent yet (the replicas are compared at the same step)."""
+        if self.first_step_at is not None and not self._first_step_sent:
+            return True
+        if self.unsent:
+            return True
+        complete = [st for st, h in self.hashes.items() if len(h) == len(self.inp.ranks)]
+        return bool(complete) and max(complete) != self._hash_sent
 
     async def _flush_progress(self) -> bool:
         report = self.progress_report()
@@ -628,6 +640,7 @@ class RankSession:
             return False
         sent = set(report.shards)
         self.unsent = [s for s in self.unsent if s not in sent]
+        self._hash_sent = report.hash_step if report.hash_step is not None else self._hash_sent
         return report.first_step_at is not None
 
     # -- lifecycle ---------------------------------------------------------------
