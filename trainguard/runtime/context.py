@@ -422,7 +422,12 @@ class Context:
         backup.write_whole(path, data)
         if self._backups is not None:
             got = backup.exchange(
-                self.rank, self._backups, data, self._backup_paths(snap.step), self._backup_group
+                self.rank,
+                self._backups,
+                data,
+                self._backup_paths(snap.step),
+                self._backup_group,
+                sha256=digest,
             )
             for of_rank, (size, sha) in got.items():
                 self._send(
