@@ -74,11 +74,14 @@ def test_step_records_wait_for_the_flush_and_news_goes_at_once(
         assert _received(r) == []
         ctx.before_sync(9, _model(float("nan")))
         assert _received(r) == [("step", 8), ("local", 9)]
-        ctx.report(9, loss=1.0)
+        ctx.report(9, loss=float("nan"))  # a NaN loss: at once
+        assert _received(r) == [("step", 9)]
+        ctx.report(10, loss=1.0)
+        assert _received(r) == []
         # The interval over: the next record takes everything.
         monkeypatch.setattr(context, "FLUSH_S", 0.0)
-        ctx.report(10, loss=1.0)
-        assert _received(r) == [("step", 9), ("step", 10)]
+        ctx.report(11, loss=1.0)
+        assert _received(r) == [("step", 10), ("step", 11)]
         monkeypatch.setattr(context, "FLUSH_S", 3600.0)
         ctx.report(20, loss=1.0)  # the last step
         assert _received(r) == [("step", 20)]

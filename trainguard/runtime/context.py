@@ -221,9 +221,10 @@ class Context:
         if grad_norm is not None:
             rec["grad_norm"] = float(grad_norm)
         rec.update(extra)
-        # The attempt's first step and the last go at once: the job is back, or done.
+        # The attempt's first step, the last and a NaN go at once: the job is back, done, or broken.
         last = self.target_steps is not None and step >= self.target_steps
-        self._send(rec, hold=step_time is not None and not last)
+        finite = all(math.isfinite(v) for v in (rec.get("loss"), rec.get("grad_norm")) if v is not None)
+        self._send(rec, hold=step_time is not None and not last and finite)
 
     # -- the snapshot interval ---------------------------------------------------
     def _meter_step(self, step: int, step_time: float) -> None:
