@@ -160,6 +160,7 @@ class RankSession:
         self.memory: dict[int, list[ShardInfo]] = {}  # complete memory snapshots, step -> shards
         self.backups: dict[int, dict[int, ShardInfo]] = {}  # step -> of_rank -> other machines' shards
         self.uploading: set[int] = set()
+        self.upload_hashes: dict[int, dict[int, str]] = {}  # step -> rank -> sha256 it reported
         self.save_s: dict[int, float] = {}  # step -> slowest local rank's snapshot time so far
         self.saved_meta: dict[int, dict[int, tuple[int, str]]] = {}  # step -> rank -> (bytes, sha256)
         self.ckpt_block_s = 0.0
@@ -187,6 +188,7 @@ class RankSession:
         self.frozen = False  # hung ranks kept alive for their stacks
         self.started = False  # every rank launched and supervised
         self._first_step_sent = False  # a report carrying first_step_at reached the workflow
+        self._hash_sent: int | None = None  # the newest replica hash step that reached it
 
     @property
     def key(self) -> tuple[str, int]:
@@ -360,7 +362,9 @@ class RankSession:
             now = datetime.now(UTC)
             if self.first_step_at is None:
                 self.first_step_at = now
-            self.step_wall.setdefault(step, now)
+            # The rank's own clock: a step record may wait in its buffer (FLUSH_S) before it comes.
+            ts = rec.get("ts")
+            self.step_wall.setdefault(step, datetime.fromtimestamp(ts, UTC) if ts else now)
             if rec.get("loss") is not None:
                 self.loss = float(rec["loss"])
             if rec.get("step_time_s") is not None:
@@ -392,6 +396,9 @@ class RankSession:
                 self.ckpt_block_s += self.save_s.pop(step)
                 if step % self.spec.checkpoint.every_steps == 0 or step == self.spec.target_steps:
                     self.uploading.add(step)
+                    # The ranks' own hashes of what they wrote: the upload need not read twice.
+                    meta = self.saved_meta.get(step, {})
+                    self.upload_hashes[step] = {r: sha for r, (_, sha) in meta.items()}
                     self._uploads.put_nowait(step)
                 self._tasks.append(asyncio.create_task(self._note_memory(step), name=f"memory-{step}"))
         elif kind == "backup":
@@ -505,6 +512,7 @@ class RankSession:
         the manifest is written by the controller only after every machine's are. A
         step saved at or after an anomaly (NaN, spike) is never uploaded.
         """
+        hashes = self.upload_hashes.pop(step, {})
         if self.incident is not None and (self.incident.step is None or step >= self.incident.step):
             return
         if self.inp.dry_run:
@@ -516,7 +524,7 @@ class RankSession:
                 for rank in self.inp.ranks:
                     path = self.ckpt_dir / shard_name(step, rank)
                     key = checkpoints.shard_key(self.inp.ckpt_prefix, step, rank)
-                    size, digest = await asyncio.to_thread(self.store.put_file, key, path)
+                    size, digest = await asyncio.to_thread(self.store.put_file, key, path, hashes.get(rank))
                     shards.append(ShardInfo(rank=rank, step=step, key=key, size=size, sha256=digest))
                 break
             except Exception as exc:  # storage outage: keep training, keep trying
@@ -598,9 +606,9 @@ class RankSession:
         last_sent = 0.0
         while True:
             await self._progress_dirty.wait()
-            # The attempt's first step is news for every machine; the rest waits for the
-            # machine's routine interval (trainguard.domain.report_interval), re-checked at the fast rate.
-            news = self.first_step_at is not None and not self._first_step_sent
+            # News goes at the fast rate from every machine; the rest waits for the machine's
+            # routine interval (trainguard.domain.report_interval), re-checked at the fast rate.
+            news = self._news()
             due = report_interval(detection, self.inp.node_index, news)
             wait = due - (time.monotonic() - last_sent)
             if wait > 0:
@@ -608,8 +616,19 @@ class RankSession:
                 continue
             self._progress_dirty.clear()
             if await self._flush_progress():
-                self._first_step_sent = self._first_step_sent or news
+                self._first_step_sent = True
             last_sent = time.monotonic()
+
+    def _news(self) -> bool:
+        """What the workflow acts on soon, whichever machine has it: the attempt's first step
+        (the job is back), uploaded shards (a checkpoint commits once every machine's are in), a
+        replica hash step not sent yet (the replicas are compared at the same step)."""
+        if self.first_step_at is not None and not self._first_step_sent:
+            return True
+        if self.unsent:
+            return True
+        complete = [st for st, h in self.hashes.items() if len(h) == len(self.inp.ranks)]
+        return bool(complete) and max(complete) != self._hash_sent
 
     async def _flush_progress(self) -> bool:
         report = self.progress_report()
@@ -621,6 +640,7 @@ class RankSession:
             return False
         sent = set(report.shards)
         self.unsent = [s for s in self.unsent if s not in sent]
+        self._hash_sent = report.hash_step if report.hash_step is not None else self._hash_sent
         return report.first_step_at is not None
 
     # -- lifecycle ---------------------------------------------------------------

@@ -311,6 +311,7 @@ async def bench(
                 w0, w1, n = res.pop("window")
                 for g, names in groups.items():
                     res[f"{g}_cpu_ms_per_step"] = 1e3 * sampler.cpu_s(names, w0, w1) / n
+                res["process_cpu_ms_per_step"] = {p: 1e3 * sampler.cpu_s([p], w0, w1) / n for p in pids}
                 if status is not None:
                     res["status"] = {
                         "ettr": status["ettr"],
@@ -467,6 +468,7 @@ def summarize(
                     "rank_cpu_ms_per_step": _r(r["rank_cpu_ms_per_step"], 1),
                     "agent_cpu_ms_per_step": _r(r["agent_cpu_ms_per_step"], 2),
                     "control_plane_cpu_ms_per_step": _r(r["control_plane_cpu_ms_per_step"], 2),
+                    "process_cpu_ms_per_step": {k: _r(x, 2) for k, x in r["process_cpu_ms_per_step"].items()},
                     "thread_ms": {k: _r(x, 3) for k, x in r["thread_ms"].items()},
                     "bg_cpu_ms": {k: _r(x, 3) for k, x in r["bg_cpu_ms"].items()},
                     "bg_wall_ms": {k: _r(x, 3) for k, x in r["bg_wall_ms"].items()},

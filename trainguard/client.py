@@ -290,6 +290,11 @@ class JobHandle:
                 if on_progress is not None and st != last:
                     on_progress(st)
                 return st
+            if on_progress is None:
+                # Nobody watches: the server's own record says when it ends, no query (which
+                # costs a workflow task on a controller) needed meanwhile.
+                await asyncio.sleep(poll_s)
+                continue
             try:
                 st = await self.status()
             except ControllerUnavailable:

@@ -13,9 +13,12 @@ from trainguard.domain.report_interval import report_interval
 from trainguard.domain.spec import DetectionSpec
 
 
-def test_without_a_peer_interval_every_machine_reports_at_the_progress_rate() -> None:
-    det = DetectionSpec(progress_interval_s=5.0)
-    assert [report_interval(det, i, news=False) for i in range(4)] == [5.0] * 4
+def test_without_a_peer_interval_the_others_report_every_5_s_at_most() -> None:
+    det = DetectionSpec(progress_interval_s=1.0)
+    assert [report_interval(det, i, news=False) for i in range(4)] == [1.0, 5.0, 5.0, 5.0]
+    assert report_interval(det, 2, news=True) == 1.0
+    det = DetectionSpec(progress_interval_s=30.0)
+    assert [report_interval(det, i, news=False) for i in range(3)] == [30.0] * 3
 
 
 def test_the_first_machine_reports_the_job_and_the_others_report_less_often() -> None:
@@ -43,7 +46,9 @@ class _Clock:
         return self.t
 
 
-async def _send_times(monkeypatch: Any, node_index: int, sends: int) -> list[float]:
+async def _send_times(
+    monkeypatch: Any, node_index: int, sends: int, hash_at: float | None = None
+) -> list[float]:
     """When an agent's RankSession sends its reports, on a fake clock, ranks always stepping."""
     clock = _Clock()
     real_sleep = asyncio.sleep
@@ -58,9 +63,12 @@ async def _send_times(monkeypatch: Any, node_index: int, sends: int) -> list[flo
     session.spec = SimpleNamespace(
         detection=DetectionSpec(progress_interval_s=60.0, peer_report_interval_s=600.0)
     )
-    session.inp = SimpleNamespace(node_index=node_index)
+    session.inp = SimpleNamespace(node_index=node_index, ranks=[0, 1])
     session.first_step_at = datetime.now(UTC)
     session._first_step_sent = False
+    session.unsent = []
+    session.hashes = {}
+    session._hash_sent = None
     session._progress_dirty = asyncio.Event()
     session._progress_dirty.set()
     sent: list[float] = []
@@ -68,6 +76,9 @@ async def _send_times(monkeypatch: Any, node_index: int, sends: int) -> list[flo
 
     async def flush() -> bool:
         sent.append(clock.t)
+        session._hash_sent = max(session.hashes, default=None)
+        if hash_at is not None and clock.t >= hash_at and 50 not in session.hashes:
+            session.hashes[50] = {0: "a", 1: "a"}  # both local ranks hashed step 50: news
         session._progress_dirty.set()  # the ranks stepped again meanwhile
         if len(sent) >= sends:
             done.set()
@@ -86,3 +97,9 @@ async def test_an_agent_reports_at_its_machines_interval(monkeypatch: Any) -> No
     assert peer == [1000.0, 1600.0, 2200.0, 2800.0]
     first = await _send_times(monkeypatch, node_index=0, sends=4)
     assert first == [1000.0, 1060.0, 1120.0, 1180.0]
+
+
+async def test_a_replica_hash_step_goes_from_a_peer_at_the_progress_rate(monkeypatch: Any) -> None:
+    peer = await _send_times(monkeypatch, node_index=3, sends=4, hash_at=1600.0)
+    # Hashed after the report at 1600: it goes at the progress rate, not with the next routine one.
+    assert peer == [1000.0, 1600.0, 1660.0, 2260.0]

@@ -6,10 +6,11 @@ grows with its size (a 1,000-machine job at 5 s: 200 signals a second). So the
 job's first machine is its reporter: it carries the job's step, loss and step
 time at ``progress_interval_s``; the others send their routine reports (compute
 times for fail-slow rounds, replica hashes, memory snapshots, uploaded shards) at
-``peer_report_interval_s``. What the workflow acts on at once never waits for a
-routine report: the first step of an attempt (the job is back) goes at the
-progress rate from every machine, and a failure or the end of the ranks reaches
-the workflow as the ``run_ranks`` result, not as a report.
+``peer_report_interval_s`` (5 s when unset, or ``progress_interval_s`` if longer). What
+the workflow acts on soon never waits for a routine report: the first step of an attempt
+(the job is back), uploaded shards and a new replica hash step go at the progress rate
+from every machine, and a failure or the end of the ranks reaches the workflow as the
+``run_ranks`` result, not as a report.
 
 The replica-hash check compares the same step on every machine: with a long peer
 interval, hash steps (``replica_check_every`` steps) should lie at least that far
@@ -20,10 +21,16 @@ from __future__ import annotations
 
 from trainguard.domain.spec import DetectionSpec
 
+# The other machines' routine interval when the spec sets none. Their routine reports carry
+# nothing the workflow acts on at once (news goes at the fast rate), and each is a signal, a
+# workflow task and its history events: some 20 ms of Temporal's and a controller's CPU.
+PEER_REPORT_DEFAULT_S = 5.0
+
 
 def report_interval(detection: DetectionSpec, node_index: int, news: bool) -> float:
     """Seconds a machine waits after its last report before the next one."""
     fast = detection.progress_interval_s
-    if news or node_index == 0 or detection.peer_report_interval_s is None:
+    if news or node_index == 0:
         return fast
-    return max(fast, detection.peer_report_interval_s)
+    peer = detection.peer_report_interval_s
+    return max(fast, PEER_REPORT_DEFAULT_S if peer is None else peer)

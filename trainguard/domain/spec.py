@@ -186,7 +186,8 @@ class DetectionSpec(_Frozen):
         gt=0,
         le=86400,
         description="how often machines other than the job's first send their routine reports (compute "
-        "times, replica hashes, snapshots, uploaded shards); unset: progress_interval_s. Large jobs raise it "
+        "times, snapshots; uploaded shards and replica hashes go at progress_interval_s); unset: 5 s (or "
+        "progress_interval_s if longer). Large jobs raise it "
         "(see trainguard.domain.report_interval)",
     )
     hang_floor_s: float = Field(5.0, ge=0.5, le=86400, description="minimum no-progress time before a hang")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -55,18 +56,25 @@ def exchange(
     data: bytes | memoryview,
     backup_path: dict[int, Path],
     group: dist.ProcessGroup | None = None,
+    sha256: str | None = None,
 ) -> dict[int, tuple[int, str]]:
     """Send this rank's shard (``data``) to its backup rank and store the shards this rank backs
     up at ``backup_path[of_rank]``; returns of_rank -> (bytes, sha256). Every rank must call it,
-    with the same ``group`` (global ranks; None: the default group)."""
+    with the same ``group`` (global ranks; None: the default group).
+
+    ``sha256``: ``data``'s, when the sender hashed it already: it travels with the size, and the
+    receiver records it instead of hashing the copy again (:func:`restore` checks the bytes
+    against it before a backup is used). Every rank passes one, or none does."""
     target = plan[rank]
     sources = sorted(q for q, t in plan.items() if t == rank)
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = {q: torch.zeros(1, dtype=torch.int64) for q in sources}
-    reqs = [dist.isend(size, target, group), *(dist.irecv(sizes[q], q, group) for q in sources)]
+    digest = bytes.fromhex(sha256) if sha256 else b""
+    words = [int.from_bytes(digest[i : i + 8], sys.byteorder, signed=True) for i in range(0, len(digest), 8)]
+    head = torch.tensor([len(data), *words], dtype=torch.int64)
+    heads = {q: torch.zeros(len(head), dtype=torch.int64) for q in sources}
+    reqs = [dist.isend(head, target, group), *(dist.irecv(heads[q], q, group) for q in sources)]
     for r in reqs:
         r.wait()
-    bufs = {q: torch.empty(int(sizes[q].item()), dtype=torch.uint8) for q in sources}
+    bufs = {q: torch.empty(int(heads[q][0].item()), dtype=torch.uint8) for q in sources}
     reqs = [dist.isend(_as_tensor(data), target, group)]
     reqs += [dist.irecv(bufs[q], q, group) for q in sources]
     for r in reqs:
@@ -75,7 +83,8 @@ def exchange(
     for q in sources:
         got = memoryview(bufs[q].numpy())  # the received bytes themselves, not a copy
         write_whole(backup_path[q], got)
-        out[q] = (len(got), hashlib.sha256(got).hexdigest())
+        sent = heads[q][1:].numpy().tobytes().hex()
+        out[q] = (len(got), sent or hashlib.sha256(got).hexdigest())
     return out
 
 

@@ -41,6 +41,14 @@ VOTE_EVERY = 10
 VOTE_WARMUP = 5
 VOTE_LAG = 2
 MAX_STRETCH = 10.0
+# Step and own-gradient records wait in the pipe's buffer for up to FLUSH_S: one write (and one
+# wake-up of the agent) per flush instead of two a step. Anything the agent acts on at once (a
+# NaN, a local spike, the attempt's first step, checkpoints, errors) goes at once with what waits.
+FLUSH_S = 0.25
+# An own-gradient norm this many times the rank's recent median is sent before the all-reduce,
+# so the agent sees where a spike started (its spike factor is larger).
+LOCAL_SPIKE_FLUSH = 2.0
+PARAMS_RELIST = 100
 
 
 class Context:
@@ -60,7 +68,10 @@ class Context:
             # Not inherited by the rank's own children (data loader workers): the agent
             # must see the pipe close when the rank dies.
             os.set_inheritable(env.report_fd, False)
-            self._report = os.fdopen(env.report_fd, "w", buffering=1)
+            self._report = os.fdopen(env.report_fd, "w", buffering=1 << 16)
+        self._flushed_at = 0.0  # monotonic time of the last write to the pipe
+        self._local_norms: list[float] = []  # this rank's own gradient norms, the newest 20
+        self._params: tuple[weakref.ref[torch.nn.Module], list[torch.nn.Parameter]] | None = None
         self._last_report_t: float | None = None
         self._last_report_cpu = 0.0  # the training thread's CPU time at the last report
         self._train_cpu: list[float] = []  # its CPU time per step, the newest 50
@@ -116,7 +127,9 @@ class Context:
         return self._groups[kind]
 
     # -- reports --------------------------------------------------------------
-    def _send(self, record: protocol.Message) -> None:
+    def _send(self, record: protocol.Message, hold: bool = False) -> None:
+        """Write ``record`` to the agent: at once, with whatever waits, or (``hold``) with the
+        next flush, at most FLUSH_S from the last."""
         if self._report is None:
             return
         record["rank"] = self.rank
@@ -124,7 +137,11 @@ class Context:
         try:
             with self._send_lock:  # the snapshot thread reports too
                 self._report.write(protocol.encode(record))
-        except BrokenPipeError:
+                mono = time.monotonic()
+                if not hold or mono - self._flushed_at >= FLUSH_S:
+                    self._report.flush()
+                    self._flushed_at = mono
+        except (BrokenPipeError, ValueError):  # ValueError: closed by finish() meanwhile
             # The agent went away; the rank will be stopped by it or its replacement.
             self._report = None
 
@@ -145,18 +162,31 @@ class Context:
             self._local["hash_step"] = step - 1
         faults.apply(self._faults.active(step), step, model, self._median_step_s(), self._fault_fired)
         # Two ops for the whole model (one norm per gradient, then theirs), not four per parameter.
-        grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
-        norm = float(torch.stack(torch._foreach_norm(grads)).double().norm()) if grads else 0.0
+        grads = [g for p in self._params_of(model, step) if (g := p.grad) is not None]
+        norms = torch.stack(torch._foreach_norm(grads)) if grads else None
+        norm = float(torch.linalg.vector_norm(norms, dtype=torch.float64)) if norms is not None else 0.0
         finite = math.isfinite(norm)
         # Sent now, before the all-reduce spreads a NaN or a spike to every rank.
         local: protocol.Local = {"t": "local", "step": step, "local_grad_norm": norm if finite else None}
+        recent = self._local_norms
+        urgent = not finite or (len(recent) >= 5 and norm > LOCAL_SPIKE_FLUSH * statistics.median(recent))
         if not finite:
             local["local_nonfinite"] = True
-        self._send(local)
+        else:
+            self._local_norms = [*recent[-19:], norm]
+        self._send(local, hold=not urgent)
         if self._last_report_t is not None:
             # Forward/backward time, pipeline waits included, the dp all-reduce excluded:
             # a slow machine (and its pipeline) stands out here, not in step times.
             self._local["compute_s"] = time.monotonic() - self._last_report_t
+
+    def _params_of(self, model: torch.nn.Module, step: int) -> list[torch.nn.Parameter]:
+        """``model``'s parameters, listed again only for another model or every PARAMS_RELIST
+        steps (walking the module tree costs more than the norms themselves on a small model)."""
+        cached = self._params
+        if cached is None or cached[0]() is not model or step % PARAMS_RELIST == 0:
+            cached = self._params = (weakref.ref(model), list(model.parameters()))
+        return cached[1]
 
     def _fault_fired(self, fault: dict[str, Any]) -> None:
         self._faults.used.add(str(fault.get("id")))
@@ -191,7 +221,10 @@ class Context:
         if grad_norm is not None:
             rec["grad_norm"] = float(grad_norm)
         rec.update(extra)
-        self._send(rec)
+        # The attempt's first step, the last and a NaN go at once: the job is back, done, or broken.
+        last = self.target_steps is not None and step >= self.target_steps
+        finite = all(math.isfinite(v) for v in (rec.get("loss"), rec.get("grad_norm")) if v is not None)
+        self._send(rec, hold=step_time is not None and not last and finite)
 
     # -- the snapshot interval ---------------------------------------------------
     def _meter_step(self, step: int, step_time: float) -> None:
@@ -390,7 +423,12 @@ class Context:
         backup.write_whole(path, data)
         if self._backups is not None:
             got = backup.exchange(
-                self.rank, self._backups, data, self._backup_paths(snap.step), self._backup_group
+                self.rank,
+                self._backups,
+                data,
+                self._backup_paths(snap.step),
+                self._backup_group,
+                sha256=digest,
             )
             for of_rank, (size, sha) in got.items():
                 self._send(

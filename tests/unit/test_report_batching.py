@@ -1,0 +1,92 @@
+"""Step records wait in the rank's pipe buffer (one write per FLUSH_S, not two a step); what the
+agent acts on at once (the first step, a NaN or a spike at its origin, the last step) goes at once,
+with everything before it, in order."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainguard.domain.spec import Topology
+from trainguard.runtime import context
+from trainguard.runtime.context import Context
+from trainguard.runtime.env import RankEnv
+
+
+def _context(tmp_path: Path, fd: int) -> Context:
+    env = RankEnv(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        master_addr="127.0.0.1",
+        master_port=1,
+        topology=Topology(),
+        target_steps=20,
+        ckpt_dir=str(tmp_path),
+        ckpt_every=1000,
+        report_fd=fd,
+    )
+    return Context(env)
+
+
+def _received(fd: int) -> list[tuple[str, int]]:
+    try:
+        data = os.read(fd, 1 << 20)
+    except BlockingIOError:
+        return []
+    return [(r["t"], r["step"]) for r in map(json.loads, data.decode().splitlines())]
+
+
+def _model(grad: float) -> torch.nn.Module:
+    model = torch.nn.Linear(2, 1)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, grad)
+    return model
+
+
+def test_step_records_wait_for_the_flush_and_news_goes_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(context, "FLUSH_S", 3600.0)
+    r, w = os.pipe()
+    fcntl.fcntl(r, fcntl.F_SETFL, os.O_NONBLOCK)
+    ctx = _context(tmp_path, w)
+    try:
+        ctx.before_sync(1, _model(1.0))
+        ctx.report(1, loss=1.0)
+        # The attempt's first step: the job is back.
+        assert _received(r) == [("local", 1), ("step", 1)]
+        for step in range(2, 8):
+            ctx.before_sync(step, _model(1.0))
+            ctx.report(step, loss=1.0)
+        assert _received(r) == []
+        # A spike at its origin goes before the all-reduce, with what waited.
+        ctx.before_sync(8, _model(10.0))
+        got = _received(r)
+        assert got[-1] == ("local", 8) and got[:2] == [("local", 2), ("step", 2)] and len(got) == 13
+        ctx.report(8, loss=1.0)
+        assert _received(r) == []
+        ctx.before_sync(9, _model(float("nan")))
+        assert _received(r) == [("step", 8), ("local", 9)]
+        ctx.report(9, loss=float("nan"))  # a NaN loss: at once
+        assert _received(r) == [("step", 9)]
+        ctx.report(10, loss=1.0)
+        assert _received(r) == []
+        # The interval over: the next record takes everything.
+        monkeypatch.setattr(context, "FLUSH_S", 0.0)
+        ctx.report(11, loss=1.0)
+        assert _received(r) == [("step", 10), ("step", 11)]
+        monkeypatch.setattr(context, "FLUSH_S", 3600.0)
+        ctx.report(20, loss=1.0)  # the last step
+        assert _received(r) == [("step", 20)]
+    finally:
+        ctx._fence_hook.remove()
+        if ctx._report is not None:
+            ctx._report.close()
+        os.close(r)
