@@ -70,6 +70,8 @@ MEMORY_STEPS_REPORTED = 2
 WATCH_EVERY_S = 0.25
 # Hung ranks wait this long for the workflow to dump their stacks and stop them.
 ORPHAN_FROZEN_S = 60.0
+# rank, step, the rank's own clock (time.time()) per line, one file per attempt.
+STEP_TRAIL = "steps.tsv"
 
 SignalFn = Callable[[ProgressReport], Awaitable[None]]
 
@@ -361,6 +363,7 @@ class RankSession:
             if self.first_step_at is None:
                 self.first_step_at = now
             self.step_wall.setdefault(step, now)
+            self._trail(rank, step, rec.get("ts"))
             if rec.get("loss") is not None:
                 self.loss = float(rec["loss"])
             if rec.get("step_time_s") is not None:
@@ -423,6 +426,12 @@ class RankSession:
         elif kind == "final":
             self.monitor.on_alive(rank, time.monotonic(), finished=True)
             self.final_hashes[rank] = str(rec["param_hash"])
+
+    def _trail(self, rank: int, step: int, ts: float | None) -> None:
+        """Each step as its rank timed it, in the attempt's log dir: what proves afterwards that
+        two attempts never trained at the same time (bench/chaos.py reads it)."""
+        with (self.log_dir / STEP_TRAIL).open("a") as f:  # one short line a step: no handle kept
+            f.write(f"{rank}\t{step}\t{ts if ts is not None else time.time():.3f}\n")
 
     @property
     def machine_step(self) -> int:
@@ -515,7 +524,7 @@ class RankSession:
                 shards = []
                 for rank in self.inp.ranks:
                     path = self.ckpt_dir / shard_name(step, rank)
-                    key = checkpoints.shard_key(self.inp.ckpt_prefix, step, rank)
+                    key = checkpoints.shard_key(self.inp.ckpt_prefix, step, rank, self.inp.attempt)
                     size, digest = await asyncio.to_thread(self.store.put_file, key, path)
                     shards.append(ShardInfo(rank=rank, step=step, key=key, size=size, sha256=digest))
                 break

@@ -41,3 +41,9 @@ CANCEL_AT_ONCE = "cancel-at-once"
 # A job whose ranks did not all use the runtime (a script run as it is) completes when every rank
 # exits 0, at the step seen last, without a parameter hash.
 SCRIPT_COMPLETION = "script-completion"
+# A step's shards are committed only together with shards of the same attempt: a step uploaded in
+# part by a failed attempt and again by the next no longer mixes the two (shard keys name the attempt).
+SHARDS_OF_ONE_ATTEMPT = "shards-of-one-attempt"
+# A machine whose heartbeats timed out is waited for (the re-attach pick-up) longer than its agent's
+# fence: one merely cut off from Temporal has stopped its ranks before its replacement starts.
+FENCE_BOUND = "fence-bound"
