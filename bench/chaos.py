@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -81,6 +82,7 @@ from infra.local import node_names, restore_pool  # noqa: E402
 from infra.private_stack import choose, connect, log, run_bench  # noqa: E402
 from infra.stack import SEAWEEDFS, TEMPORAL, Stack  # noqa: E402
 from tests.integration.helpers import example_spec  # noqa: E402
+from tests.replay.record import export_histories  # noqa: E402
 from trainguard.client import ControllerUnavailable, JobHandle, TrainguardClient  # noqa: E402
 from trainguard.domain import checkpoints  # noqa: E402
 from trainguard.domain.job_state import TERMINAL  # noqa: E402
@@ -620,6 +622,9 @@ def run(trials: int, kinds: list[str], seed: int, per_trial: int) -> dict[str, A
                 f"{r.mixed_checkpoints} mixed checkpoints)"
             )
             results.append(r)
+        if out := os.environ.get("TG_RECORD_HISTORIES"):
+            # The trials' histories, for tests/replay/histories (tests/replay/record.py).
+            await export_histories(tg.temporal, Path(out))
         return summarize(results, time.monotonic() - t0)
 
     netns_mode = any(k in PARTITIONS for k in kinds)
