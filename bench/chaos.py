@@ -170,6 +170,7 @@ class Struck:
     note: str = ""
     incidents: list[str] = field(default_factory=list)  # "kind action [evicted]" of the fault's incidents
     settled: bool = False
+    wall: float = 0.0  # time.time() when struck (the ranks' step times are on the same clock)
 
 
 @dataclass
@@ -188,6 +189,8 @@ class TrialResult:
     overlap_s: float | None = None
     overlapping_attempts: int = 0  # pairs of attempts whose ranks trained at the same time
     mixed_checkpoints: int = 0  # committed checkpoints whose shards come from several attempts
+    # Attempt -> [first, last] step time of its ranks, seconds after the first fault struck.
+    windows: dict[int, list[float]] = field(default_factory=dict)
     incidents: list[str] = field(default_factory=list)  # every incident of the job, as in Struck
 
 
@@ -342,6 +345,8 @@ class ChaosRun:
         res.replays = await replays_cleanly(self.tg, name)
         windows = attempt_windows(self.state_dir, name)
         res.overlap_s, res.overlapping_attempts = overlap(windows)
+        t0_wall = next((f.wall for f in struck if f.step >= 0), 0.0)
+        res.windows = {a: [round(lo - t0_wall, 1), round(hi - t0_wall, 1)] for a, (lo, hi) in windows.items()}
         res.mixed_checkpoints = await self._in_thread(mixed_checkpoints, self.tg, spec, name)
         await self.mend()
         return res
@@ -351,6 +356,7 @@ class ChaosRun:
         it comes back)."""
         node = st["nodes"]["0"]  # the machine holding ranks 0-1
         kind = fault.kind
+        wall = time.time()
         note = ""
         moment = st["phase"]
         if kind == "controller-kill":
@@ -383,6 +389,7 @@ class ChaosRun:
                         job, lambda s, at=st["step"]: s["step"] > at and s["step"] % every >= every - 4
                     )
                 )["phase"]
+            wall = time.time()
             note = await self._partition(job, kind, st, fault.pause_s)
         elif kind == "temporal-restart":
             note = await self._outage(self._stop(TEMPORAL), self._start_servers, fault.pause_s)
@@ -395,7 +402,7 @@ class ChaosRun:
         else:
             raise ValueError(f"unknown chaos fault {kind!r}")
         self.say(f"  {kind} at step {st['step']} ({moment}): {note}")
-        return Struck(kind, fault.at_step, int(st["step"]), moment=moment, note=note)
+        return Struck(kind, fault.at_step, int(st["step"]), moment=moment, note=note, wall=wall)
 
     def _plan(self) -> netns.NetnsPlan:
         plan = netns.load(self.state_dir)
