@@ -28,8 +28,9 @@ Probe = Callable[[], Awaitable[object]]
 
 
 class Fenceable(Protocol):
-    def running(self) -> str | None: ...
-    async def fence(self) -> list[tuple[str, int]]: ...
+    async def fence(self) -> list[tuple[str, int]]:
+        """Stop every rank still alive here; the (job, attempt) of each session stopped."""
+        ...
 
 
 def temporal_probe(client: Client, timeout_s: float = fencing.FENCE_PROBE_TIMEOUT_S) -> Probe:
@@ -74,15 +75,17 @@ class Fence:
                 log.warning("temporal reachable again after %.0f s", self.clock() - self.last_ok)
             self.last_ok = sent
             return
-        if fencing.fenced(self.last_ok, self.clock(), self.fence_after_s) and self.ranks.running():
+        if not fencing.fenced(self.last_ok, self.clock(), self.fence_after_s):
+            return
+        stopped = await self.ranks.fence()  # nothing when nothing runs (hung ranks count)
+        if stopped:
+            self.fenced.extend(stopped)
             log.warning(
-                "temporal unreachable for %.0f s (fence at %.0f s): stopping this machine's ranks",
+                "temporal unreachable for %.0f s (fence at %.0f s): stopped the ranks of %s",
                 self.clock() - self.last_ok,
                 self.fence_after_s,
+                ", ".join(f"{job} attempt {attempt}" for job, attempt in stopped),
             )
-            stopped = await self.ranks.fence()
-            self.fenced.extend(stopped)
-            log.warning("fenced %s", ", ".join(f"{job} attempt {attempt}" for job, attempt in stopped))
 
     async def run(self) -> None:
         while True:

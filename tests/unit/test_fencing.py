@@ -55,9 +55,6 @@ class Ranks:
         self.live = [("job", 3)]
         self.stopped: list[tuple[str, int]] = []
 
-    def running(self) -> str | None:
-        return "ranks of job attempt 3 still run" if self.live else None
-
     async def fence(self) -> list[tuple[str, int]]:
         self.stopped, self.live = self.live, []
         return self.stopped
