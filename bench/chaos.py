@@ -33,6 +33,9 @@ machine in its own network namespace and drops packets there with nftables, ``in
   (shorter than the agent's fencing bound F): nothing restarts.
 - ``temporal-cut-long``: the same until the job has recovered without it (longer than the
   workflow's lost bound L): the agent fences its ranks, the workflow evicts the machine.
+- ``temporal-cut-job``: every machine of the job cut from Temporal (a rack cut off; they still
+  reach each other and S3) until the job has recovered on the spares: without the fence the
+  old attempt trains on beside the new one.
 - ``s3-cut-persist``: that machine cannot reach S3 just before a checkpoint persist.
 - ``peer-cut``: ranks 0-1's machine and ranks 2-3's cannot reach each other, both reach Temporal,
   until the job has recovered: the collectives stall (a hang), and the cut is localized.
@@ -115,6 +118,7 @@ KINDS = (
 PARTITIONS = (
     "temporal-cut-short",
     "temporal-cut-long",
+    "temporal-cut-job",
     "s3-cut-persist",
     "peer-cut",
     "temporal-flap",
@@ -129,9 +133,18 @@ PARTITION_STEP_SLEEP_S = 2.0
 # Faults that stop ranks: the job has not recovered from one until an incident for it is recorded
 # (progress reported just before the strike can carry the step past the struck one first).
 STOPS_RANKS = frozenset(
-    {"diagnosis-kill", "eviction-kill", "agent-kill", "machine-lost", "temporal-cut-long", "peer-cut"}
+    {
+        "diagnosis-kill",
+        "eviction-kill",
+        "agent-kill",
+        "machine-lost",
+        "temporal-cut-long",
+        "temporal-cut-job",
+        "peer-cut",
+    }
 )
 NODES = 3  # two for the job, one spare
+PARTITION_NODES = 4  # a whole job cut off needs two spares
 CONTROLLERS = 2
 TARGET_STEPS = 80
 # Each step sleeps this long on top of its compute, so faults meet a job still training.
@@ -426,21 +439,24 @@ class ChaosRun:
                 await asyncio.sleep(FLAP_PERIOD_S)
             return f"{node}'s link to Temporal flapped {flaps} times ({FLAP_PERIOD_S:.0f} s down, up)"
         target = {"s3-cut-persist": "s3", "peer-cut": other}.get(kind, "temporal")
-        await self._in_thread(partition.cut, plan, cfg, node, [target])
+        cut = sorted(st["nodes"].values()) if kind == "temporal-cut-job" else [node]
+        for n in cut:
+            await self._in_thread(partition.cut, plan, cfg, n, [target])
         try:
-            if kind in ("temporal-cut-long", "peer-cut"):
+            if kind in ("temporal-cut-long", "temporal-cut-job", "peer-cut"):
                 # Until the job trains again with the incident behind it (or gives up waiting).
                 await until(
                     job, lambda s: len(s["incidents"]) > mark and _recovered(s, mark), SETTLE_TIMEOUT_S
                 )
-                if kind == "temporal-cut-long":
+                if kind != "peer-cut":
                     await asyncio.sleep(max(0.0, LONG_CUT_MIN_S - (time.monotonic() - t0)))
             else:
                 short = kind == "temporal-cut-short"
                 await asyncio.sleep(min(pause_s, SHORT_CUT_MAX_S) if short else pause_s)
         finally:
-            await self._in_thread(partition.heal, plan, node)
-        return f"{node} cut from {target}, healed after {time.monotonic() - t0:.1f} s"
+            for n in cut:
+                await self._in_thread(partition.heal, plan, n)
+        return f"{', '.join(cut)} cut from {target}, healed after {time.monotonic() - t0:.1f} s"
 
     async def _moment(self, job: JobHandle, pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
         """The status once ``pred`` holds; when the moment passed unseen, the latest status."""
@@ -604,6 +620,8 @@ def summarize(results: list[TrialResult], wall_s: float) -> dict[str, Any]:
 
 def run(trials: int, kinds: list[str], seed: int, per_trial: int) -> dict[str, Any]:
     plans = plan_trials(trials, kinds, seed, per_trial)
+    netns_mode = any(k in PARTITIONS for k in kinds)
+    nodes = PARTITION_NODES if netns_mode else NODES
 
     async def bench(state_dir: Path, say: Callable[[str], None]) -> dict[str, Any]:
         t0 = time.monotonic()
@@ -613,7 +631,7 @@ def run(trials: int, kinds: list[str], seed: int, per_trial: int) -> dict[str, A
         spec = chaos_spec("chaos", step_sleep_s=PARTITION_STEP_SLEEP_S if slow else STEP_SLEEP_S)
         say(f"reference {ref[:20]}...")
         names = [chaos.CONTROLLER, *(f"{chaos.CONTROLLER}-{i}" for i in range(2, CONTROLLERS + 1))]
-        runner = ChaosRun(tg, state_dir, random.Random(seed), say, names, node_names(NODES, 0))
+        runner = ChaosRun(tg, state_dir, random.Random(seed), say, names, node_names(nodes, 0))
         results = []
         for i, faults in enumerate(plans):
             say(f"trial {i + 1}/{trials}: {', '.join(f'{f.kind}@{f.at_step}' for f in faults)}")
@@ -634,8 +652,7 @@ def run(trials: int, kinds: list[str], seed: int, per_trial: int) -> dict[str, A
             await export_histories(tg.temporal, Path(out))
         return summarize(results, time.monotonic() - t0)
 
-    netns_mode = any(k in PARTITIONS for k in kinds)
-    return run_bench("tg-chaos-", NODES, bench, controllers=CONTROLLERS, netns=netns_mode)
+    return run_bench("tg-chaos-", nodes, bench, controllers=CONTROLLERS, netns=netns_mode)
 
 
 def main() -> None:
