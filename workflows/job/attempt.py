@@ -234,7 +234,7 @@ class Attempt:
                 continue
             if progress.found is not None or any(failed(h) for h in handles.values()):
                 finding = await localize_hang(self.s, self.vis) if hung(handles) else None
-                return await collect_failure(self.s, progress, handles, finding)
+                return await collect_failure(self.s, progress, handles, finding, frozenset(reattached))
             if all(h.done() for h in handles.values()):
                 return AttemptOutcome(kind="completed", results=[h.result() for h in handles.values()])
             if history_full(self.inp):

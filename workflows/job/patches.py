@@ -46,4 +46,6 @@ SCRIPT_COMPLETION = "script-completion"
 SHARDS_OF_ONE_ATTEMPT = "shards-of-one-attempt"
 # A machine whose heartbeats timed out is waited for (the re-attach pick-up) longer than its agent's
 # fence: one merely cut off from Temporal has stopped its ranks before its replacement starts.
+# When its fence makes the peers fail first, a machine that missed its heartbeats and does not
+# answer the stop either is reported lost (evicted), not reattempted in place.
 FENCE_BOUND = "fence-bound"
