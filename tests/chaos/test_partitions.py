@@ -10,11 +10,10 @@ from __future__ import annotations
 import random
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from bench.chaos import ChaosFault, ChaosRun, chaos_spec
+from bench.chaos import ChaosFault, ChaosRun, chaos_spec, reference_hash
 from infra import partition
 from infra.chaos import CONTROLLER
 from infra.local import bring_down, bring_up, node_names
@@ -54,11 +53,12 @@ async def ns_tg(ns_dir: Path) -> AsyncIterator[TrainguardClient]:
 
 
 async def test_partitions_shorter_than_the_fence_restart_nothing(
-    ns_tg: TrainguardClient, ns_dir: Path, reference: dict[str, Any]
+    ns_tg: TrainguardClient, ns_dir: Path
 ) -> None:
+    reference = await reference_hash(ns_tg, chaos_spec("partitions-ref"))
     runner = ChaosRun(ns_tg, ns_dir, random.Random(0), print, [CONTROLLER], node_names(3, 0))
-    spec = chaos_spec("partitions", target_steps=reference["step"], step_sleep_s=STEP_SLEEP_S)
-    res = await runner.trial(spec.name, FAULTS, reference["result"]["param_hash"], spec)
+    spec = chaos_spec("partitions", step_sleep_s=STEP_SLEEP_S)
+    res = await runner.trial(spec.name, FAULTS, reference, spec)
     print(res)
     assert [f.kind for f in res.faults] == [f.kind for f in FAULTS]
     for f in res.faults:
