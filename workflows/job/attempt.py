@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, CancelledError, TimeoutType
@@ -198,10 +198,17 @@ class Attempt:
         pickup = FENCED_PICKUP_S if workflow.patched(patches.FENCE_BOUND) else REATTACH_PICKUP_S
         for name in lost:
             reattached[name] = reattached.get(name, 0) + 1
+            self.reattached_at[name] = workflow.now()
             handles[name] = self._start_ranks(index[name], attach=True, pickup_s=pickup)
         return True
 
+    def _unheard(self) -> frozenset[str]:
+        """Machines asked to re-attach that have not reported since: perhaps cut off."""
+        seen = self.progress.last_seen
+        return frozenset(n for n, at in self.reattached_at.items() if n not in seen or seen[n] < at)
+
     async def run(self, attach: bool) -> AttemptOutcome:
+        self.reattached_at: dict[str, datetime] = {}
         handles = {node.name: self._start_ranks(i, attach) for i, node in enumerate(self.s.nodes)}
         reattached: dict[str, int] = {}
         seen_done = 0
@@ -234,7 +241,7 @@ class Attempt:
                 continue
             if progress.found is not None or any(failed(h) for h in handles.values()):
                 finding = await localize_hang(self.s, self.vis) if hung(handles) else None
-                return await collect_failure(self.s, progress, handles, finding, frozenset(reattached))
+                return await collect_failure(self.s, progress, handles, finding, self._unheard())
             if all(h.done() for h in handles.values()):
                 return AttemptOutcome(kind="completed", results=[h.result() for h in handles.values()])
             if history_full(self.inp):

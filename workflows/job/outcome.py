@@ -145,8 +145,9 @@ async def collect_failure(
 ) -> AttemptOutcome:
     """Stop the attempt everywhere, then name the cause among every machine's reports.
 
-    ``reattached``: machines whose heartbeats timed out this attempt; one of them that does not
-    answer the stop either is lost (it is cut off, not merely slow), whatever its peers report."""
+    ``reattached``: machines whose heartbeats timed out and that have not reported since; one of
+    them that does not answer the stop either is lost (it is cut off, not merely slow), whatever
+    its peers report."""
     silent: set[str] = set()
     if finding is None and workflow.patched(patches.STOP_AT_ONCE):
         still = [name for name, h in handles.items() if not h.done()]

@@ -51,6 +51,8 @@ class Progress:
         self.commits: dict[int, workflow.ActivityHandle[CheckpointRef]] = {}  # step -> commit under way
         # An incident found by the workflow itself (fail-slow, replica mismatch).
         self.found: IncidentReport | None = None
+        # When a report of the running attempt from each machine was last folded in (workflow time).
+        self.last_seen: dict[str, datetime] = {}
 
     def drain(self) -> None:
         reports, self.inbox = self.inbox, []
@@ -60,6 +62,7 @@ class Progress:
             if run is None or r.attempt != run.attempt:
                 continue  # a late report from an attempt already over
             latest = r.at if latest is None else max(latest, r.at)
+            self.last_seen[r.node] = workflow.now()
             self.note_shards(r)
             self.note_memory(r)
             self._note_step(r)
