@@ -22,6 +22,9 @@ class CheckpointActivities:
     @activity.defn(name=calls.latest_checkpoint.name)
     async def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
         jprefix = checkpoints.job_prefix(inp.prefix, inp.job_id)
+        if inp.attempt is not None:
+            # Before anything of the new attempt runs: a stale attempt's commit is refused from now on.
+            await asyncio.to_thread(checkpoints.begin_attempt, self.store, jprefix, inp.attempt)
         return await asyncio.to_thread(checkpoints.latest, self.store, jprefix, inp.world_size, inp.max_step)
 
     @activity.defn(name=calls.commit_checkpoint.name)
@@ -31,6 +34,8 @@ class CheckpointActivities:
             telemetry.record_job(inp.job_id, inp.gauges)
         try:
             return await asyncio.to_thread(checkpoints.commit, self.store, inp)
+        except checkpoints.StaleAttempt as exc:
+            raise ApplicationError(str(exc), type="StaleAttempt", non_retryable=True) from exc
         except ValueError as exc:
             # A shard that is missing now will not appear by retrying the commit.
             raise ApplicationError(str(exc), type="IncompleteCheckpoint", non_retryable=True) from exc

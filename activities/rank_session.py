@@ -70,6 +70,8 @@ MEMORY_STEPS_REPORTED = 2
 WATCH_EVERY_S = 0.25
 # Hung ranks wait this long for the workflow to dump their stacks and stop them.
 ORPHAN_FROZEN_S = 60.0
+# rank, step, the rank's own clock (time.time()) per line, one file per attempt.
+STEP_TRAIL = "steps.tsv"
 
 SignalFn = Callable[[ProgressReport], Awaitable[None]]
 
@@ -365,6 +367,7 @@ class RankSession:
             # The rank's own clock: a step record may wait in its buffer (FLUSH_S) before it comes.
             ts = rec.get("ts")
             self.step_wall.setdefault(step, datetime.fromtimestamp(ts, UTC) if ts else now)
+            self._trail(rank, step, ts)
             if rec.get("loss") is not None:
                 self.loss = float(rec["loss"])
             if rec.get("step_time_s") is not None:
@@ -430,6 +433,12 @@ class RankSession:
         elif kind == "final":
             self.monitor.on_alive(rank, time.monotonic(), finished=True)
             self.final_hashes[rank] = str(rec["param_hash"])
+
+    def _trail(self, rank: int, step: int, ts: float | None) -> None:
+        """Each step as its rank timed it, in the attempt's log dir: what proves afterwards that
+        two attempts never trained at the same time (bench/chaos.py reads it)."""
+        with (self.log_dir / STEP_TRAIL).open("a") as f:  # one short line a step: no handle kept
+            f.write(f"{rank}\t{step}\t{ts if ts is not None else time.time():.3f}\n")
 
     @property
     def machine_step(self) -> int:
@@ -523,7 +532,7 @@ class RankSession:
                 shards = []
                 for rank in self.inp.ranks:
                     path = self.ckpt_dir / shard_name(step, rank)
-                    key = checkpoints.shard_key(self.inp.ckpt_prefix, step, rank)
+                    key = checkpoints.shard_key(self.inp.ckpt_prefix, step, rank, self.inp.attempt)
                     size, digest = await asyncio.to_thread(self.store.put_file, key, path, hashes.get(rank))
                     shards.append(ShardInfo(rank=rank, step=step, key=key, size=size, sha256=digest))
                 break

@@ -80,6 +80,13 @@ class RankActivities:
         )
         return f"ranks of {', '.join(jobs)} still run" if jobs else None
 
+    async def fence(self) -> list[tuple[str, int]]:
+        """Temporal is out of reach for too long (``activities.fence``): stop every rank here, hung
+        ones kept for their stacks included; the workflow is about to start their replacement."""
+        live = [s for s in self.sessions.values() if not s.done or s.frozen]
+        await asyncio.gather(*(s.kill() for s in live))
+        return [s.key for s in live]
+
     def mark_stopped(self, job_id: str, attempt: int, chain: str) -> None:
         """A stop came for an attempt whose ranks are not (yet) running here: a run_ranks that
         arrives later (its task was still queued) must not start them and run until cancelled."""

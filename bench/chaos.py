@@ -26,6 +26,26 @@ while that activity is in flight, not some time around it.
 - ``s3-outage``: stop the object store just before a checkpoint persist; start it
   again after a pause.
 
+Partition kinds (``--netns`` stacks only, chosen with ``--faults``; the bench then runs every
+machine in its own network namespace and drops packets there with nftables, ``infra.partition``):
+
+- ``temporal-cut-short``: the machine holding ranks 0-1 cannot reach Temporal for the pause
+  (shorter than the agent's fencing bound F): nothing restarts.
+- ``temporal-cut-long``: the same until the job has recovered without it (longer than the
+  workflow's lost bound L): the agent fences its ranks, the workflow evicts the machine.
+- ``temporal-cut-job``: every machine of the job cut from Temporal (a rack cut off; they still
+  reach each other and S3) until the job has recovered on the spares: without the fence the
+  old attempt trains on beside the new one.
+- ``s3-cut-persist``: that machine cannot reach S3 just before a checkpoint persist.
+- ``peer-cut``: ranks 0-1's machine and ranks 2-3's cannot reach each other, both reach Temporal,
+  until the job has recovered: the collectives stall (a hang), and the cut is localized.
+- ``temporal-flap``: the link to Temporal goes down and up every 2 s for the pause.
+
+After each trial the ranks' own step timestamps (``steps.tsv`` of every attempt, written by the
+agents) show whether two attempts ever trained at the same time (``overlapping_attempts``, and the
+``overlap_s`` window per trial: negative is the gap between the attempts that came closest), and
+the S3 listing whether a checkpoint mixes attempts (``mixed_checkpoints``).
+
 A trial passes when the job completes and its final parameter hash equals that of
 a fault-free run of the same job. Between faults, once the job has recovered, the
 pool is made whole again (agents started, faults cleared, quarantined machines
@@ -41,6 +61,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -54,18 +75,22 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from temporalio.api.enums.v1 import EventType  # noqa: E402
-from temporalio.client import WorkflowQueryFailedError  # noqa: E402
+from temporalio.client import WorkflowQueryFailedError, WorkflowUpdateFailedError  # noqa: E402
 from temporalio.service import RPCError  # noqa: E402
 from temporalio.worker import Replayer  # noqa: E402
 
-from infra import chaos  # noqa: E402
+from activities.rank_session import STEP_TRAIL  # noqa: E402
+from infra import chaos, netns, partition  # noqa: E402
 from infra.local import node_names, restore_pool  # noqa: E402
 from infra.private_stack import choose, connect, log, run_bench  # noqa: E402
 from infra.stack import SEAWEEDFS, TEMPORAL, Stack  # noqa: E402
 from tests.integration.helpers import example_spec  # noqa: E402
+from tests.replay.record import export_histories  # noqa: E402
 from trainguard.client import ControllerUnavailable, JobHandle, TrainguardClient  # noqa: E402
+from trainguard.domain import checkpoints  # noqa: E402
 from trainguard.domain.job_state import TERMINAL  # noqa: E402
 from trainguard.domain.spec import JobSpec  # noqa: E402
+from trainguard.services.storage import S3Store  # noqa: E402
 from workflows.job import calls  # noqa: E402
 from workflows.job.workflow import TrainingJobWorkflow  # noqa: E402
 
@@ -89,10 +114,37 @@ KINDS = (
     "temporal-restart",
     "s3-outage",
 )
+# Network partitions: only on a stack whose machines live in network namespaces.
+PARTITIONS = (
+    "temporal-cut-short",
+    "temporal-cut-long",
+    "temporal-cut-job",
+    "s3-cut-persist",
+    "peer-cut",
+    "temporal-flap",
+)
+FLAP_PERIOD_S = 2.0
+# A short cut stays under the agent's fencing bound and the workflow's lost bound alike.
+SHORT_CUT_MAX_S = 15.0
+# A long cut lasts at least this long, and until the job has recovered without the machine.
+LONG_CUT_MIN_S = 100.0
+# Partition trials train slower: the job must still be training when a long cut's bounds pass.
+PARTITION_STEP_SLEEP_S = 2.0
 # Faults that stop ranks: the job has not recovered from one until an incident for it is recorded
 # (progress reported just before the strike can carry the step past the struck one first).
-STOPS_RANKS = frozenset({"diagnosis-kill", "eviction-kill", "agent-kill", "machine-lost"})
+STOPS_RANKS = frozenset(
+    {
+        "diagnosis-kill",
+        "eviction-kill",
+        "agent-kill",
+        "machine-lost",
+        "temporal-cut-long",
+        "temporal-cut-job",
+        "peer-cut",
+    }
+)
 NODES = 3  # two for the job, one spare
+PARTITION_NODES = 4  # a whole job cut off needs two spares
 CONTROLLERS = 2
 TARGET_STEPS = 80
 # Each step sleeps this long on top of its compute, so faults meet a job still training.
@@ -131,6 +183,7 @@ class Struck:
     note: str = ""
     incidents: list[str] = field(default_factory=list)  # "kind action [evicted]" of the fault's incidents
     settled: bool = False
+    wall: float = 0.0  # time.time() when struck (the ranks' step times are on the same clock)
 
 
 @dataclass
@@ -145,6 +198,12 @@ class TrialResult:
     wall_s: float
     verdict: str | None = None
     replays: bool = False  # every run of the job's history replays on today's workflow code
+    # The longest time two attempts' ranks both trained (negative: the smallest gap between two).
+    overlap_s: float | None = None
+    overlapping_attempts: int = 0  # pairs of attempts whose ranks trained at the same time
+    mixed_checkpoints: int = 0  # committed checkpoints whose shards come from several attempts
+    # Attempt -> [first, last] step time of its ranks, seconds after the first fault struck.
+    windows: dict[int, list[float]] = field(default_factory=dict)
     incidents: list[str] = field(default_factory=list)  # every incident of the job, as in Struck
 
 
@@ -297,6 +356,11 @@ class ChaosRun:
             incidents=[_describe(i) for i in final.get("incidents", [])],
         )
         res.replays = await replays_cleanly(self.tg, name)
+        windows = attempt_windows(self.state_dir, name)
+        res.overlap_s, res.overlapping_attempts = overlap(windows)
+        t0_wall = next((f.wall for f in struck if f.step >= 0), 0.0)
+        res.windows = {a: [round(lo - t0_wall, 1), round(hi - t0_wall, 1)] for a, (lo, hi) in windows.items()}
+        res.mixed_checkpoints = await self._in_thread(mixed_checkpoints, self.tg, spec, name)
         await self.mend()
         return res
 
@@ -305,6 +369,7 @@ class ChaosRun:
         it comes back)."""
         node = st["nodes"]["0"]  # the machine holding ranks 0-1
         kind = fault.kind
+        wall = time.time()
         note = ""
         moment = st["phase"]
         if kind == "controller-kill":
@@ -330,6 +395,15 @@ class ChaosRun:
                 await asyncio.sleep(fault.pause_s)  # the host reboots
                 await self._in_thread(chaos.start_agents, self.stack(), [node], REPO)
                 note += f", back after {fault.pause_s:.1f} s"
+        elif kind in PARTITIONS:
+            if kind == "s3-cut-persist":
+                moment = (
+                    st := await self._moment(
+                        job, lambda s, at=st["step"]: s["step"] > at and s["step"] % every >= every - 4
+                    )
+                )["phase"]
+            wall = time.time()
+            note = await self._partition(job, kind, st, fault.pause_s)
         elif kind == "temporal-restart":
             note = await self._outage(self._stop(TEMPORAL), self._start_servers, fault.pause_s)
         elif kind == "s3-outage":
@@ -341,7 +415,48 @@ class ChaosRun:
         else:
             raise ValueError(f"unknown chaos fault {kind!r}")
         self.say(f"  {kind} at step {st['step']} ({moment}): {note}")
-        return Struck(kind, fault.at_step, int(st["step"]), moment=moment, note=note)
+        return Struck(kind, fault.at_step, int(st["step"]), moment=moment, note=note, wall=wall)
+
+    def _plan(self) -> netns.NetnsPlan:
+        plan = netns.load(self.state_dir)
+        if plan is None:
+            raise ValueError("partition faults need a netns stack (bench/chaos.py picks one for them)")
+        return plan
+
+    async def _partition(self, job: JobHandle, kind: str, st: dict[str, Any], pause_s: float) -> str:
+        """Cut the machine holding ranks 0-1 off (from Temporal, S3 or the machine holding ranks
+        2-3), and heal it after the pause, or once the job recovered without it."""
+        plan, cfg = self._plan(), self.stack().config
+        node, other = st["nodes"]["0"], st["nodes"]["1"]
+        mark = len(st["incidents"])
+        t0 = time.monotonic()
+        if kind == "temporal-flap":
+            flaps = max(2, round(max(pause_s, 8.0) / (2 * FLAP_PERIOD_S)))
+            for _ in range(flaps):
+                await self._in_thread(partition.cut, plan, cfg, node, ["temporal"])
+                await asyncio.sleep(FLAP_PERIOD_S)
+                await self._in_thread(partition.heal, plan, node)
+                await asyncio.sleep(FLAP_PERIOD_S)
+            return f"{node}'s link to Temporal flapped {flaps} times ({FLAP_PERIOD_S:.0f} s down, up)"
+        target = {"s3-cut-persist": "s3", "peer-cut": other}.get(kind, "temporal")
+        cut = sorted(st["nodes"].values()) if kind == "temporal-cut-job" else [node]
+        for n in cut:
+            await self._in_thread(partition.cut, plan, cfg, n, [target])
+        try:
+            if kind in ("temporal-cut-long", "temporal-cut-job", "peer-cut"):
+                # Until the job trains again with the incident behind it (or gives up waiting).
+                await until(
+                    job, lambda s: len(s["incidents"]) > mark and _recovered(s, mark), SETTLE_TIMEOUT_S
+                )
+                if kind != "peer-cut":
+                    await asyncio.sleep(max(0.0, LONG_CUT_MIN_S - (time.monotonic() - t0)))
+            else:
+                short = kind == "temporal-cut-short"
+                await asyncio.sleep(min(pause_s, SHORT_CUT_MAX_S) if short else pause_s)
+        finally:
+            for n in cut:
+                await self._in_thread(partition.heal, plan, n)
+        return f"{', '.join(cut)} cut from {target}, healed after {time.monotonic() - t0:.1f} s"
 
     async def _moment(self, job: JobHandle, pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
         """The status once ``pred`` holds; when the moment passed unseen, the latest status."""
@@ -387,10 +502,22 @@ class ChaosRun:
     async def mend(self) -> None:
         """Every part of the stack running again, every machine back in the pool."""
         stack = self.stack()
+        plan = netns.load(self.state_dir)
+        if plan is not None:
+            await self._in_thread(partition.heal_all, plan)
         await self._in_thread(chaos.start_servers, stack)
         down = [n for n in self.controllers if not stack.is_running(n)]
         await self._in_thread(chaos.start_controllers, stack, down)
-        await restore_pool(self.tg, self.state_dir, self.nodes, REPO)
+        for tries in range(3, 0, -1):
+            try:
+                await restore_pool(self.tg, self.state_dir, self.nodes, REPO)
+                return
+            except WorkflowUpdateFailedError:
+                # A machine just healed from a partition polls again only after its backoff:
+                # releasing it (its self-test) found nobody there yet.
+                if tries == 1:
+                    raise
+                await asyncio.sleep(15.0)
 
 
 async def replays_cleanly(tg: TrainguardClient, job_id: str) -> bool:
@@ -403,6 +530,41 @@ async def replays_cleanly(tg: TrainguardClient, job_id: str) -> bool:
         if result.replay_failure is not None:
             return False
     return True
+
+
+def attempt_windows(state_dir: Path, job_id: str) -> dict[int, tuple[float, float]]:
+    """Attempt -> (first, last) step time its ranks recorded on any machine (their own clocks)."""
+    windows: dict[int, tuple[float, float]] = {}
+    for trail in (state_dir / "nodes").glob(f"*/jobs/{job_id}/attempt-*/{STEP_TRAIL}"):
+        attempt = int(trail.parent.name.removeprefix("attempt-"))
+        lines = trail.read_text().splitlines()
+        times = [float(line.split("\t")[2]) for line in lines if line.count("\t") == 2]
+        if not times:
+            continue
+        lo, hi = windows.get(attempt, (min(times), max(times)))
+        windows[attempt] = (min(lo, *times), max(hi, *times))
+    return windows
+
+
+def overlap(windows: dict[int, tuple[float, float]]) -> tuple[float | None, int]:
+    """(the longest time two attempts both trained, negative for the smallest gap between two;
+    how many pairs of attempts trained at the same time)."""
+    spans = sorted(windows.values())
+    worst: float | None = None
+    pairs = 0
+    for i, (a0, a1) in enumerate(spans):
+        for b0, b1 in spans[i + 1 :]:
+            both = min(a1, b1) - max(a0, b0)
+            worst = both if worst is None else max(worst, both)
+            pairs += both > 0
+    return (round(worst, 3) if worst is not None else None), pairs
+
+
+def mixed_checkpoints(tg: TrainguardClient, spec: JobSpec, job_id: str) -> int:
+    """Committed checkpoints of ``job_id`` in S3 whose shards come from more than one attempt."""
+    store = S3Store(tg.settings)
+    jprefix = checkpoints.job_prefix(spec.checkpoint.s3_prefix, job_id)
+    return sum(not checkpoints.single_attempt(m) for m in checkpoints.manifests(store, jprefix))
 
 
 def plan_trials(trials: int, kinds: list[str], seed: int, per_trial: int = 2) -> list[list[ChaosFault]]:
@@ -447,6 +609,9 @@ def summarize(results: list[TrialResult], wall_s: float) -> dict[str, Any]:
         "faults": sum(f.step >= 0 for r in results for f in r.faults),
         "lost_steps_total": sum(r.lost_steps for r in results),
         "lost_steps_max": max((r.lost_steps for r in results), default=0),
+        "overlapping_attempts": sum(r.overlapping_attempts for r in results),
+        "overlap_s_max": max((r.overlap_s for r in results if r.overlap_s is not None), default=None),
+        "mixed_checkpoints": sum(r.mixed_checkpoints for r in results),
         "by_kind": by_kind,
         "wall_s": round(wall_s, 1),
         "results": [asdict(r) for r in results],
@@ -455,15 +620,18 @@ def summarize(results: list[TrialResult], wall_s: float) -> dict[str, Any]:
 
 def run(trials: int, kinds: list[str], seed: int, per_trial: int) -> dict[str, Any]:
     plans = plan_trials(trials, kinds, seed, per_trial)
+    netns_mode = any(k in PARTITIONS for k in kinds)
+    nodes = PARTITION_NODES if netns_mode else NODES
 
     async def bench(state_dir: Path, say: Callable[[str], None]) -> dict[str, Any]:
         t0 = time.monotonic()
         tg = await connect(state_dir)
-        spec = chaos_spec("chaos")
-        ref = await reference_hash(tg, spec)
+        ref = await reference_hash(tg, chaos_spec("chaos"))
+        slow = any(k in PARTITIONS for k in kinds)
+        spec = chaos_spec("chaos", step_sleep_s=PARTITION_STEP_SLEEP_S if slow else STEP_SLEEP_S)
         say(f"reference {ref[:20]}...")
         names = [chaos.CONTROLLER, *(f"{chaos.CONTROLLER}-{i}" for i in range(2, CONTROLLERS + 1))]
-        runner = ChaosRun(tg, state_dir, random.Random(seed), say, names, node_names(NODES, 0))
+        runner = ChaosRun(tg, state_dir, random.Random(seed), say, names, node_names(nodes, 0))
         results = []
         for i, faults in enumerate(plans):
             say(f"trial {i + 1}/{trials}: {', '.join(f'{f.kind}@{f.at_step}' for f in faults)}")
@@ -474,19 +642,28 @@ def run(trials: int, kinds: list[str], seed: int, per_trial: int) -> dict[str, A
                 await runner.mend()
             say(
                 f"  -> {r.phase}, hash {'matches' if r.hash_match else 'DIFFERS'}, "
-                f"{'replays' if r.replays else 'NONDETERMINISTIC'}, {r.wall_s} s"
+                f"{'replays' if r.replays else 'NONDETERMINISTIC'}, {r.wall_s} s, "
+                f"overlap window {r.overlap_s} s ({r.overlapping_attempts} overlapping attempt pairs, "
+                f"{r.mixed_checkpoints} mixed checkpoints)"
             )
             results.append(r)
+        if out := os.environ.get("TG_RECORD_HISTORIES"):
+            # The trials' histories, for tests/replay/histories (tests/replay/record.py).
+            await export_histories(tg.temporal, Path(out))
         return summarize(results, time.monotonic() - t0)
 
-    return run_bench("tg-chaos-", NODES, bench, controllers=CONTROLLERS)
+    return run_bench("tg-chaos-", nodes, bench, controllers=CONTROLLERS, netns=netns_mode)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trials", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--faults", default=",".join(KINDS), help="comma-separated kinds (default: all)")
+    p.add_argument(
+        "--faults",
+        default=",".join(KINDS),
+        help="comma-separated kinds (default: every process-level kind; partition kinds need root)",
+    )
     p.add_argument("--per-trial", type=int, default=2, help="faults per trial")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", type=Path, default=None, help="also write the full JSON document here")
@@ -497,7 +674,11 @@ def main() -> None:
     if not 1 <= args.per_trial <= 3:
         print("error: --per-trial: 1 to 3", file=sys.stderr)
         sys.exit(2)
-    kinds = choose("--faults", args.faults, KINDS)
+    kinds = choose("--faults", args.faults, (*KINDS, *PARTITIONS))
+    reason = partition.unavailable_reason()
+    if reason is not None and any(k in PARTITIONS for k in kinds):
+        print(f"error: --faults: partition kinds cannot run here: {reason}", file=sys.stderr)
+        sys.exit(2)
     doc = run(args.trials, kinds, args.seed, args.per_trial)
     if args.out:
         args.out.write_text(json.dumps(doc, indent=2) + "\n")

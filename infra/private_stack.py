@@ -50,15 +50,18 @@ def run_bench(
     warm_ranks: int = 0,
     controllers: int = 1,
     code_dir: Path = CHECKOUT,
+    netns: bool = False,
 ) -> dict[str, Any]:
     """Bring up ``nodes`` machines (each keeping ``warm_ranks`` warm rank processes, their ranks
-    started in ``code_dir``) and ``controllers`` controller workers, run ``bench(state_dir, log)``,
-    tear down; adds ``wall_s``."""
+    started in ``code_dir``) and ``controllers`` controller workers, each machine in its own network
+    namespace with ``netns``; run ``bench(state_dir, log)``, tear down; adds ``wall_s``."""
     t0 = time.monotonic()
     state_dir = Path(tempfile.mkdtemp(prefix=prefix))
     config = StackConfig.for_tests(state_dir).model_copy(update={"warm_ranks": warm_ranks})
     try:
-        bring_up(state_dir, nodes=nodes, config=config, code_dir=code_dir, controllers=controllers)
+        bring_up(
+            state_dir, nodes=nodes, config=config, code_dir=code_dir, controllers=controllers, netns=netns
+        )
         result = asyncio.run(bench(state_dir, log))
     finally:
         bring_down(state_dir)

@@ -31,6 +31,7 @@ from temporalio.worker import Worker
 
 from activities.diagnostics import DiagnosticActivities
 from activities.drills import DrillActivities, DrillProbe, DrillState, LinkControl
+from activities.fence import Fence, temporal_probe
 from activities.health import HealthMonitor
 from activities.rank_logs import LogActivities
 from activities.rank_session import rank_preexec
@@ -41,6 +42,7 @@ from trainguard.agent.health.events import Probe
 from trainguard.agent.health.host import HostProbe
 from trainguard.agent.health.link import LinkProbe
 from trainguard.agent.health.nvml import NvmlProbe
+from trainguard.domain.fencing import HEARTBEAT_THROTTLE_S
 from trainguard.domain.messages import NODE_NAME_RE, NodeInfo, node_queue
 from trainguard.services import pool_client, telemetry
 from trainguard.services.settings import Settings
@@ -48,6 +50,9 @@ from trainguard.services.storage import S3Store
 from trainguard.services.temporal import connect
 from workers.common import add_metrics_port, run_until_signalled, setup_logging, start_metrics
 
+# The server's view of a run_ranks heartbeat is never older than this when the link goes: part of
+# the lost bound the agent's fence must beat (trainguard.domain.fencing).
+HEARTBEAT_THROTTLE = timedelta(seconds=HEARTBEAT_THROTTLE_S)
 # Checkpoint snapshots go to tmpfs only when it has this much room; else to the work disk.
 MEMORY_MIN_FREE_BYTES = 1 << 30
 MEMORY_DIR_RECORD = "memory_dir"
@@ -138,7 +143,9 @@ async def main(
         identity=f"agent-{name}@{os.getpid()}",
         max_concurrent_activities=16,
         graceful_shutdown_timeout=timedelta(seconds=5),
+        max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
     )
+    fence = asyncio.create_task(Fence(temporal_probe(client), ranks).run(), name="fence")
 
     # Poll first, then register: once the pool lists this machine, work sent to its
     # queue is picked up at once.
@@ -154,6 +161,7 @@ async def main(
         await pool_client.register(client, info, pool=pool)
         await running
     finally:
+        fence.cancel()
         await warm.stop()
         await health.stop()
 

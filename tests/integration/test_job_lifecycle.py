@@ -38,7 +38,7 @@ async def test_job_completes_with_checkpoints_in_s3(reference: dict[str, Any], s
     for step in (70, 80):
         assert checkpoints.manifest_key(jprefix, step) in keys
         for rank in range(4):
-            assert checkpoints.shard_key(jprefix, step, rank) in keys
+            assert checkpoints.shard_key(jprefix, step, rank, attempt=1) in keys
     assert checkpoints.manifest_key(jprefix, 60) not in keys
     latest = checkpoints.latest(store, jprefix, 4)
     assert latest is not None and latest.step == 80

@@ -1,10 +1,18 @@
 """Checkpoint layout in S3 and the rules that make a checkpoint trustworthy.
 
-    <prefix>/<job>/step-0000000020/rank-00003.pt     one shard per rank
-    <prefix>/<job>/step-0000000020/manifest.json     written last
+    <prefix>/<job>/step-0000000020/attempt-0003/rank-00003.pt   one shard per rank
+    <prefix>/<job>/step-0000000020/manifest.json                written last
+    <prefix>/<job>/attempt.json                                 the newest attempt begun
 
 A checkpoint exists only when its manifest exists, lists one shard per rank of
-the job, and every listed shard is present with the recorded size. Resume takes
+the job, all written by one attempt, and every listed shard is present with the
+recorded size. Shards of each attempt have keys of their own, so a stale writer
+(the ranks of an attempt the workflow has given up on, on a machine cut off from
+it) can never replace or complete another attempt's checkpoint. A manifest is
+written only by the attempt the job is on (``attempt.json``, written as each
+attempt begins) and never over a newer attempt's. Checkpoints written before
+shards carried their attempt (``rank-00003.pt`` beside the manifest, which names
+no attempt) stay readable. Resume takes
 the newest such checkpoint; anything else is ignored and, once a newer complete
 checkpoint exists, deleted. The previous good checkpoint is never deleted before
 a newer one is complete.
@@ -21,6 +29,12 @@ from pydantic import BaseModel, ConfigDict
 from trainguard.domain.messages import CheckpointRef, CommitCheckpointInput, ShardInfo
 
 MANIFEST = "manifest.json"
+ATTEMPT_MARKER = "attempt.json"
+_ATTEMPT_DIR = "attempt-"
+
+
+class StaleAttempt(ValueError):
+    """A write by an attempt older than the job's newest: refused."""
 
 
 class StoredObject(Protocol):
@@ -64,14 +78,43 @@ class Manifest(BaseModel):
     world_size: int
     shards: list[ShardInfo]
     created_at: str
+    # The attempt whose ranks wrote every shard (None: written before shards carried it).
+    attempt: int | None = None
 
 
 def job_prefix(prefix: str, job: str) -> str:
     return f"{prefix.strip('/')}/{job}"
 
 
-def shard_key(jprefix: str, step: int, rank: int) -> str:
-    return f"{jprefix}/{shard_name(step, rank)}"
+def attempt_dir_name(attempt: int) -> str:
+    return f"{_ATTEMPT_DIR}{attempt:04d}"
+
+
+def shard_key(jprefix: str, step: int, rank: int, attempt: int | None = None) -> str:
+    """One rank's shard of ``step`` in S3, under the attempt that wrote it."""
+    if attempt is None:
+        return f"{jprefix}/{shard_name(step, rank)}"
+    return f"{jprefix}/{step_dir_name(step)}/{attempt_dir_name(attempt)}/rank-{rank:05d}.pt"
+
+
+def attempt_of_key(key: str) -> int | None:
+    """The attempt a shard key names, or None (a key from before shards carried it)."""
+    for part in key.split("/"):
+        if part.startswith(_ATTEMPT_DIR) and part[len(_ATTEMPT_DIR) :].isdigit():
+            return int(part[len(_ATTEMPT_DIR) :])
+    return None
+
+
+def attempt_marker_key(jprefix: str) -> str:
+    return f"{jprefix}/{ATTEMPT_MARKER}"
+
+
+def single_attempt(m: Manifest) -> bool:
+    """Every shard of ``m`` was written by one attempt, the one the manifest names."""
+    attempts = {attempt_of_key(s.key) for s in m.shards}
+    if m.attempt is None:  # written by a controller from before fencing
+        return len(attempts) <= 1
+    return attempts == {m.attempt}
 
 
 def manifest_key(jprefix: str, step: int) -> str:
@@ -81,6 +124,8 @@ def manifest_key(jprefix: str, step: int) -> str:
 def manifest_complete(m: Manifest, world_size: int, sizes: dict[str, int]) -> bool:
     """True when ``m`` covers every rank once and every shard is stored whole."""
     if m.world_size != world_size or sorted(s.rank for s in m.shards) != list(range(world_size)):
+        return False
+    if not single_attempt(m):
         return False
     return all(s.step == m.step and sizes.get(s.key) == s.size for s in m.shards)
 
@@ -128,6 +173,12 @@ def _scan(store: ObjectStore, jprefix: str) -> tuple[dict[str, int], dict[int, l
     return sizes, by_step
 
 
+def manifests(store: ObjectStore, jprefix: str) -> list[Manifest]:
+    """Every readable manifest under the job's prefix."""
+    _, by_step = _scan(store, jprefix)
+    return _manifests(store, jprefix, by_step)
+
+
 def _manifests(store: ObjectStore, jprefix: str, by_step: dict[int, list[str]]) -> list[Manifest]:
     out = []
     for step, keys in by_step.items():
@@ -153,12 +204,53 @@ def latest(
     return CheckpointRef(step=m.step, uri=store.uri(manifest_key(jprefix, m.step)), shards=m.shards)
 
 
+def begin_attempt(store: ObjectStore, jprefix: str, attempt: int) -> None:
+    """Record that the job is on ``attempt``: from now on older attempts commit nothing.
+
+    Never lowers the marker (a retried call of an older attempt comes late)."""
+    if attempt > newest_attempt(store, jprefix):
+        store.put_json(attempt_marker_key(jprefix), {"attempt": attempt})
+
+
+def newest_attempt(store: ObjectStore, jprefix: str) -> int:
+    data = store.get_json(attempt_marker_key(jprefix))
+    return int(data.get("attempt", 0)) if isinstance(data, dict) else 0
+
+
+def check_commit(inp: CommitCheckpointInput, newest: int, existing: Manifest | None) -> None:
+    """Refuse a commit by a stale attempt (StaleAttempt): shards of another attempt, an attempt
+    older than the job's newest, or a manifest over one a newer attempt wrote (the rewrite of a
+    step after a silent corruption goes the other way: newer over older)."""
+    if inp.attempt is None:
+        return  # a workflow from before fencing: unchecked, as then
+    others = sorted({a for s in inp.shards if (a := attempt_of_key(s.key)) != inp.attempt}, key=str)
+    if others:
+        raise StaleAttempt(f"step {inp.step} of attempt {inp.attempt} has shards of attempts {others}")
+    if inp.attempt < newest:
+        raise StaleAttempt(f"attempt {inp.attempt} may not commit step {inp.step}: the job is on {newest}")
+    if existing is not None and (existing.attempt or 0) > inp.attempt:
+        raise StaleAttempt(
+            f"step {inp.step} was committed by attempt {existing.attempt}, newer than {inp.attempt}"
+        )
+
+
+def _manifest_at(store: ObjectStore, mkey: str) -> Manifest | None:
+    try:
+        return Manifest.model_validate(store.get_json(mkey))
+    except ValueError:
+        return None
+
+
 def commit(store: ObjectStore, inp: CommitCheckpointInput) -> CheckpointRef:
     """Verify every shard of ``inp.step`` is stored, write the manifest, then prune.
 
-    Idempotent: committing the same step twice rewrites an identical manifest.
+    Idempotent: committing the same step twice rewrites an identical manifest. A stale
+    attempt's commit is refused (``check_commit``).
     """
     jprefix = job_prefix(inp.prefix, inp.job_id)
+    mkey = manifest_key(jprefix, inp.step)
+    if inp.attempt is not None:
+        check_commit(inp, newest_attempt(store, jprefix), _manifest_at(store, mkey))
     shards = sorted(inp.shards, key=lambda s: s.rank)
     manifest = Manifest(
         job=inp.job_id,
@@ -166,6 +258,7 @@ def commit(store: ObjectStore, inp: CommitCheckpointInput) -> CheckpointRef:
         world_size=inp.world_size,
         shards=shards,
         created_at=datetime.now(UTC).isoformat(),
+        attempt=inp.attempt,
     )
     sizes: dict[str, int] = {}
     for s in shards:
@@ -175,7 +268,6 @@ def commit(store: ObjectStore, inp: CommitCheckpointInput) -> CheckpointRef:
     if not manifest_complete(manifest, inp.world_size, sizes):
         missing = [s.rank for s in shards if sizes.get(s.key) != s.size]
         raise ValueError(f"checkpoint step {inp.step} incomplete: ranks {missing} missing or truncated")
-    mkey = manifest_key(jprefix, inp.step)
     store.put_json(mkey, manifest.model_dump(mode="json"))
     prune(store, jprefix, inp.world_size, inp.keep, inp.verified_step)
     return CheckpointRef(step=inp.step, uri=store.uri(mkey), shards=shards)

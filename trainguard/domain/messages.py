@@ -220,6 +220,8 @@ class CommitCheckpointInput(Msg):
     verified_step: int | None = None
     # The job's progress when the commit started, recorded as metrics by the controller.
     gauges: JobGauges | None = None
+    # The attempt whose shards these are: refused when the job is on a newer one (None: unchecked).
+    attempt: int | None = None
 
 
 class LatestCheckpointInput(Msg):
@@ -227,6 +229,8 @@ class LatestCheckpointInput(Msg):
     prefix: str
     world_size: int
     max_step: int | None = None
+    # The attempt about to begin, recorded in S3 first: older attempts commit nothing after it.
+    attempt: int | None = None
 
 
 # -- ranks -----------------------------------------------------------------------

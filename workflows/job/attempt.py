@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, CancelledError, TimeoutType
@@ -28,6 +28,7 @@ from workflows.job.visibility import Visibility
 with workflow.unsafe.imports_passed_through():
     from trainguard.domain import checkpoints
     from trainguard.domain.code_versions import spec_for
+    from trainguard.domain.fencing import REATTACH_PICKUP_S as FENCED_PICKUP_S
     from trainguard.domain.job_state import CheckpointStatus, JobInput, JobState, RunningAttempt
     from trainguard.domain.messages import (
         CheckpointRef,
@@ -40,7 +41,8 @@ with workflow.unsafe.imports_passed_through():
 
 # How long a live agent may take to pick up the re-attach (it polls its queue all the time, but
 # after a server outage its pollers retry on a backoff of up to 10 s), and how often one
-# machine may be re-attached in one attempt.
+# machine may be re-attached in one attempt. Histories from before the fence (patch fence-bound)
+# keep the 20 s; since, the pick-up outlasts the agent's fence (FENCED_PICKUP_S).
 REATTACH_PICKUP_S = 20.0
 MAX_REATTACH = 3
 
@@ -50,7 +52,9 @@ def history_full(inp: JobInput) -> bool:
     return info.get_current_history_length() > inp.max_history_events or info.is_continue_as_new_suggested()
 
 
-async def latest_checkpoint(s: JobState) -> CheckpointRef | None:
+async def latest_checkpoint(s: JobState, attempt: int | None = None) -> CheckpointRef | None:
+    """The newest complete checkpoint; with ``attempt``, S3 first records it as the job's newest
+    (older attempts' commits are refused from then on)."""
     spec = s.spec
     return await calls.latest_checkpoint(
         LatestCheckpointInput(
@@ -58,6 +62,7 @@ async def latest_checkpoint(s: JobState) -> CheckpointRef | None:
             prefix=spec.checkpoint.s3_prefix,
             world_size=spec.world_size,
             max_step=s.max_resume_step,
+            attempt=attempt,
         )
     )
 
@@ -91,7 +96,7 @@ class Attempt:
             s.suspect_until = max(s.suspect_until or 0, s.ledger.high_water_step)
         s.attempt += 1
         s.progress_at_attempt_start = s.ledger.high_water_step
-        resume = await latest_checkpoint(s)
+        resume = await latest_checkpoint(s, s.attempt)
         in_memory = checkpoints.memory_restore_point(
             s.memory, [n.name for n in s.nodes], spec.ranks_per_node, spec.name, s.max_resume_step, s.backups
         )
@@ -188,12 +193,22 @@ class Attempt:
         if not lost or not workflow.patched(patches.REATTACH):
             return False
         index = {n.name: i for i, n in enumerate(self.s.nodes)}
+        # Longer than the agent's fence: a machine merely cut off has stopped its ranks before it
+        # counts as lost and is replaced (trainguard.domain.fencing).
+        pickup = FENCED_PICKUP_S if workflow.patched(patches.FENCE_BOUND) else REATTACH_PICKUP_S
         for name in lost:
             reattached[name] = reattached.get(name, 0) + 1
-            handles[name] = self._start_ranks(index[name], attach=True, pickup_s=REATTACH_PICKUP_S)
+            self.reattached_at[name] = workflow.now()
+            handles[name] = self._start_ranks(index[name], attach=True, pickup_s=pickup)
         return True
 
+    def _unheard(self) -> frozenset[str]:
+        """Machines asked to re-attach that have not reported since: perhaps cut off."""
+        seen = self.progress.last_seen
+        return frozenset(n for n, at in self.reattached_at.items() if n not in seen or seen[n] < at)
+
     async def run(self, attach: bool) -> AttemptOutcome:
+        self.reattached_at: dict[str, datetime] = {}
         handles = {node.name: self._start_ranks(i, attach) for i, node in enumerate(self.s.nodes)}
         reattached: dict[str, int] = {}
         seen_done = 0
@@ -226,7 +241,7 @@ class Attempt:
                 continue
             if progress.found is not None or any(failed(h) for h in handles.values()):
                 finding = await localize_hang(self.s, self.vis) if hung(handles) else None
-                return await collect_failure(self.s, progress, handles, finding)
+                return await collect_failure(self.s, progress, handles, finding, self._unheard())
             if all(h.done() for h in handles.values()):
                 return AttemptOutcome(kind="completed", results=[h.result() for h in handles.values()])
             if history_full(self.inp):

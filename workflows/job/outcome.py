@@ -4,6 +4,7 @@ waiting for every machine's outcome lets the cause outrank its consequences)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 from temporalio import workflow
@@ -112,15 +113,48 @@ async def localize_hang(s: JobState, vis: Visibility) -> StackFinding:
     )
 
 
+async def stop_silent(s: JobState, attempt: int, only: list[str]) -> set[str]:
+    """``stop_ranks`` on the machines ``only`` names (the commands of ``calls.on_machines``);
+    returns those that did not answer."""
+    nodes = [n for n in s.nodes if n.name in only]
+    runs = [calls.stop_ranks(stop_request(s, attempt), task_queue=n.task_queue) for n in nodes]
+    results = await asyncio.gather(*runs, return_exceptions=True)
+    return {n.name for n, r in zip(nodes, results, strict=True) if isinstance(r, BaseException)}
+
+
+def cut_off(node: str) -> IncidentReport:
+    return IncidentReport(
+        kind="machine-lost",
+        node=node,
+        evidence=(
+            f"{node} missed its heartbeats and answered neither the re-attach nor the stop: cut off"
+            " from Temporal (its agent stops its ranks by itself)"
+        ),
+        confidence=1.0,
+        origin=True,
+        detected_at=workflow.now(),
+    )
+
+
 async def collect_failure(
-    s: JobState, progress: Progress, handles: Handles, finding: StackFinding | None = None
+    s: JobState,
+    progress: Progress,
+    handles: Handles,
+    finding: StackFinding | None = None,
+    reattached: frozenset[str] = frozenset(),
 ) -> AttemptOutcome:
-    """Stop the attempt everywhere, then name the cause among every machine's reports."""
+    """Stop the attempt everywhere, then name the cause among every machine's reports.
+
+    ``reattached``: machines whose heartbeats timed out and that have not reported since; one of
+    them that does not answer the stop either is lost (it is cut off, not merely slow), whatever
+    its peers report."""
+    silent: set[str] = set()
     if finding is None and workflow.patched(patches.STOP_AT_ONCE):
         still = [name for name, h in handles.items() if not h.done()]
         run = s.running
         if still and run is not None:
-            await calls.on_machines(calls.stop_ranks, stop_request(s, run.attempt), s.nodes, only=still)
+            silent = await stop_silent(s, run.attempt, still)
+    lost = sorted(silent & reattached)
     await cancel_all(handles)
     # Cancelled machines sent their last progress (memory snapshots) before they ended.
     progress.drain()
@@ -131,6 +165,8 @@ async def collect_failure(
         await calls.on_machines(calls.stop_ranks, stop_request(s, run.attempt), s.nodes)
     reports: list[IncidentReport] = [progress.found] if progress.found else []
     progress.found = None
+    if lost and workflow.patched(patches.FENCE_BOUND):
+        reports.extend(cut_off(name) for name in lost)
     results: list[RunRanksResult] = []
     for name, h in handles.items():
         try:

@@ -43,3 +43,11 @@ CANCEL_AT_ONCE = "cancel-at-once"
 SCRIPT_COMPLETION = "script-completion"
 # Webhook notifications (incident, eviction, the job's end) through the `notify` activity.
 NOTIFY = "notify"
+# A step's shards are committed only together with shards of the same attempt: a step uploaded in
+# part by a failed attempt and again by the next no longer mixes the two (shard keys name the attempt).
+SHARDS_OF_ONE_ATTEMPT = "shards-of-one-attempt"
+# A machine whose heartbeats timed out is waited for (the re-attach pick-up) longer than its agent's
+# fence: one merely cut off from Temporal has stopped its ranks before its replacement starts.
+# When its fence makes the peers fail first, a machine that missed its heartbeats and does not
+# answer the stop either is reported lost (evicted), not reattempted in place.
+FENCE_BOUND = "fence-bound"

@@ -12,11 +12,11 @@ from datetime import datetime
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
-from workflows.job import calls
+from workflows.job import calls, patches
 from workflows.job.visibility import Visibility
 
 with workflow.unsafe.imports_passed_through():
-    from trainguard.domain import ettr, progress_series
+    from trainguard.domain import checkpoints, ettr, progress_series
     from trainguard.domain.code_versions import CodeEvent
     from trainguard.domain.detection import SlowStreak, fail_slow_round, replica_mismatch
     from trainguard.domain.job_state import CheckpointStatus, JobState
@@ -51,6 +51,8 @@ class Progress:
         self.commits: dict[int, workflow.ActivityHandle[CheckpointRef]] = {}  # step -> commit under way
         # An incident found by the workflow itself (fail-slow, replica mismatch).
         self.found: IncidentReport | None = None
+        # When a report of the running attempt from each machine was last folded in (workflow time).
+        self.last_seen: dict[str, datetime] = {}
 
     def drain(self) -> None:
         reports, self.inbox = self.inbox, []
@@ -60,6 +62,7 @@ class Progress:
             if run is None or r.attempt != run.attempt:
                 continue  # a late report from an attempt already over
             latest = r.at if latest is None else max(latest, r.at)
+            self.last_seen[r.node] = workflow.now()
             self.note_shards(r)
             self.note_memory(r)
             self._note_step(r)
@@ -148,7 +151,14 @@ class Progress:
         for shard in r.shards:
             committed = self.s.checkpoint.step if self.s.checkpoint else -1
             if shard.step > committed:
-                self.s.pending_shards.setdefault(shard.step, {})[shard.rank] = shard
+                pending = self.s.pending_shards.setdefault(shard.step, {})
+                attempt = checkpoints.attempt_of_key(shard.key)
+                if any(checkpoints.attempt_of_key(p.key) != attempt for p in pending.values()) and (
+                    workflow.patched(patches.SHARDS_OF_ONE_ATTEMPT)
+                ):
+                    # Another attempt's shards of this step: a checkpoint never mixes attempts.
+                    pending.clear()
+                pending[shard.rank] = shard
 
     # -- detections over every machine's reports ----------------------------------------------
     def _note_replicas(self, r: ProgressReport) -> None:
@@ -221,6 +231,8 @@ class Progress:
         step = max(ready)
         spec = self.s.spec
         shards = list(self.s.pending_shards[step].values())
+        # Shards reach the workflow only from the running attempt: the commit is that attempt's.
+        attempt = self.s.running.attempt if self.s.running else self.s.attempt
         self.commits[step] = calls.commit_checkpoint.start(
             CommitCheckpointInput(
                 job_id=spec.name,
@@ -231,11 +243,10 @@ class Progress:
                 keep=spec.checkpoint.keep,
                 verified_step=self.s.replicas_agreed_step,
                 gauges=self.vis.gauges(),
+                attempt=attempt,
             ),
             summary=f"commit checkpoint step {step}",
         )
-        # Shards reach the workflow only from the running attempt: the commit is that attempt's.
-        attempt = self.s.running.attempt if self.s.running else self.s.attempt
         self.commits[step].add_done_callback(lambda _: self._commit_done(step, attempt))
 
     def _commit_done(self, step: int, attempt: int) -> None:

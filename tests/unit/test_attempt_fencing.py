@@ -1,0 +1,158 @@
+"""Attempt fencing of shared storage: a stale attempt's upload, manifest and commit are refused.
+
+The rules of ``trainguard.domain.checkpoints`` run against an object store kept in memory (the
+``ObjectStore`` protocol, as S3Store implements it): a writer of attempt 1 that lives on after
+the job moved to attempt 2 can neither replace nor complete attempt 2's checkpoint, nor bring a
+step back that attempt 2 rewrote after a silent corruption, and restore never mixes attempts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from trainguard.domain import checkpoints
+from trainguard.domain.checkpoints import StaleAttempt
+from trainguard.domain.messages import CommitCheckpointInput, ShardInfo
+
+PREFIX = "ckpt"
+JOB = "job"
+JP = checkpoints.job_prefix(PREFIX, JOB)
+WORLD = 2
+
+
+@dataclass(frozen=True)
+class Obj:
+    key: str
+    size: int
+
+
+class MemoryStore:
+    """Keys to bytes; what S3 does for the rules (put replaces, list by prefix)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, Any] = {}
+
+    def uri(self, key: str) -> str:
+        return f"mem://{key}"
+
+    def put_json(self, key: str, data: Any) -> None:
+        self.objects[key] = data
+
+    def get_json(self, key: str) -> Any | None:
+        return self.objects.get(key)
+
+    def head(self, key: str) -> Obj | None:
+        return Obj(key, self._size(key)) if key in self.objects else None
+
+    def list(self, prefix: str) -> list[Obj]:
+        return [Obj(k, self._size(k)) for k in sorted(self.objects) if k.startswith(prefix)]
+
+    def delete(self, keys: list[str]) -> None:
+        for k in keys:
+            self.objects.pop(k, None)
+
+    def upload(self, step: int, rank: int, attempt: int, content: bytes) -> ShardInfo:
+        """What a rank session's upload does: the shard under its attempt's key."""
+        key = checkpoints.shard_key(JP, step, rank, attempt)
+        self.objects[key] = content
+        return ShardInfo(rank=rank, step=step, key=key, size=len(content), sha256=content.hex())
+
+    def _size(self, key: str) -> int:
+        v = self.objects[key]
+        return len(v) if isinstance(v, bytes) else 100
+
+
+def commit_input(step: int, shards: list[ShardInfo], attempt: int | None) -> CommitCheckpointInput:
+    return CommitCheckpointInput(
+        job_id=JOB, prefix=PREFIX, step=step, world_size=WORLD, shards=shards, keep=5, attempt=attempt
+    )
+
+
+def upload_all(store: MemoryStore, step: int, attempt: int, content: bytes) -> list[ShardInfo]:
+    return [store.upload(step, r, attempt, content) for r in range(WORLD)]
+
+
+def test_shard_keys_name_their_attempt() -> None:
+    key = checkpoints.shard_key(JP, 20, 3, 7)
+    assert key == "ckpt/job/step-0000000020/attempt-0007/rank-00003.pt"
+    assert checkpoints.attempt_of_key(key) == 7
+    assert checkpoints.attempt_of_key(checkpoints.shard_key(JP, 20, 3)) is None
+
+
+def test_stale_upload_neither_replaces_nor_completes_a_newer_checkpoint() -> None:
+    store = MemoryStore()
+    checkpoints.begin_attempt(store, JP, 2)
+    new = upload_all(store, 30, 2, b"new")
+    checkpoints.commit(store, commit_input(30, new, 2))
+    # Attempt 1's ranks, cut off, upload the same step late: other keys, nothing overwritten.
+    stale = upload_all(store, 30, 1, b"OLD")
+    assert {s.key for s in stale}.isdisjoint({s.key for s in new})
+    assert all(store.objects[s.key] == b"new" for s in new)
+    ref = checkpoints.latest(store, JP, WORLD)
+    assert ref is not None and [s.key for s in ref.shards] == [s.key for s in new]
+
+
+def test_stale_commit_is_refused_once_a_newer_attempt_began() -> None:
+    store = MemoryStore()
+    stale = upload_all(store, 40, 1, b"OLD")
+    checkpoints.begin_attempt(store, JP, 2)
+    with pytest.raises(StaleAttempt, match="the job is on 2"):
+        checkpoints.commit(store, commit_input(40, stale, 1))
+    assert checkpoints.latest(store, JP, WORLD) is None
+    # A late retry of attempt 1's begin never lowers the marker.
+    checkpoints.begin_attempt(store, JP, 1)
+    assert checkpoints.newest_attempt(store, JP) == 2
+
+
+def test_rollback_rewrite_wins_and_the_corrupt_attempt_cannot_take_it_back() -> None:
+    store = MemoryStore()
+    checkpoints.begin_attempt(store, JP, 1)
+    corrupt = upload_all(store, 20, 1, b"bad")
+    checkpoints.commit(store, commit_input(20, corrupt, 1))
+    # Silent corruption found: attempt 2 trains the step again from clean state and rewrites it.
+    checkpoints.begin_attempt(store, JP, 2)
+    clean = upload_all(store, 20, 2, b"ok!")
+    checkpoints.commit(store, commit_input(20, clean, 2))
+    # A late commit of attempt 1 (a controller retry) would put the corrupt step back: refused,
+    # by the marker and by the newer manifest alike.
+    with pytest.raises(StaleAttempt):
+        checkpoints.commit(store, commit_input(20, corrupt, 1))
+    with pytest.raises(StaleAttempt, match="committed by attempt 2"):
+        checkpoints.check_commit(commit_input(20, corrupt, 1), newest=1, existing=_manifest(store, 20))
+    ref = checkpoints.latest(store, JP, WORLD)
+    assert ref is not None and {checkpoints.attempt_of_key(s.key) for s in ref.shards} == {2}
+
+
+def test_commit_of_mixed_attempts_is_refused_and_never_restored() -> None:
+    store = MemoryStore()
+    checkpoints.begin_attempt(store, JP, 2)
+    mixed = [store.upload(50, 0, 2, b"new"), store.upload(50, 1, 1, b"OLD")]
+    with pytest.raises(StaleAttempt, match="shards of attempts"):
+        checkpoints.commit(store, commit_input(50, mixed, 2))
+    # Even a manifest written without the check (a controller from before fencing) is not restored.
+    store.put_json(
+        checkpoints.manifest_key(JP, 50),
+        checkpoints.Manifest(job=JOB, step=50, world_size=WORLD, shards=mixed, created_at="t").model_dump(
+            mode="json"
+        ),
+    )
+    assert checkpoints.latest(store, JP, WORLD) is None
+
+
+def test_checkpoints_from_before_fencing_stay_readable() -> None:
+    store = MemoryStore()
+    shards = []
+    for r in range(WORLD):
+        key = checkpoints.shard_key(JP, 10, r)
+        store.objects[key] = b"old"
+        shards.append(ShardInfo(rank=r, step=10, key=key, size=3, sha256="x"))
+    checkpoints.commit(store, commit_input(10, shards, None))
+    ref = checkpoints.latest(store, JP, WORLD)
+    assert ref is not None and ref.step == 10
+
+
+def _manifest(store: MemoryStore, step: int) -> checkpoints.Manifest:
+    return checkpoints.Manifest.model_validate(store.get_json(checkpoints.manifest_key(JP, step)))
