@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 import zipfile
@@ -79,12 +80,16 @@ def readable_whole(path: Path) -> bool:
         return False
 
 
+# The part files torch.distributed.checkpoint's FileSystemWriter names (``__<rank>_<n>.distcp``),
+# as ``.metadata`` records them: read from its bytes, since importing torch in the agent would
+# hold its event loop for seconds.
+DCP_PART = re.compile(rb"__\d+_\d+\.distcp")
+
+
 def dcp_files(directory: Path) -> set[str]:
     """The part files a DCP ``.metadata`` names (relative to its directory)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    md = FileSystemReader(str(directory)).read_metadata()
-    return {str(info.relative_path) for info in (md.storage_data or {}).values()}
+    data = (directory / DCP_METADATA).read_bytes()
+    return {m.decode() for m in DCP_PART.findall(data)}
 
 
 def _stat(path: Path) -> tuple[int, int] | None:
@@ -122,6 +127,9 @@ class ScriptCheckpoints:
         # (name, order) of saves stored or restored already: never committed again (a restored
         # one, once pruned in S3, must not come back from this machine's copy).
         self.known: set[tuple[str, int]] = set()
+        # Saves older than the newest ``keep`` stored ones would be pruned at once: not uploaded
+        # (a machine that still holds old saves, or got them restored, never brings them back).
+        self.floor = 0
         # One look at a time: a look cancelled with its task may still run in its thread.
         self.lock = threading.Lock()
 
@@ -135,6 +143,8 @@ class ScriptCheckpoints:
         self.stored = sizes
         self.committed = {k for k in sizes if sc.is_manifest_key(k)}
         self.known.update((m.name, m.order) for m in manifests)
+        kept = sorted((m.order for m in manifests if sc.complete(m, sizes)), reverse=True)
+        self.floor = kept[self.keep - 1] if len(kept) >= self.keep else 0
         return manifests, sizes
 
     def _commit(self, m: ScriptManifest) -> None:
@@ -250,6 +260,8 @@ class ScriptCheckpoints:
         if st is None:
             return
         order = st[0]
+        if order < self.floor:
+            return
         mkey = sc.manifest_key(self.sprefix, path.name, order)
         if mkey in self.committed or (path.name, order) in self.known or not readable_whole(path):
             return
@@ -271,7 +283,7 @@ class ScriptCheckpoints:
                 meta = st
                 continue
             key = sc.part_key(self.sprefix, d.name, str(f.relative_to(d)))
-            if st is None or self.uploaded.get(key) == st:
+            if st is None or st[0] < self.floor or self.uploaded.get(key) == st:
                 continue
             if self.stored.get(key) == st[1]:
                 self.uploaded[key] = st  # stored already (this machine's earlier attempt, or restored)
@@ -283,6 +295,8 @@ class ScriptCheckpoints:
 
     def _commit_dcp(self, d: Path, meta: tuple[int, int]) -> None:
         order = meta[0]
+        if order < self.floor:
+            return
         if sc.manifest_key(self.sprefix, d.name, order) in self.committed or (d.name, order) in self.known:
             return
         mkey = sc.part_key(self.sprefix, d.name, DCP_METADATA)
@@ -308,6 +322,7 @@ class ScriptCheckpoints:
             st = _stat(d / DCP_METADATA)
             if (
                 st is not None
+                and st[0] >= self.floor
                 and (d.name, st[0]) not in self.known
                 and sc.manifest_key(self.sprefix, d.name, st[0]) not in self.committed
             ):
