@@ -28,8 +28,10 @@ Step counting: a step is one ``step()`` of the first optimizer that steps (a sec
 stepping in the same training step does not count twice). The count starts from the optimizer's
 own step counter where it keeps one (Adam and most others: ``state[p]["step"]``, restored with
 the script's checkpoint), so a resumed script continues its numbering; otherwise from 1 in each
-attempt, which starts at step 0 after the incident that ended the previous one. Either way the
-steps reported in an attempt only grow.
+attempt, which starts at step 0 after the incident that ended the previous one. The counter is
+read again at each report, so a state loaded after a first step (DCP's ``get_state_dict`` steps
+the optimizer once to make its state) moves the count forward. Either way the steps reported in
+an attempt only grow.
 
 A script that calls ``trainguard.runtime.init()`` gets the runtime's reports instead: the runtime
 calls :func:`stand_down` and this launcher sends nothing more.
@@ -204,10 +206,16 @@ class Launcher:
             self.step += 1
         now = time.monotonic()
         if now - self.last_report_t >= REPORT_EVERY_S:
+            # The optimizer's counter again, at the reporting cadence: a state loaded after its
+            # first step (DCP's get_state_dict steps it once with zero gradients to make the
+            # state) moves the numbering forward, never back.
+            own = self._optimizer_step(optimizer)
+            if own is not None and own > self.step:
+                self.step = own
             self.report(now)
 
     def _optimizer_step(self, optimizer: Any) -> int | None:
-        """The optimizer's own step counter (restored with its state): read once per process."""
+        """The optimizer's own step counter (restored with its state)."""
         for state in optimizer.state.values():
             step = state.get("step") if isinstance(state, dict) else None
             if step is not None:
