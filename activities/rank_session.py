@@ -828,6 +828,7 @@ class RankSession:
                 self._record_exit(rank)
                 if self.procs[rank].returncode != 0:
                     failed = True
+                    self._own_death(rank)
                 else:
                     # Done (torchrun waits for the others too); the ranks still running must
                     # keep making progress.
@@ -869,6 +870,15 @@ class RankSession:
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
         await self.script_ckpts.flush()
+
+    def _own_death(self, rank: int) -> None:
+        """A rank killed by a signal we never send (SIGSEGV, SIGABRT...) died on its own: the
+        cause, which outranks a peer's collective error reported first (its effect)."""
+        e = self.exits[rank]
+        if e.signal is None or e.signal in (signal.SIGTERM, signal.SIGKILL):
+            return
+        info = classify_exit(e.exit_code, e.signal, e.stderr_tail, self.workdir)
+        self._raise_incident(self._exit_report(rank, info, "exited"))
 
     def _set_result(self, ok: bool) -> None:
         if self.result.done():

@@ -6,7 +6,9 @@ into its checkpoint dir, loaded at start if present), 4 ranks: 2 machines x 2 ra
 local stack of 3 machines (one spare, warm rank processes) for trainguard, ``--standalone
 --nproc-per-node 4`` for torchrun. Faults, each in its own run:
 
-- ``crash``: rank 1 dies of SIGSEGV at step 25 in the first start (the script's own fault);
+- ``crash``: rank 1 dies of SIGSEGV at step 25 in the first start (the script's own fault); with
+  ``--warm-crash``, trainguard's crash is the drill's (``inject crash --rank 1``), once every
+  machine's warm processes refilled after the job took them, so the restart is warm;
 - ``hang``: rank 1 blocks at step 25 in the first start (torchrun has no hang detection: the run
   is given ``--hang-wait-s`` past its fault-free time, then stopped: not completed);
 - ``bad-machine``: rank 1's machine crashes it at step 25 in every start (trainguard: the drill
@@ -31,10 +33,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -59,7 +63,8 @@ SCRIPT = "examples/byos/ddp_train.py"
 FAULTS = ("crash", "hang", "bad-machine", "gpu-lost")
 NNODES, NPROC = 2, 2
 MACHINES = 3  # one spare
-WARM_RANKS = 2
+# Two starts' worth per machine: a restart right after the job took its first ones is warm too.
+WARM_RANKS = 4
 FAULT_STEP = 25
 RANK_NICE = 19  # the local stack's agents run ranks at this priority
 STEP = re.compile(r"^t (\d+\.\d+) step (\d+)$")
@@ -109,6 +114,20 @@ def train_s(runs: list[dict[str, Any]]) -> float | None:
     return round(steps[-1] - steps[0], 2) if len(steps) > 1 else None
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with contextlib.suppress(OSError):
+                    kids = [int(c) for c in Path(f"/proc/{p}/task/{tid}/children").read_text().split()]
+                    out.extend(kids)
+                    todo.extend(kids)
+    return out
+
+
 # -- torchrun ------------------------------------------------------------------------------
 def torchrun_case(fault: str | None, steps: int, expected_s: float, hang_wait_s: float) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="tg-bench-byos-torchrun-"))
@@ -128,7 +147,8 @@ def torchrun_case(fault: str | None, steps: int, expected_s: float, hang_wait_s:
     err: list[tuple[float, str]] = []
 
     def pump(stream: Any, sink: Any, stamped: bool) -> None:
-        for line in stream:
+        # readline, not iteration: a line as soon as it is written (its time is the measurement).
+        for line in iter(stream.readline, ""):
             sink.append((time.time(), line) if stamped else line)
 
     threads = [
@@ -138,9 +158,12 @@ def torchrun_case(fault: str | None, steps: int, expected_s: float, hang_wait_s:
     for t in threads:
         t.start()
     try:
-        proc.wait(timeout=expected_s + hang_wait_s)
+        proc.wait(timeout=expected_s + hang_wait_s if fault == "hang" else 900)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # a hang torchrun never noticed
+        # A hang torchrun never noticed: its workers run in sessions of their own.
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proc.wait()
     for t in threads:
         t.join(5)
@@ -182,16 +205,23 @@ async def reached(job: JobHandle, state_dir: Path, name: str, step: int) -> dict
 
 
 async def trainguard_case(
-    tg: TrainguardClient, state_dir: Path, fault: str | None, steps: int, n: int
+    tg: TrainguardClient, state_dir: Path, fault: str | None, steps: int, n: int, warm_crash: bool
 ) -> dict[str, Any]:
     await pools_full(state_dir)
     name = f"byos-{fault or 'fault-free'}-{n}"
+    plain = fault == "crash" and warm_crash  # the drill crashes it instead
     spec = run_spec(
-        script_args(steps, fault), module=None, name=name, nnodes=NNODES, nproc_per_node=NPROC,
-        env=[], checkpoint_dir="ckpt", workdir=str(REPO),
+        script_args(steps, None if plain else fault), module=None, name=name, nnodes=NNODES,
+        nproc_per_node=NPROC, env=[], checkpoint_dir="ckpt", workdir=str(REPO),
     )  # fmt: skip
     t0 = time.time()
     job = await tg.submit(spec)
+    if fault == "crash" and warm_crash:
+        # The machines' warm processes refilled since the job took them: the restart is warm.
+        await reached(job, state_dir, name, FAULT_STEP - 1)
+        await pools_full(state_dir)
+        st = await job.status()
+        await tg.inject(st["nodes"]["0"], "crash", rank=1)
     if fault in ("bad-machine", "gpu-lost"):
         st = await reached(job, state_dir, name, FAULT_STEP - 1)
         node = st["nodes"]["0"]
@@ -227,20 +257,22 @@ async def restore(tg: TrainguardClient, state_dir: Path) -> None:
     await restore_pool(tg, state_dir, node_names(MACHINES, 0), REPO)
 
 
-async def trainguard_side(state_dir: Path, faults: list[str], steps: int, log: Any) -> dict[str, Any]:
+async def trainguard_side(
+    state_dir: Path, faults: list[str], steps: int, warm_crash: bool, log: Any
+) -> dict[str, Any]:
     tg = await connect(state_dir)
     rows: dict[str, Any] = {}
     for n, fault in enumerate([None, *faults]):
-        rows[fault or "none"] = row = await trainguard_case(tg, state_dir, fault, steps, n)
+        rows[fault or "none"] = row = await trainguard_case(tg, state_dir, fault, steps, n, warm_crash)
         log(f"trainguard {fault or 'fault-free'}: {row}")
     return rows
 
 
-def measure(faults: list[str], steps: int, hang_wait_s: float) -> dict[str, Any]:
+def measure(faults: list[str], steps: int, hang_wait_s: float, warm_crash: bool) -> dict[str, Any]:
     tg_rows = run_bench(
         "tg-bench-byos-",
         MACHINES,
-        lambda d, log: trainguard_side(d, faults, steps, log),
+        lambda d, log: trainguard_side(d, faults, steps, warm_crash, log),
         warm_ranks=WARM_RANKS,
     )
     stack_wall = tg_rows.pop("wall_s")
@@ -265,6 +297,7 @@ def measure(faults: list[str], steps: int, hang_wait_s: float) -> dict[str, Any]
             "torchrun_train_s": free_tr["train_s"],
         },
         "stack_wall_s": stack_wall,
+        "warm_crash": warm_crash,
     }
 
 
@@ -273,13 +306,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--faults", default=",".join(FAULTS))
     ap.add_argument("--hang-wait-s", type=float, default=60.0)
+    ap.add_argument(
+        "--warm-crash",
+        action="store_true",
+        help="trainguard's crash: the drill's, once the warm processes refilled (needs --steps 300 or so)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     faults = choose("--faults", args.faults, FAULTS)
     if args.steps <= FAULT_STEP + 10:
         print(f"error: --steps: must exceed {FAULT_STEP + 10}", file=sys.stderr)
         exit_now(2)
-    result = measure(faults, args.steps, args.hang_wait_s)
+    result = measure(faults, args.steps, args.hang_wait_s, args.warm_crash)
     if args.json:
         print(json.dumps(result))
     else:
