@@ -98,9 +98,11 @@ def measure_starts(runs: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     """From rank 0's starts: the fault (the last step of the first start), the first step of the
     last start, the steps done again, and whether the last step was reached."""
     done = bool(runs) and bool(runs[-1]["steps"]) and runs[-1]["steps"][-1][1] == steps
-    if len(runs) < 2 or not runs[0]["steps"]:
+    if not runs or not runs[0]["steps"]:
         return {"fault_t": None, "first_step_after_s": None, "lost_steps": None, "completed": done}
     fault_t = runs[0]["steps"][-1][0]
+    if len(runs) < 2:  # no start after the fault printed a line (a torchrun restart that died)
+        return {"fault_t": fault_t, "first_step_after_s": None, "lost_steps": None, "completed": done}
     lost = sum(a["steps"][-1][1] - b["resumed"] for a, b in itertools.pairwise(runs) if a["steps"])
     first = runs[-1]["steps"][0][0] if runs[-1]["steps"] else None
     return {
