@@ -33,6 +33,7 @@ from typing import Any
 
 from activities.drills import DrillState
 from activities.health import HealthMonitor
+from activities.script_checkpoints import RESTORE_RECORD, ScriptCheckpoints
 from activities.warm_pool import WarmPool
 from trainguard.agent.health.events import HealthEvent
 from trainguard.domain import checkpoints
@@ -115,6 +116,11 @@ def _tail(path: Path, n: int = STDERR_TAIL_BYTES) -> str:
         return ""
 
 
+class SetupProblem(RuntimeError):
+    """The job cannot start on this machine as specified: a missing script or workdir, a
+    checkpoint directory that cannot be written. No restart changes it."""
+
+
 class RestoreUnavailable(RuntimeError):
     """The checkpoint the workflow chose to restore is not (or no longer) to be had here."""
 
@@ -191,6 +197,15 @@ class RankSession:
         self.started = False  # every rank launched and supervised
         self._first_step_sent = False  # a report carrying first_step_at reached the workflow
         self._hash_sent: int | None = None  # the newest replica hash step that reached it
+        d = self.script_ckpt_dir
+        self.script_ckpts = (
+            ScriptCheckpoints(
+                store, inp.ckpt_prefix, d, inp.job_id, inp.node.name, inp.attempt, self.spec.checkpoint.keep,
+                lambda: list(self.live_pids().values()),
+            )
+            if d is not None and not inp.dry_run
+            else None
+        )  # fmt: skip
 
     @property
     def key(self) -> tuple[str, int]:
@@ -204,10 +219,15 @@ class RankSession:
     async def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        if self.script_ckpt_dir is not None:
-            self.script_ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self._check_setup()
         if self.inp.resume is not None:
             await self._stage_resume()
+        if self.script_ckpts is not None:
+            try:
+                await asyncio.to_thread(self.script_ckpts.restore, self.log_dir / RESTORE_RECORD)
+            except Exception as exc:  # a storage outage: the script starts from what is here
+                log.warning("restoring the script's checkpoints of %s failed: %s", self.inp.job_id, exc)
+            self._tasks.append(asyncio.create_task(self.script_ckpts.run(), name="script-ckpt"))
         for local_rank, rank in enumerate(self.inp.ranks):
             await self._spawn(local_rank, rank)
         self._tasks.append(asyncio.create_task(self._supervise(), name="supervise"))
@@ -239,6 +259,30 @@ class RankSession:
             await asyncio.to_thread(self.store.get_file, shard.key, path)
             if await asyncio.to_thread(sha256_file, path) != shard.sha256:
                 raise RestoreUnavailable(f"checkpoint shard {shard.key} does not match its manifest hash")
+
+    def _check_setup(self) -> None:
+        """What the spec names must be there on this machine, where the ranks run."""
+        where = f"on {self.inp.node.name}"
+        if not self.workdir.is_dir():
+            raise SetupProblem(f"workdir {self.workdir} does not exist {where}")
+        argv = resolve_argv(self.spec.entrypoint)
+        if re.fullmatch(r"python[0-9.]*", Path(argv[0]).name):
+            args = [a for a in argv[1:] if a not in HARMLESS_FLAGS]
+            if args and not args[0].startswith("-"):
+                script = self.workdir / args[0]
+                if not script.is_file():
+                    raise SetupProblem(f"script {args[0]} not found in workdir {self.workdir} {where}")
+        d = self.script_ckpt_dir
+        if d is not None:
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+                probe = d / f".tg-write-probe-{os.getpid()}"
+                probe.write_bytes(b"")
+                probe.unlink()
+            except OSError as exc:
+                raise SetupProblem(
+                    f"checkpoint dir {d} cannot be written {where}: {exc.strerror or exc}"
+                ) from None
 
     @property
     def workdir(self) -> Path:
@@ -295,8 +339,27 @@ class RankSession:
         env.update(renv.to_environ())
         return env
 
-    async def _spawn(self, local_rank: int, rank: int) -> None:
+    def _argv(self) -> list[str]:
+        """The entrypoint; a relative ``--checkpoint-dir`` given to the script as an argument
+        (``--ckpt-dir ckpt``, ``--ckpt-dir=ckpt``) becomes this machine's directory, so the
+        script writes where trainguard watches, unchanged."""
         argv = resolve_argv(self.spec.entrypoint)
+        d, local = self.spec.checkpoint_dir, self.script_ckpt_dir
+        if d is None or local is None or Path(d).is_absolute():
+            return argv
+        names = {d, d.rstrip("/")}
+        out = argv[:1]
+        for a in argv[1:]:
+            key, eq, value = a.partition("=")
+            if a in names:
+                a = str(local)
+            elif eq and key.startswith("-") and value in names:
+                a = f"{key}={local}"
+            out.append(a)
+        return out
+
+    async def _spawn(self, local_rank: int, rank: int) -> None:
+        argv = self._argv()
         out_path, err_path = self.log_dir / f"rank-{rank:05d}.out", self.log_dir / f"rank-{rank:05d}.err"
         warm = (
             self.warm.take()
@@ -427,6 +490,9 @@ class RankSession:
             self.restored.add(rank)
         elif kind == "start":
             self.runtime_ranks.add(rank)
+        elif kind == "alive":
+            # No step, but the job works (evaluation, a save, no optimizer): not a hang.
+            self.monitor.on_alive(rank, time.monotonic(), working=True)
         elif kind == "exiting":
             # The script is over; the interpreter's shutdown is no step to wait for.
             self.monitor.on_alive(rank, time.monotonic(), finished=True)
@@ -791,6 +857,7 @@ class RankSession:
                 self._record_exit(rank)
                 if self.procs[rank].returncode != 0:
                     failed = True
+                    self._own_death(rank)
                 else:
                     # Done (torchrun waits for the others too); the ranks still running must
                     # keep making progress.
@@ -807,6 +874,7 @@ class RankSession:
         ok = not failed and not missing and not self._killed and self.incident is None
         if ok:
             await self._uploads.join()
+        await self._flush_script_ckpts()
         if self.incident is None and not self._killed and (failed or missing):
             self.incident = self._exit_incident(missing)
         if self.incident is not None and self.incident.kind in ("crash", "comm", "oom"):
@@ -819,6 +887,27 @@ class RankSession:
         for t in self._tasks:
             if t is not asyncio.current_task():
                 t.cancel()
+
+    async def _flush_script_ckpts(self) -> None:
+        """The ranks are gone: the script's last complete checkpoints reach S3 before the
+        attempt ends, so whichever machines run the next one restore them."""
+        if self.script_ckpts is None:
+            return
+        for t in self._tasks:
+            if t.get_name() == "script-ckpt":
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+        await self.script_ckpts.flush()
+
+    def _own_death(self, rank: int) -> None:
+        """A rank killed by a signal we never send (SIGSEGV, SIGABRT...) died on its own: the
+        cause, which outranks a peer's collective error reported first (its effect)."""
+        e = self.exits[rank]
+        if e.signal is None or e.signal in (signal.SIGTERM, signal.SIGKILL):
+            return
+        info = classify_exit(e.exit_code, e.signal, e.stderr_tail, self.workdir)
+        self._raise_incident(self._exit_report(rank, info, "exited"))
 
     def _set_result(self, ok: bool) -> None:
         if self.result.done():

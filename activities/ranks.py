@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from temporalio import activity
@@ -19,10 +19,18 @@ from temporalio.client import Client
 from activities.drills import DrillState
 from activities.health import HealthMonitor
 from activities.rank_logs import LogActivities
-from activities.rank_session import RankSession, RestoreUnavailable
+from activities.rank_session import RankSession, RestoreUnavailable, SetupProblem
 from activities.warm_pool import WarmPool
 from trainguard.agent.ports import free_port
-from trainguard.domain.messages import Endpoint, PortInput, ProgressReport, RunRanksInput, RunRanksResult
+from trainguard.domain.messages import (
+    Endpoint,
+    IncidentReport,
+    PortInput,
+    ProgressReport,
+    RunRanksInput,
+    RunRanksResult,
+)
+from trainguard.domain.policy import SETUP_KIND
 from trainguard.services.storage import S3Store
 from workflows.job import calls
 
@@ -154,6 +162,21 @@ class RankActivities:
             except RestoreUnavailable as exc:
                 # Not this machine's fault: the workflow restarts from another copy.
                 return RunRanksResult(node=inp.node.name, attempt=inp.attempt, ok=False, message=str(exc))
+            except SetupProblem as exc:
+                return RunRanksResult(
+                    node=inp.node.name,
+                    attempt=inp.attempt,
+                    ok=False,
+                    message=str(exc),
+                    incident=IncidentReport(
+                        kind=SETUP_KIND,
+                        node=inp.node.name,
+                        evidence=str(exc),
+                        confidence=1.0,
+                        origin=True,
+                        detected_at=datetime.now(UTC),
+                    ),
+                )
             finally:
                 if not sess.started:
                     # Whatever stopped the start, a session that never ran must not linger.

@@ -12,6 +12,7 @@ Needs root and nftables' ``nft`` (``apt-get install -y nftables``).
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from typing import Literal
@@ -32,9 +33,21 @@ def unavailable_reason() -> str | None:
     reason = netns.unavailable_reason()
     if reason is not None:
         return reason
-    if shutil.which("nft") is None:
+    if shutil.which("nft") is None and not _install_nftables():
         return "partitions need nftables' `nft` on PATH (apt-get install -y nftables)"
     return None
+
+
+def _install_nftables() -> bool:
+    """apt-get nftables (after one `apt-get update`) where this process may (root): CI's fresh
+    machine has the namespaces' tools but not nft."""
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return False
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for argv in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "nftables"]):
+        if subprocess.run(argv, capture_output=True, env=env, timeout=600, check=False).returncode != 0:
+            return False
+    return shutil.which("nft") is not None
 
 
 def _nft(plan: netns.NetnsPlan, node: str, script: str, check: bool = True) -> None:

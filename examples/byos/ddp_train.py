@@ -36,6 +36,8 @@ def main() -> None:
     p.add_argument("--crash-restart", type=int, default=0, help="the restart count the crash acts in")
     p.add_argument("--hang-restart", type=int, default=0)
     p.add_argument("--nan-restart", type=int, default=0)
+    p.add_argument("--crash-every-start", action="store_true", help="the crash acts in every start")
+    p.add_argument("--log-steps", action="store_true", help="rank 0 prints each step's end time")
     a = p.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -62,7 +64,7 @@ def main() -> None:
             loss = loss * float("nan")
         opt.zero_grad()
         loss.backward()
-        if faulty and step == a.crash_at and restart == a.crash_restart:
+        if faulty and step == a.crash_at and (restart == a.crash_restart or a.crash_every_start):
             # Dies as a rank does when a driver or an extension faults (an exception raised here
             # would be a bug in the script, which no restart cures).
             print(f"rank {rank} crashing at step {step}", flush=True)
@@ -72,6 +74,8 @@ def main() -> None:
             threading.Event().wait()
         opt.step()
         time.sleep(a.step_s)
+        if a.log_steps and rank == 0:
+            print(f"t {time.time():.3f} step {step}", flush=True)
         if rank == 0 and step % a.ckpt_every == 0:
             torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step}, path)
             print(f"saved step {step}", flush=True)

@@ -3,7 +3,7 @@ through a flapping link to Temporal, a cut from S3 during a persist and a cut fr
 shorter than the agent's fence. Nothing restarts, the job ends with the fault-free hash, its
 histories replay, no two attempts trained at the same time and no checkpoint mixes attempts.
 The long cuts (past the fence and the lost bound) and the cut between two machines run in the
-bench (minutes each). Skipped unless root with `ip netns` and `nft`."""
+bench (minutes each). Needs root with `ip netns`; nftables is installed with apt-get when missing."""
 
 from __future__ import annotations
 

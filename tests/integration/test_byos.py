@@ -3,6 +3,7 @@ it is, and a script whose process group exists before `tg.init()`."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.helpers import REPO, cli, run_to_end
+from tests.integration.helpers import REPO, cli, run_to_end, wait_until
 from trainguard.client import TrainguardClient
 from trainguard.services.settings import Settings
 
@@ -115,3 +116,85 @@ async def test_process_group_made_before_tg_init(tg: TrainguardClient, settings:
     assert final["result"]["final_step"] == 100
     assert final["result"]["param_hash"].startswith("sha256:")
     assert final["incidents"] == []
+
+
+async def test_dcp_script_nan_then_lost_gpu_resumes_on_spare_from_s3(
+    tg: TrainguardClient, stack_dir: Path, settings: Settings, healthy_pool: None
+) -> None:
+    """One job of a DCP script with a per-machine (relative) checkpoint directory: a NaN the
+    script makes becomes a `nan` incident and every machine resumes from the last DCP save (the
+    machine without its ``.metadata`` and the other machine's parts gets them out of S3); then a
+    lost GPU evicts the coordinator's machine and the spare, whose checkpoint directory was
+    empty, resumes from the save restored out of S3."""
+    job_name = "byos-dcp"
+    r = cli(
+        settings, "run", "--name", job_name, "--nnodes", "2", "--nproc-per-node", "2",
+        "--checkpoint-dir", "ckpt", "--workdir", str(REPO), "examples/byos/dcp_train.py",
+        "--steps", "100", "--ckpt-dir", "ckpt", "--step-s", "0.1", "--nan-at", "21",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    job = tg.job(job_name)
+    # The second start saved step 30: rank 0's machine, the DCP coordinator, loses its GPU (read
+    # from the rank's output: the status lags by seconds).
+    st = await wait_until(job, lambda s: s["attempt"] >= 2)
+    victim = st["nodes"]["0"]
+    out = stack_dir / "nodes" / victim / "jobs" / job_name / "attempt-0002" / "rank-00000.out"
+    await wait_until(job, lambda _: out.exists() and "saved step 30" in out.read_text())
+    await tg.inject(victim, "gpu-lost")
+    final = await run_to_end(job)
+    assert final["phase"] == "completed", (final.get("verdict"), final["incidents"])
+    assert [i["kind"] for i in final["incidents"]] == ["nan", "gpu-lost"], final["incidents"]
+    assert final["incidents"][1]["evicted"] == [victim]
+    assert final["result"]["final_step"] == 100
+    resumed = rank_lines(stack_dir, job_name, r"resumed from step")
+    # After the NaN at step 21, every rank loaded step 20: the machine of ranks 2 and 3 got the
+    # coordinator's .metadata and rank 0's part out of S3.
+    after_nan = [resumed[(2, rank)][-1] for rank in range(4)]
+    assert all(line.endswith("restart 1 resumed from step 20") for line in after_nan), resumed
+    other = stack_dir / "nodes" / st["nodes"]["1"] / "jobs" / job_name
+    record = json.loads((other / "attempt-0002" / "script-ckpt-restore.json").read_text())
+    assert "step-20" in {r["name"] for r in record["restored"]}, record
+    # The spare: its directory held nothing of the job; the save came from S3.
+    spare = final["nodes"]["0"]
+    assert spare not in st["nodes"].values()
+    job_dir = stack_dir / "nodes" / spare / "jobs" / job_name
+    [record_path] = job_dir.glob("attempt-*/script-ckpt-restore.json")
+    record = json.loads(record_path.read_text())
+    assert record["before"] == [], record
+    restored = {r["name"]: r for r in record["restored"]}
+    newest = max(int(n.removeprefix("step-")) for n in restored)
+    assert newest >= 30, record
+    assert all(u.startswith("s3://") for u in restored[f"step-{newest}"]["uris"]), record
+    attempt = int(record_path.parent.name.removeprefix("attempt-"))
+    on_spare = [resumed[(attempt, rank)][-1] for rank in (0, 1)]
+    assert all(line.endswith(f"resumed from step {newest}") for line in on_spare), resumed
+    meta = f"ckpt/step-{newest}/.metadata"
+    victim_dir = stack_dir / "nodes" / victim / "jobs" / job_name
+    assert (job_dir / meta).read_bytes() == (victim_dir / meta).read_bytes()
+
+
+async def test_missing_script_or_unwritable_checkpoint_dir_stops_at_once(
+    tg: TrainguardClient, settings: Settings
+) -> None:
+    """Checked on the machines where the ranks run: the job fails with one incident and a verdict
+    naming what is missing, never a restart."""
+    missing = "examples/byos/no_such.py"
+    cases = {
+        "byos-no-script": (["--workdir", str(REPO)], missing, f"script {missing}"),
+        "byos-no-workdir": (["--workdir", "/nonexistent/tg"], SCRIPT, "workdir /nonexistent/tg"),
+        "byos-bad-ckpt": (
+            ["--workdir", str(REPO), "--checkpoint-dir", "/proc/tg"],
+            SCRIPT,
+            "checkpoint dir /proc/tg",
+        ),
+    }
+    for name, (opts, script, _) in cases.items():
+        r = cli(settings, "run", "--name", name, "--nnodes", "2", "--nproc-per-node", "1", *opts, script)
+        assert r.returncode == 0, r.stderr
+    for name, (_, _, named) in cases.items():
+        final = await run_to_end(tg.job(name))
+        assert final["phase"] == "failed", final
+        assert named in final["verdict"] and "cannot start" in final["verdict"], final["verdict"]
+        [inc] = final["incidents"]
+        assert inc["kind"] == "setup" and inc["action"] == "stop" and inc["evicted"] == [], inc
+        assert final["attempt"] == 1, final

@@ -147,3 +147,41 @@ def test_the_agent_starts_python_scripts_through_the_launcher() -> None:
     assert through_launcher(["python", "-m", "pkg.train"]) == ["python", LAUNCHER, "-m", "pkg.train"]
     for argv in (["bash", "run.sh"], ["python", "-c", "print(1)"], ["python", "-X", "dev", "t.py"]):
         assert through_launcher(argv) == argv
+
+
+LIVENESS_SCRIPT = """
+import socket, sys, time
+import torch, torch.distributed as dist
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+p = torch.nn.Parameter(torch.zeros(2)); opt = torch.optim.SGD([p], lr=0.1)
+p.grad = torch.ones(2); opt.step()
+t0 = time.time()
+while time.time() - t0 < 3.0:  # evaluation: Python runs, no optimizer step
+    sum(i * i for i in range(2000))
+t1 = time.time()
+time.sleep(3.0)  # blocked in one C call, as in a collective that never returns
+t2 = time.time()
+print(t0, t1, t2)
+"""
+
+
+def test_liveness_tells_working_from_blocked(tmp_path: Path) -> None:
+    """Between optimizer steps the launcher says `alive` while the main thread's Python stack
+    moves, and stays silent while it is blocked (the hang check then times it)."""
+    script = tmp_path / "evaluate.py"
+    script.write_text(LIVENESS_SCRIPT)
+    r, w = os.pipe()
+    env = {"PATH": os.environ["PATH"], "TG_REPORT_FD": str(w), "RANK": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-u", LAUNCHER, str(script)], env=env, pass_fds=(w,), capture_output=True, text=True
+    )
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        msgs = [json.loads(line) for line in f]
+    assert proc.returncode == 0, proc.stderr
+    t0, t1, t2 = map(float, proc.stdout.split())
+    alive = [m["ts"] for m in msgs if m["t"] == "alive"]
+    assert any(t0 < ts <= t1 + launch.LIVE_EVERY_S for ts in alive), (alive, t0, t1)
+    # One look may still compare the last evaluating stack with the blocked one; none after.
+    assert not [ts for ts in alive if t1 + 2 * launch.LIVE_EVERY_S + 0.2 < ts <= t2], (alive, t1, t2)

@@ -259,12 +259,14 @@ class TrainingMonitor:
         med = self.median_step_s
         return max(self.spec.hang_factor * med if med else 0.0, self.spec.hang_floor_s)
 
-    def on_alive(self, rank: int, now: float, finished: bool = False) -> None:
+    def on_alive(self, rank: int, now: float, finished: bool = False, working: bool = False) -> None:
         """Other signs of life: a checkpoint written counts as progress, a finished rank
-        is no longer expected to make any."""
+        is no longer expected to make any. ``working``: the rank runs the script (its stack
+        moves) without optimizer steps: from then on its silences are timed as hangs, not
+        against the startup timeout."""
         if finished:
             self.finished.add(rank)
-        if rank in self.last_step_at:
+        if rank in self.last_step_at or working:
             self.last_step_at[rank] = now
 
     def check(self, now: float) -> Anomaly | None:
@@ -305,6 +307,8 @@ def incident_priority(kind: str, confidence: float, origin: bool) -> int:
     """Rank concurrent reports of one failure: the cause outranks its consequences."""
     if kind == "machine-lost":
         return 100
+    if kind == "setup":
+        return 95  # the job cannot start: what the others then see follows from it
     if kind in MACHINE_KINDS and confidence >= 0.9:
         return 90
     if kind == "comm":

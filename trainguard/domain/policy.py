@@ -6,8 +6,10 @@ without a cluster. Nothing here does I/O, reads a clock or draws a random number
 
 The ladder (ByteRobust; the reference notes, "Localization" and "Recovery"):
 
+- ``setup``: the job cannot start where its ranks run (a missing script or workdir, a
+   checkpoint directory that cannot be written) -> stop at once with a verdict naming it.
 0. ``crash-loop``: K recoveries in a row without progress -> stop with a verdict.
-   Checked first, so every path ends within K + 1 incidents of no progress.
+   Checked next, so every path ends within K + 1 incidents of no progress.
 1. ``machine-fault``: a high-confidence machine fault (GPU lost, ECC, row
    remap, disk, machine lost, critical Xid...) -> evict at once, no tests.
 2. ``user-code-*``: an exception traced to the job's own code -> roll back to
@@ -55,8 +57,11 @@ Action = Literal[
     "stop",
 ]
 DIAGNOSES: tuple[Action, ...] = ("stop-time-checks", "stack-aggregation", "alignment-test")
+# The incident kind of a job that cannot start where its ranks run (see decide()).
+SETUP_KIND = "setup"
 Rung = Literal[
     # decide()
+    "setup",
     "crash-loop",
     "machine-fault",
     "user-code-rollback",
@@ -280,6 +285,17 @@ def decide(incident: IncidentFacts, history: JobHistory, cfg: PolicyConfig = DEF
     tail = _since_progress(history)
     # A stop was no recovery (the job ended there); only a resubmission brings it back.
     no_progress = max(history.recoveries_without_progress, sum(r.action != "stop" for r in tail))
+
+    # The job cannot start where its ranks run (a missing script or workdir, a checkpoint
+    # directory that cannot be written): no restart or machine changes that.
+    if incident.kind == SETUP_KIND:
+        return Decision(
+            action="stop",
+            rung="setup",
+            signature=sig,
+            evidence=incident.evidence,
+            verdict=f"the job cannot start: {incident.evidence}; fix it and resubmit",
+        )
 
     # 0. Crash loop: whatever this is, it has come back K times with no progress.
     if no_progress >= cfg.max_recoveries_without_progress:

@@ -12,7 +12,13 @@ runs the script as ``python SCRIPT ARGS`` would, after installing, when torch is
   synchronisation per step), read at the reporting cadence; a step a GradScaler skipped never
   reaches the optimizer, so it is never flagged; DTensor gradients are checked by their local shard;
 - the uncaught-exception report the runtime sends (``error``), before the interpreter unwinds;
-- the drill faults of ``trainguard inject`` (``TG_FAULT_FILE``), acting at the optimizer step.
+- the drill faults of ``trainguard inject`` (``TG_FAULT_FILE``), acting at the optimizer step;
+- a liveness look every ``LIVE_EVERY_S``: when no optimizer step came since the last look but the
+  main thread's Python stack moved (frames and their instruction offsets differ), the rank works
+  (evaluation, a save, a script with no optimizer) and says so (``alive``). With a process group,
+  each rank adds its movement to a counter in the group's store, and a rank reports ``alive``
+  whenever the counter grew: ranks waiting at a barrier while rank 0 evaluates are not hung. A
+  hung job (everyone blocked in one C call: a collective, a kernel, a lock) moves nowhere.
 
 Self-contained: this file imports only the standard library, torch and its sibling ``faults.py``
 (loaded by path when trainguard is not installed), so the agent can run it with any interpreter:
@@ -22,8 +28,10 @@ Step counting: a step is one ``step()`` of the first optimizer that steps (a sec
 stepping in the same training step does not count twice). The count starts from the optimizer's
 own step counter where it keeps one (Adam and most others: ``state[p]["step"]``, restored with
 the script's checkpoint), so a resumed script continues its numbering; otherwise from 1 in each
-attempt, which starts at step 0 after the incident that ended the previous one. Either way the
-steps reported in an attempt only grow.
+attempt, which starts at step 0 after the incident that ended the previous one. The counter is
+read again at each report, so a state loaded after a first step (DCP's ``get_state_dict`` steps
+the optimizer once to make its state) moves the count forward. Either way the steps reported in
+an attempt only grow.
 
 A script that calls ``trainguard.runtime.init()`` gets the runtime's reports instead: the runtime
 calls :func:`stand_down` and this launcher sends nothing more.
@@ -46,6 +54,10 @@ from typing import Any
 # Reports are sent at most this often (and at exit): a pipe write per step would cost more than
 # the step of a small model; the agent's hang detection works in seconds.
 REPORT_EVERY_S = 0.5
+# How often the liveness thread looks at the main thread's stack (a few microseconds a look).
+LIVE_EVERY_S = 1.0
+# The job-wide counter of stack movements, in the process group's store (fresh in each attempt).
+ALIVE_KEY = "trainguard/alive"
 # The name other modules (the runtime) find this launcher under, however it was started.
 MODULE_NAME = "_trainguard_launch"
 FLAGS = ("-u", "-B", "-s", "-E")
@@ -60,6 +72,25 @@ class _Params:
     def parameters(self) -> Any:
         for group in self.optimizer.param_groups:
             yield from group["params"]
+
+
+def stack_signature(frame: Any) -> tuple[tuple[int, int], ...]:
+    """Where a thread is: each frame's code and instruction offset, innermost first. A thread
+    blocked in one C call keeps it; a thread running Python changes it."""
+    sig = []
+    while frame is not None and len(sig) < 64:
+        sig.append((id(frame.f_code), frame.f_lasti))
+        frame = frame.f_back
+    return tuple(sig)
+
+
+def _group_store() -> Any:
+    """The default process group's store once the script made the group, else None."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    initialized = getattr(c10d, "is_initialized", None)
+    if initialized is None or not initialized():
+        return None
+    return c10d._get_default_store()
 
 
 class Launcher:
@@ -175,10 +206,16 @@ class Launcher:
             self.step += 1
         now = time.monotonic()
         if now - self.last_report_t >= REPORT_EVERY_S:
+            # The optimizer's counter again, at the reporting cadence: a state loaded after its
+            # first step (DCP's get_state_dict steps it once with zero gradients to make the
+            # state) moves the numbering forward, never back.
+            own = self._optimizer_step(optimizer)
+            if own is not None and own > self.step:
+                self.step = own
             self.report(now)
 
     def _optimizer_step(self, optimizer: Any) -> int | None:
-        """The optimizer's own step counter (restored with its state): read once per process."""
+        """The optimizer's own step counter (restored with its state)."""
         for state in optimizer.state.values():
             step = state.get("step") if isinstance(state, dict) else None
             if step is not None:
@@ -204,6 +241,38 @@ class Launcher:
         self.send({"t": "step", "step": self.step, "step_time_s": step_time})
         self.reported_step = self.step
         self.last_report_t = now
+
+    # -- liveness -----------------------------------------------------------------------
+    def start_liveness(self) -> None:
+        threading.Thread(target=self._liveness, name="tg-liveness", daemon=True).start()
+
+    def _liveness(self) -> None:
+        main = threading.main_thread().ident
+        state: dict[str, Any] = {"sig": None, "count": None, "step": -1}
+        while self.active and self.fd >= 0:
+            time.sleep(LIVE_EVERY_S)
+            try:
+                self._look(main, state)
+            except Exception:  # e.g. torch.distributed half imported: the next look sees it whole
+                continue
+
+    def _look(self, main: int | None, state: dict[str, Any]) -> None:
+        frame = sys._current_frames().get(main) if main is not None else None
+        sig = stack_signature(frame) if frame is not None else None
+        moved = sig is not None and state["sig"] is not None and sig != state["sig"]
+        state["sig"] = sig
+        alive = moved
+        store = _group_store()
+        if store is not None:
+            count = int(store.add(ALIVE_KEY, 1 if moved else 0))
+            alive = moved or (state["count"] is not None and count > state["count"])
+            state["count"] = count
+        stepped = self.step != state["step"]
+        state["step"] = self.step
+        # Not before the group exists or a step came: a rank moving through its imports and
+        # then waiting for its peers' rendezvous is starting, not hung.
+        if alive and not stepped and self.active and (store is not None or self.step > 0):
+            self.send({"t": "alive"})
 
     def stand_down(self) -> None:
         """The script joined through trainguard.runtime: its reports are the runtime's."""
@@ -244,6 +313,7 @@ def install() -> Launcher | None:
     launcher = Launcher(int(fd), int(os.environ.get("RANK", "0")))
     sys.modules.setdefault(MODULE_NAME, sys.modules[__name__])
     launcher.report_fatal_errors()
+    launcher.start_liveness()
     try:
         import torch
         import torch.optim.optimizer as optimizer_module

@@ -119,13 +119,23 @@ class Exiting(_Sent):
     t: Literal["exiting"]
 
 
+class Alive(_Sent):
+    """No optimizer step since the last report, yet the job works (evaluation, a slow save, a
+    script with no optimizer): this rank's Python stack moved, or some rank's did (sent by the
+    launcher, see ``trainguard.runtime.launch``)."""
+
+    t: Literal["alive"]
+
+
 class Warm(_Sent):
     """A preloaded (warm) rank process finished importing and waits to be activated."""
 
     t: Literal["warm"]
 
 
-Message = Start | Restored | Local | Step | Interval | Ckpt | Backup | Fault | Error | Final | Exiting | Warm
+Message = (
+    Start | Restored | Local | Step | Interval | Ckpt | Backup | Fault | Error | Final | Exiting | Alive
+) | Warm
 
 # Written by a warm process with os.write before any runtime exists.
 READY_LINE = b'{"t": "warm"}\n'
