@@ -24,7 +24,8 @@ minutes hold imports, caches and pools filling): a least-squares line through it
 the slope relative to the start; ``window_pct`` compares the means of the first and last
 quarter of the samples (robust to one spike). The goal holds when every struck fault and
 every incident recovered (every job completed with the fault-free hash), no incarnation
-assessed grew more than 10% in RSS or descriptors (fitted ``pct``), and no job ever held
+assessed (alive at least 5 minutes past its warm-up) grew more than 10% in RSS or descriptors
+(fitted ``pct``), and no job ever held
 more than ``keep`` + 1 checkpoint step directories in S3 (``keep`` plus the one in flight)
 nor more than ``keep`` committed manifests once it ended.
 
@@ -103,7 +104,7 @@ from infra.local import node_names  # noqa: E402
 from infra.private_stack import choose, connect, log, run_bench  # noqa: E402
 from infra.processes import pid_alive  # noqa: E402
 from infra.stack import Stack  # noqa: E402
-from trainguard.client import JobHandle, TrainguardClient  # noqa: E402
+from trainguard.client import JobHandle, TrainguardClient, UnknownJob  # noqa: E402
 from trainguard.domain import checkpoints  # noqa: E402
 from trainguard.domain.spec import JobSpec  # noqa: E402
 from trainguard.services.storage import S3Store  # noqa: E402
@@ -118,6 +119,9 @@ DRILLS: dict[str, tuple[int | None, int | None]] = {  # kind -> (rank, count)
 # and its growth over hours is what the soak is for (``--faults`` adds them).
 DEFAULT_FAULTS = ("crash", "hang", "gpu-lost", "controller-kill", "agent-kill")
 GROWTH_LIMIT_PCT = 10.0
+# An incarnation is judged only on this much life after its warm-up: a line through a minute
+# of samples says nothing about hours.
+MIN_ASSESSED_S = 300.0
 MB = 1024 * 1024
 QUERY_TIMEOUT_S = 10.0
 S3_TIMEOUT_S = 30.0
@@ -135,14 +139,16 @@ class Growth:
     samples: int
 
 
-def growth(points: Sequence[tuple[float, float]], since: float, min_samples: int = 3) -> Growth | None:
+def growth(
+    points: Sequence[tuple[float, float]], since: float, min_samples: int = 3, min_span_s: float = 0.0
+) -> Growth | None:
     """Growth of ``(time, value)`` points taken at or after ``since``; None with fewer than
-    ``min_samples`` of them or no time between them."""
+    ``min_samples`` of them or when they span no more than ``min_span_s``."""
     pts = sorted((t, v) for t, v in points if t >= since)
     if len(pts) < min_samples:
         return None
     t0, t1 = pts[0][0], pts[-1][0]
-    if t1 <= t0:
+    if t1 - t0 <= min_span_s:
         return None
     n = len(pts)
     tm = sum(t for t, _ in pts) / n
@@ -179,8 +185,8 @@ class Incarnation:
     def report(self, warmup_s: float) -> dict[str, Any]:
         since = self.started + warmup_s
         last_t = self.points[-1][0]
-        rss = growth([(t, r / MB) for t, r, *_ in self.points], since)
-        fds = growth([(t, float(f)) for t, _, f, *_ in self.points], since)
+        rss = growth([(t, r / MB) for t, r, *_ in self.points], since, min_span_s=MIN_ASSESSED_S)
+        fds = growth([(t, float(f)) for t, _, f, *_ in self.points], since, min_span_s=MIN_ASSESSED_S)
         grew = None if rss is None or fds is None else max(rss.pct, fds.pct) > GROWTH_LIMIT_PCT
         return {
             "name": self.name,
@@ -326,6 +332,14 @@ def plan_jobs(jobs: int, kinds: list[str], seed: int, per_job: int, steps: int) 
     ]
 
 
+async def final_status(job: JobHandle) -> dict[str, Any] | None:
+    """The finished job's status with its incidents, or None where it cannot be read."""
+    try:
+        return await observe(job)
+    except (TrialError, UnknownJob):
+        return None
+
+
 def incident_rows(job: str, st: dict[str, Any] | None, fallback: TrialResult) -> list[dict[str, Any]]:
     if st is None:  # the status was not answered: what the trial saw
         return [{"job": job, "incident": i, "recovered": None} for i in fallback.incidents]
@@ -423,7 +437,7 @@ def run(args: argparse.Namespace, kinds: list[str]) -> dict[str, Any]:
         step_s = (time.monotonic() - t0) / args.steps_per_job + args.step_sleep_s
         job_s = step_s * args.steps_per_job
         per_job = min(10, max(1, round(job_s / args.fault_every_s)))
-        jobs = math.ceil(args.hours * 3600 / job_s) + 2
+        jobs = 2 * math.ceil(args.hours * 3600 / job_s) + 2  # more than the deadline lets run
         plans = plan_jobs(jobs, kinds, args.seed, per_job, args.steps_per_job)
         say(f"reference {ref[:20]}..., ~{step_s:.2f} s a step, ~{job_s:.0f} s a job, {per_job} faults each")
         names = [chaos.CONTROLLER, *(f"{chaos.CONTROLLER}-{i}" for i in range(2, CONTROLLERS + 1))]
@@ -443,7 +457,7 @@ def run(args: argparse.Namespace, kinds: list[str]) -> dict[str, Any]:
             except TrialError as err:
                 r = TrialResult(name, [], "error", False, False, 0, 0, 0.0, str(err)[:500])
                 await runner.mend()
-            rows = incident_rows(name, await observe(tg.job(name)), r)
+            rows = incident_rows(name, await final_status(tg.job(name)), r)
             incidents.extend(rows)
             say(
                 f"  -> {r.phase}, hash {'matches' if r.hash_match else 'DIFFERS'}, {r.wall_s} s, "

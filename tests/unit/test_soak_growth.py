@@ -29,6 +29,7 @@ def test_flat_noisy_series_does_not_grow_and_too_few_samples_are_not_assessed() 
     assert g is not None and abs(g.pct) < 1 and abs(g.window_pct) < 3
     assert growth(pts, since=3550) is None  # two samples after it
     assert growth([(5.0, 1.0)] * 4, since=0) is None  # no time between them
+    assert growth(pts, since=0, min_span_s=3600) is None  # a window too short to judge
 
 
 def test_incarnation_is_judged_only_after_its_warmup() -> None:
