@@ -25,9 +25,8 @@ the slope relative to the start; ``window_pct`` compares the means of the first 
 quarter of the samples (robust to one spike). The goal holds when every struck fault and
 every incident recovered (every job completed with the fault-free hash), no incarnation
 assessed (alive at least 5 minutes past its warm-up) grew more than 10% in RSS or descriptors
-(fitted ``pct``), and no job ever held
-more than ``keep`` + 1 checkpoint step directories in S3 (``keep`` plus the one in flight)
-nor more than ``keep`` committed manifests once it ended.
+(fitted ``pct``), and no job ever held more than ``keep`` + 1 checkpoint step directories in S3
+(``keep`` plus the one in flight) nor more than ``keep`` committed manifests once it ended.
 
     python bench/soak.py [--hours 2] [--fault-every-s 180] [--sample-every-s 30] [--seed 0]
                          [--state-dir DIR] [--json]
