@@ -331,6 +331,15 @@ def plan_jobs(jobs: int, kinds: list[str], seed: int, per_job: int, steps: int) 
     ]
 
 
+async def stop_and_mend(runner: SoakRun, job: JobHandle, say: Callable[[str], None]) -> None:
+    """After a failed trial: its job stopped (the next needs the machines), the stack whole again."""
+    for step in (lambda: job.stop("soak: the trial failed"), runner.mend):
+        try:
+            await step()
+        except Exception as exc:  # best effort: the next job shows what is left
+            say(f"  cleanup: {type(exc).__name__}: {str(exc)[:200]}")
+
+
 async def final_status(job: JobHandle) -> dict[str, Any] | None:
     """The finished job's status with its incidents, or None where it cannot be read."""
     try:
@@ -453,9 +462,12 @@ def run(args: argparse.Namespace, kinds: list[str]) -> dict[str, Any]:
             say(f"job {name} ({(time.monotonic() - start) / 60:.1f} min): {at}")
             try:
                 r = await runner.trial(name, faults, ref, spec)
-            except TrialError as err:
-                r = TrialResult(name, [], "error", False, False, 0, 0, 0.0, str(err)[:500])
-                await runner.mend()
+            except Exception as err:  # one job failing is a finding: the soak goes on
+                say(f"  {name} failed: {type(err).__name__}: {str(err)[:300]}")
+                r = TrialResult(
+                    name, [], "error", False, False, 0, 0, 0.0, f"{type(err).__name__}: {err}"[:500]
+                )
+                await stop_and_mend(runner, tg.job(name), say)
             rows = incident_rows(name, await final_status(tg.job(name)), r)
             incidents.extend(rows)
             say(
