@@ -574,10 +574,9 @@ def main() -> None:
     doc = run(args, kinds)
     if args.out:
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    print_text(doc)  # on stderr: stdout holds only the JSON document
     if args.json:
         print(json.dumps(doc))
-    else:
-        print_text(doc)
 
 
 if __name__ == "__main__":
