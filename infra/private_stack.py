@@ -51,12 +51,15 @@ def run_bench(
     controllers: int = 1,
     code_dir: Path = CHECKOUT,
     netns: bool = False,
+    state_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Bring up ``nodes`` machines (each keeping ``warm_ranks`` warm rank processes, their ranks
     started in ``code_dir``) and ``controllers`` controller workers, each machine in its own network
-    namespace with ``netns``; run ``bench(state_dir, log)``, tear down; adds ``wall_s``."""
+    namespace with ``netns``; run ``bench(state_dir, log)``, tear down; adds ``wall_s``.
+    ``state_dir``: where the stack lives (kept after, logs and data for a look), else a fresh temp dir."""
     t0 = time.monotonic()
-    state_dir = Path(tempfile.mkdtemp(prefix=prefix))
+    if state_dir is None:
+        state_dir = Path(tempfile.mkdtemp(prefix=prefix))
     config = StackConfig.for_tests(state_dir).model_copy(update={"warm_ranks": warm_ranks})
     try:
         bring_up(
