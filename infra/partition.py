@@ -18,6 +18,7 @@ import subprocess
 from typing import Literal
 
 from infra import netns
+from infra.apt import apt_install
 from infra.stack import StackConfig
 
 TABLE = "tgcut"
@@ -43,10 +44,10 @@ def _install_nftables() -> bool:
     machine has the namespaces' tools but not nft."""
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         return False
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for argv in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "nftables"]):
-        if subprocess.run(argv, capture_output=True, env=env, timeout=600, check=False).returncode != 0:
-            return False
+    try:
+        apt_install(["nftables"], timeout_s=600)
+    except RuntimeError:
+        return False
     return shutil.which("nft") is not None
 
 

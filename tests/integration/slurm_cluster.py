@@ -18,6 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from infra.apt import apt_install
 from infra.processes import spawn, start_ticks, stop_pid, wait_for
 from trainguard.agent.ports import free_ports
 
@@ -42,11 +43,7 @@ def ensure_slurm() -> None:
         raise SlurmUnavailable(f"{', '.join(missing)} missing and no apt-get to install them")
     if os.geteuid() != 0:
         raise SlurmUnavailable(f"{', '.join(missing)} missing; installing them needs root (apt-get)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for argv in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", *_PACKAGES]):
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=_INSTALL_TIMEOUT_S)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv)} failed: {done.stderr.strip()[-2000:]}")
+    apt_install(_PACKAGES, _INSTALL_TIMEOUT_S)
 
 
 def _which(exe: str) -> str | None:
