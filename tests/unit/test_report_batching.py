@@ -12,27 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainguard.domain.spec import Topology
+from tests.unit.single_rank import single_rank_context
 from trainguard.runtime import context
 from trainguard.runtime.context import Context
-from trainguard.runtime.env import RankEnv
 
 
 def _context(tmp_path: Path, fd: int) -> Context:
-    env = RankEnv(
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        local_world_size=1,
-        master_addr="127.0.0.1",
-        master_port=1,
-        topology=Topology(),
-        target_steps=20,
-        ckpt_dir=str(tmp_path),
-        ckpt_every=1000,
-        report_fd=fd,
-    )
-    return Context(env)
+    return single_rank_context(tmp_path, target_steps=20, ckpt_every=1000, report_fd=fd)
 
 
 def _received(fd: int) -> list[tuple[str, int]]:

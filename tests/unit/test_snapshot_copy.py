@@ -9,10 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from trainguard.domain.spec import Topology
+from tests.unit.single_rank import single_rank_context
 from trainguard.runtime import shardfile
 from trainguard.runtime.context import Context
-from trainguard.runtime.env import RankEnv
 from trainguard.runtime.shardfile import load_shard
 from trainguard.runtime.state import SnapshotBuffers, detached_copy, param_hash, rng_state
 from trainguard.runtime.tracked import TrackedState
@@ -89,19 +88,7 @@ def test_deferred_tensors_are_filled_only_when_asked() -> None:
 
 
 def _context(tmp_path: Path) -> Context:
-    env = RankEnv(
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        local_world_size=1,
-        master_addr="127.0.0.1",
-        master_port=1,
-        topology=Topology(),
-        target_steps=10,
-        ckpt_dir=str(tmp_path),
-        ckpt_every=1,
-    )
-    return Context(env)
+    return single_rank_context(tmp_path, target_steps=10, ckpt_every=1)
 
 
 def _fence_watch(ctx: Context, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
