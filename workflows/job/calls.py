@@ -248,6 +248,15 @@ async def on_machines(
 ) -> list[R]:
     """Run one short activity on every machine of ``nodes`` (or ``only`` these) at once;
     machines that cannot answer are skipped."""
-    runs = [activity(arg, task_queue=n.task_queue) for n in nodes if only is None or n.name in only]
+    answers = await by_machine(activity, arg, nodes, only)
+    return [r for r in answers.values() if not isinstance(r, BaseException)]
+
+
+async def by_machine(
+    activity: Activity[I, R], arg: I, nodes: list[NodeInfo], only: list[str] | None = None
+) -> dict[str, R | BaseException]:
+    """As :func:`on_machines`, each machine's answer by its name, or the error it gave."""
+    chosen = [n for n in nodes if only is None or n.name in only]
+    runs = [activity(arg, task_queue=n.task_queue) for n in chosen]
     results = await asyncio.gather(*runs, return_exceptions=True)
-    return [r for r in results if not isinstance(r, BaseException)]
+    return {n.name: r for n, r in zip(chosen, results, strict=True)}

@@ -4,7 +4,6 @@ waiting for every machine's outcome lets the cause outrank its consequences)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 
 from temporalio import workflow
@@ -114,12 +113,9 @@ async def localize_hang(s: JobState, vis: Visibility) -> StackFinding:
 
 
 async def stop_silent(s: JobState, attempt: int, only: list[str]) -> set[str]:
-    """``stop_ranks`` on the machines ``only`` names (the commands of ``calls.on_machines``);
-    returns those that did not answer."""
-    nodes = [n for n in s.nodes if n.name in only]
-    runs = [calls.stop_ranks(stop_request(s, attempt), task_queue=n.task_queue) for n in nodes]
-    results = await asyncio.gather(*runs, return_exceptions=True)
-    return {n.name for n, r in zip(nodes, results, strict=True) if isinstance(r, BaseException)}
+    """``stop_ranks`` on the machines ``only`` names; returns those that did not answer."""
+    answers = await calls.by_machine(calls.stop_ranks, stop_request(s, attempt), s.nodes, only)
+    return {name for name, r in answers.items() if isinstance(r, BaseException)}
 
 
 def cut_off(node: str) -> IncidentReport:
