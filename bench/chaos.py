@@ -128,8 +128,10 @@ FLAP_PERIOD_S = 2.0
 SHORT_CUT_MAX_S = 15.0
 # A long cut lasts at least this long, and until the job has recovered without the machine.
 LONG_CUT_MIN_S = 100.0
-# Partition trials train slower: the job must still be training when a long cut's bounds pass.
+# Trials with a long cut train slower: the job must still be training when the cut's bounds pass
+# (F = 75 s, L = 95 s). Every other trial, partition kinds included, trains at STEP_SLEEP_S.
 PARTITION_STEP_SLEEP_S = 2.0
+LONG_CUTS = frozenset({"temporal-cut-long", "temporal-cut-job"})
 # Faults that stop ranks: the job has not recovered from one until an incident for it is recorded
 # (progress reported just before the strike can carry the step past the struck one first).
 STOPS_RANKS = frozenset(
@@ -627,8 +629,8 @@ def run(trials: int, kinds: list[str], seed: int, per_trial: int) -> dict[str, A
         t0 = time.monotonic()
         tg = await connect(state_dir)
         ref = await reference_hash(tg, chaos_spec("chaos"))
-        slow = any(k in PARTITIONS for k in kinds)
-        spec = chaos_spec("chaos", step_sleep_s=PARTITION_STEP_SLEEP_S if slow else STEP_SLEEP_S)
+        spec = chaos_spec("chaos")
+        slow_spec = chaos_spec("chaos", step_sleep_s=PARTITION_STEP_SLEEP_S)
         say(f"reference {ref[:20]}...")
         names = [chaos.CONTROLLER, *(f"{chaos.CONTROLLER}-{i}" for i in range(2, CONTROLLERS + 1))]
         runner = ChaosRun(tg, state_dir, random.Random(seed), say, names, node_names(nodes, 0))
@@ -636,7 +638,8 @@ def run(trials: int, kinds: list[str], seed: int, per_trial: int) -> dict[str, A
         for i, faults in enumerate(plans):
             say(f"trial {i + 1}/{trials}: {', '.join(f'{f.kind}@{f.at_step}' for f in faults)}")
             try:
-                r = await runner.trial(f"chaos-{i + 1}", faults, ref, spec)
+                slow = any(f.kind in LONG_CUTS for f in faults)
+                r = await runner.trial(f"chaos-{i + 1}", faults, ref, slow_spec if slow else spec)
             except TrialError as err:
                 r = TrialResult(f"chaos-{i + 1}", [], "error", False, False, 0, 0, 0.0, str(err)[:500])
                 await runner.mend()
