@@ -96,6 +96,8 @@ class Recovery:
             max_recoveries_without_progress=det.max_attempts,
             # Histories recorded before the first-reattempt rung existed replay without it.
             reattempt_first=det.reattempt_first and workflow.patched(patches.FIRST_REATTEMPT),
+            # ... and without the link checks of a stall that comes back unlocalized.
+            link_checks=workflow.patched(patches.LINK_CHECKS),
         )
         diagnosing_since = workflow.now()
         decisions = [decide(facts, s.history, cfg)]
@@ -109,8 +111,11 @@ class Recovery:
         s.history = record_incident(s.history, facts, decisions)
         self.vis.set_phase("recovering")
         if final.action == "evict":
-            # A whole group evicted for its stuck or slow outlier holds healthy machines too.
-            await self._evict(final.machines, incident, confirmed=final.rung != "stacks-culprit")
+            # A whole group evicted for its stuck or slow outlier holds healthy machines too; one end
+            # of a failed link may be healthy: both leave as suspects, re-tested before reuse.
+            await self._evict(
+                final.machines, incident, confirmed=final.rung not in ("stacks-culprit", "checks-link")
+            )
         if final.action == "rollback" and final.rollback_to:
             apply_version(
                 s,
