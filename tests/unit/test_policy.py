@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 from pydantic import ValidationError
 
 from trainguard.domain.analysis.replay import replay_grid
+from trainguard.domain.messages import IncidentReport
 from trainguard.domain.policy import (
     Decision,
     IncidentFacts,
@@ -23,6 +26,7 @@ from trainguard.domain.policy import (
     record_incident,
     start_over,
 )
+from workflows.job.recovery import suspects
 
 ONE = JobHistory(code_versions=["v1"], current_version="v1")
 TWO = JobHistory(code_versions=["v1", "v2"], current_version="v2")
@@ -477,3 +481,19 @@ def test_a_failed_link_swaps_one_end_and_names_both() -> None:
     two = outcome_after_checks([], links=[("a", "b"), ("b", "c")])
     assert two.machines == ["b"]
     assert outcome_after_checks([]).rung == "checks-clean"
+
+
+def test_a_failed_rendezvous_suspects_both_ends() -> None:
+    """node-2's ranks could not reach node-1's store; node-1's ranks were stopped before their own
+    bound passed, so only node-2 reported: the rendezvous host is the link's other end."""
+
+    def report(kind: str, node: str, origin: bool = False) -> IncidentReport:
+        return IncidentReport(
+            kind=kind, node=node, evidence="-", origin=origin, detected_at=datetime.now(UTC)
+        )
+
+    assert suspects(report("rendezvous", "node-2"), [], host="node-1") == ["node-2", "node-1"]
+    both = [report("rendezvous", "node-1")]
+    assert suspects(report("rendezvous", "node-2"), both, host="node-1") == ["node-2", "node-1"]
+    # Other kinds keep their own suspects: a crash's origin is its machine.
+    assert suspects(report("crash", "node-2", origin=True), [], host="node-1") == ["node-2"]
