@@ -68,6 +68,7 @@ def test_two_machines_alone_name_their_link() -> None:
     v = verdict(r1, [], 2.0)
     assert v.faulty == [] and v.links == [("a", "b")]
     assert "link a<->b failed; no other partner was free" in v.evidence
+    assert "a+b FAILED 0.00s (timed out)" in v.evidence  # what the sides said
 
 
 def test_the_machine_left_out_of_round_one_is_tested_with_a_good_partner() -> None:

@@ -100,7 +100,11 @@ def verdict(round1: Sequence[PairResult], round2: Sequence[PairResult], slow_fac
     rounds = " | ".join(
         f"round {i}: "
         + ", ".join(
-            f"{a}+{b} {'ok' if r.ok else 'FAILED'} {r.elapsed_s:.2f}s" for r in rs for a, b in [r.machines]
+            f"{a}+{b} {'ok' if r.ok else 'FAILED'} {r.elapsed_s:.2f}s"
+            # What the sides said: a peer that cannot be reached, or a wrong answer.
+            + (f" ({r.evidence[:300]})" if not r.ok and r.evidence else "")
+            for r in rs
+            for a, b in [r.machines]
         )
         for i, rs in ((1, round1), (2, round2))
         if rs
