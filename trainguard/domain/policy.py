@@ -540,7 +540,7 @@ def outcome_after_checks(
             action="evict",
             rung="checks-link",
             machines=swap,
-            evidence=f"stop-time checks: every machine passed alone, the link {named} failed: "
+            evidence=f"stop-time checks: no machine failed a check alone, the link {named} failed: "
             f"{', '.join(swap)} swapped for a spare and re-tested before reuse, the other end re-tested "
             f"by the next attempt{ignored}{detail}",
         )
