@@ -39,6 +39,7 @@ from trainguard.agent.health.events import HealthEvent
 from trainguard.domain import checkpoints
 from trainguard.domain.checkpoints import parse_step_dir, shard_name, step_dir_name
 from trainguard.domain.detection import (
+    RENDEZVOUS_KIND,
     Anomaly,
     ExitInfo,
     TrainingMonitor,
@@ -335,6 +336,7 @@ class RankSession:
             restart_count=max(self.inp.attempt - 1, 0),
             max_restarts=self.spec.detection.max_attempts,
             script_ckpt_dir=str(self.script_ckpt_dir) if self.script_ckpt_dir else None,
+            rendezvous_timeout_s=self.spec.detection.rendezvous_timeout_s,
         )
         env.update(renv.to_environ())
         return env
@@ -877,7 +879,7 @@ class RankSession:
         await self._flush_script_ckpts()
         if self.incident is None and not self._killed and (failed or missing):
             self.incident = self._exit_incident(missing)
-        if self.incident is not None and self.incident.kind in ("crash", "comm", "oom"):
+        if self.incident is not None and self.incident.kind in ("crash", "comm", "oom", RENDEZVOUS_KIND):
             # A rank died: did the machine do it? (A lost GPU crashes its ranks first.)
             for event in await self.health.probe_now():
                 report = self._from_health(event)
@@ -937,7 +939,8 @@ class RankSession:
         return self._report(
             kind,
             [rank],
-            origin=kind != "comm",
+            # A failed rendezvous, like a peer's collective error, does not say where it began.
+            origin=kind not in ("comm", RENDEZVOUS_KIND),
             confidence=0.5,
             evidence=f"rank {rank} {how} ({info.error_class}): {info.summary}{where}",
             error_class=info.error_class,

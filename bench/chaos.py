@@ -67,6 +67,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +208,8 @@ class TrialResult:
     # Attempt -> [first, last] step time of its ranks, seconds after the first fault struck.
     windows: dict[int, list[float]] = field(default_factory=dict)
     incidents: list[str] = field(default_factory=list)  # every incident of the job, as in Struck
+    # Every incident in full (``--out``): its times in seconds after the first fault struck.
+    incident_log: list[dict[str, Any]] = field(default_factory=list)
 
 
 def chaos_spec(name: str, target_steps: int = TARGET_STEPS, step_sleep_s: float = STEP_SLEEP_S) -> JobSpec:
@@ -273,6 +276,16 @@ def _recovered(st: dict[str, Any], mark: int) -> bool:
     new = st["incidents"][mark:]
     back = not new or new[-1]["recovered_at"] is not None
     return back and st["phase"] in ("running", "completed")
+
+
+def _incident_times(incident: dict[str, Any], t0_wall: float) -> dict[str, Any]:
+    """An incident as the status shows it, its moments in seconds after ``t0_wall``."""
+    moments = ("detected_at", "decided_at", "evicted_at", "relaunched_at", "recovered_at")
+    out = {k: v for k, v in incident.items() if k not in moments}
+    for k in moments:
+        at = incident.get(k)
+        out[k] = round(datetime.fromisoformat(at).timestamp() - t0_wall, 1) if at and t0_wall else at
+    return out
 
 
 def _describe(incident: dict[str, Any]) -> str:
@@ -362,6 +375,7 @@ class ChaosRun:
         res.overlap_s, res.overlapping_attempts = overlap(windows)
         t0_wall = next((f.wall for f in struck if f.step >= 0), 0.0)
         res.windows = {a: [round(lo - t0_wall, 1), round(hi - t0_wall, 1)] for a, (lo, hi) in windows.items()}
+        res.incident_log = [_incident_times(i, t0_wall) for i in final.get("incidents", [])]
         res.mixed_checkpoints = await self._in_thread(mixed_checkpoints, self.tg, spec, name)
         await self.mend()
         return res

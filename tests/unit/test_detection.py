@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainguard.domain.detection import TrainingMonitor, classify_exit, exit_kind, incident_priority
+from trainguard.domain.detection import (
+    RENDEZVOUS_KIND,
+    TrainingMonitor,
+    classify_exit,
+    exit_kind,
+    incident_priority,
+)
 from trainguard.domain.spec import DetectionSpec
 
 SPEC = DetectionSpec(spike_warmup_steps=0, hang_floor_s=2.0, hang_factor=10.0, startup_timeout_s=30.0)
@@ -138,6 +144,23 @@ def test_a_rendezvous_port_taken_is_a_failed_launch_not_user_code(tmp_path: Path
     info = classify_exit(1, None, tail, code)
     assert info.error_class == "rendezvous" and not info.user_code
     assert exit_kind(info) == "crash"
+
+
+def test_a_rendezvous_that_cannot_form_is_its_own_kind_whatever_torch_names() -> None:
+    """tg.init's bounded rendezvous ends in a RendezvousError saying where the rank waited; the
+    traceback above it may name gloo, which would read as a peer's collective error."""
+    tail = (
+        "[rank2]: Traceback (most recent call last):\n"
+        '[rank2]:   File "/x/site-packages/torch/distributed/distributed_c10d.py", line 9, in '
+        "_new_process_group_helper (ProcessGroupGloo)\n"
+        "[rank2]: trainguard.runtime.context.RendezvousError: the process group did not form within "
+        "60s (rendezvous bound): rank 2 on node-2: could not connect to rank 0's rendezvous at "
+        "10.77.0.2:40111 (DistNetworkError: The client socket has timed out after 60000ms)\n"
+    )
+    info = classify_exit(1, None, tail)
+    assert info.error_class == "rendezvous" and info.exception == "RendezvousError"
+    assert "rank 2 on node-2: could not connect to rank 0's rendezvous at 10.77.0.2:40111" in info.summary
+    assert exit_kind(info) == RENDEZVOUS_KIND == "rendezvous"
 
 
 def test_classify_oom_and_signal() -> None:

@@ -45,11 +45,30 @@ def test_a_consistently_slow_machine_is_a_straggler() -> None:
     assert v.stragglers == ["m5"] and v.faulty == []
 
 
-def test_a_one_off_failure_blames_nobody() -> None:
+def test_a_one_off_failure_blames_no_machine_but_names_the_link() -> None:
     r1 = run(first_round(M), bad={"m0"})
     v = verdict(r1, run(second_round(M, r1, 2.0)), slow_factor=2.0)
     assert v.faulty == [] and v.stragglers == []
-    assert "no machine bad in both rounds" in v.evidence
+    # m0 and m1 failed together and passed with other partners: the link between them.
+    assert v.links == [("m0", "m1")]
+    assert "link m0<->m1 failed, its machines passed with others" in v.evidence
+
+
+def test_a_faulty_machine_names_no_link() -> None:
+    r1 = run(first_round(M), bad={"m2"})
+    v = verdict(r1, run(second_round(M, r1, 2.0), bad={"m2"}), slow_factor=2.0)
+    assert v.faulty == ["m2"] and v.links == []
+
+
+def test_two_machines_alone_name_their_link() -> None:
+    """No third machine to tell them apart: the failed pair is the link, neither is faulty."""
+    r1 = [PairResult(machines=("a", "b"), ok=False, elapsed_s=0.0, evidence="timed out")]
+    pairs2 = second_round(["a", "b"], r1, 2.0)
+    assert pairs2 == []
+    v = verdict(r1, [], 2.0)
+    assert v.faulty == [] and v.links == [("a", "b")]
+    assert "link a<->b failed; no other partner was free" in v.evidence
+    assert "a+b FAILED 0.00s (timed out)" in v.evidence  # what the sides said
 
 
 def test_the_machine_left_out_of_round_one_is_tested_with_a_good_partner() -> None:

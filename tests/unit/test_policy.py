@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 from pydantic import ValidationError
 
 from trainguard.domain.analysis.replay import replay_grid
+from trainguard.domain.messages import IncidentReport
 from trainguard.domain.policy import (
     Decision,
     IncidentFacts,
@@ -23,6 +26,7 @@ from trainguard.domain.policy import (
     record_incident,
     start_over,
 )
+from workflows.job.recovery import suspects
 
 ONE = JobHistory(code_versions=["v1"], current_version="v1")
 TWO = JobHistory(code_versions=["v1", "v2"], current_version="v2")
@@ -282,10 +286,12 @@ def test_crash_loop_ends_in_stop_and_never_evicts(versions: list[str], kind: str
     incident = IncidentFacts(kind=kind, machines=["m2"], confidence=0.5, error_class="cuda")
     hist = JobHistory(code_versions=versions, current_version=versions[-1])
     handled = _run_loop(incident, hist, cfg)
-    # The ladder has four rungs from diagnosis on (a crash restarts in place once before them);
-    # the K guard cuts it shorter.
+    # The ladder has four rungs from diagnosis on (a crash restarts in place once before them;
+    # a hang that stacks did not localize runs the link checks after them); the K guard cuts it
+    # shorter.
     first = ["first-reattempt"] if kind == "crash" else []
-    depth = len(first) + 4
+    link = ["link-checks"] if kind == "hang" else []
+    depth = len(first) + 4 + len(link)
     assert len(handled) <= min(k, depth) + 1
     assert handled[-1][-1].action == "stop"
     assert all(d.action != "evict" for chain in handled for d in chain)
@@ -293,7 +299,7 @@ def test_crash_loop_ends_in_stop_and_never_evicts(versions: list[str], kind: str
     if k >= depth:
         expected = ["rollback"] if len(versions) > 1 else []
         assert rungs[: len(first)] == first
-        assert rungs[len(first) + 1 :] == [*expected, "replay", "exhausted"]
+        assert rungs[len(first) + 1 :] == [*link, *expected, "replay", "exhausted"]
 
 
 def test_crash_loop_evicts_only_machines_that_failed_checks() -> None:
@@ -417,3 +423,77 @@ def test_a_stop_is_not_a_recovery() -> None:
     # A job stopped once (then resubmitted) does not carry the stop into the no-progress count.
     recs = [_rec("a", "reattempt"), _rec("b", "reattempt"), _rec("c", "stop")]
     assert decide(CUDA_CRASH, TWO.model_copy(update={"incidents": recs})).rung == "first-reattempt"
+
+
+# -- stalls no stack localizes: the links between machines -----------------------------------
+
+HANG = IncidentFacts(kind="hang", machines=["node-1", "node-2"], evidence="every rank in all_reduce")
+NO_RENDEZVOUS = IncidentFacts(
+    kind="rendezvous",
+    machines=["node-1", "node-2"],
+    error_class="rendezvous",
+    evidence="rank 2 on node-2: could not connect to rank 0's rendezvous at 10.0.0.1:40111",
+)
+
+
+def _after_clean_stacks(history: JobHistory) -> JobHistory:
+    d = decide(HANG, history)
+    assert (d.action, d.rung) == ("stack-aggregation", "stack-aggregation")
+    return record_incident(history, HANG, [d, outcome_after_stacks([])])
+
+
+@pytest.mark.parametrize("again", [HANG, NO_RENDEZVOUS], ids=["hang", "rendezvous"])
+def test_a_stall_back_after_clean_stacks_runs_the_link_checks_on_every_machine(again: IncidentFacts) -> None:
+    """A peer cut: every rank stalls in one collective (no outlier stack), reattempt; then the
+    next attempt stalls again or cannot even form its group: test the links, not roll back."""
+    h = _after_clean_stacks(TWO)
+    d = decide(again, h)
+    assert (d.action, d.rung, d.scope) == ("stop-time-checks", "link-checks", "all")
+    assert d.suspects == ["node-1", "node-2"]
+    assert "no outlier" in d.evidence and "pairwise" in d.evidence
+    # Histories from before the rung (its patch absent) climb to the rollback as they did.
+    assert decide(again, h, PolicyConfig(link_checks=False)).rung == (
+        "rollback" if again is HANG else "stop-time-checks"
+    )
+
+
+def test_the_link_checks_run_once_per_streak_then_the_ladder_climbs() -> None:
+    h = _after_clean_stacks(ONE)
+    d = decide(NO_RENDEZVOUS, h)
+    h = record_incident(h, NO_RENDEZVOUS, [d, outcome_after_checks([])])
+    # The links were tested: the stall climbs on (one code version: no rollback, the replay).
+    assert decide(HANG, h).rung == "replay"
+    assert decide(NO_RENDEZVOUS, h).rung == "replay"
+
+
+def test_a_first_failed_rendezvous_goes_to_the_checks_not_a_blind_restart() -> None:
+    d = decide(NO_RENDEZVOUS, TWO)
+    assert (d.action, d.rung, d.suspects) == ("stop-time-checks", "stop-time-checks", ["node-1", "node-2"])
+
+
+def test_a_failed_link_swaps_one_end_and_names_both() -> None:
+    d = outcome_after_checks([], links=[("node-1", "node-2")], evidence="pairwise: link node-1<->node-2")
+    assert (d.action, d.rung, d.machines) == ("evict", "checks-link", ["node-2"])
+    assert "node-1<->node-2 (node-1 and node-2 suspect)" in d.evidence
+    # A machine that failed a check on its own is evicted for that; no link is guessed.
+    assert outcome_after_checks(["node-2"], links=[("node-1", "node-2")]).rung == "checks-failed"
+    # Two links through one machine: swapping it removes both.
+    two = outcome_after_checks([], links=[("a", "b"), ("b", "c")])
+    assert two.machines == ["b"]
+    assert outcome_after_checks([]).rung == "checks-clean"
+
+
+def test_a_failed_rendezvous_suspects_both_ends() -> None:
+    """node-2's ranks could not reach node-1's store; node-1's ranks were stopped before their own
+    bound passed, so only node-2 reported: the rendezvous host is the link's other end."""
+
+    def report(kind: str, node: str, origin: bool = False) -> IncidentReport:
+        return IncidentReport(
+            kind=kind, node=node, evidence="-", origin=origin, detected_at=datetime.now(UTC)
+        )
+
+    assert suspects(report("rendezvous", "node-2"), [], host="node-1") == ["node-2", "node-1"]
+    both = [report("rendezvous", "node-1")]
+    assert suspects(report("rendezvous", "node-2"), both, host="node-1") == ["node-2", "node-1"]
+    # Other kinds keep their own suspects: a crash's origin is its machine.
+    assert suspects(report("crash", "node-2", origin=True), [], host="node-1") == ["node-2"]

@@ -72,6 +72,14 @@ def run_ranks_input(job: JobSpec) -> RunRanksInput:
 # -- the models against the previous release ---------------------------------------------------
 
 
+def _same_default(was: Any, now: Any) -> bool:
+    """Equal, or a model's default that only gained fields (each new field is checked on its own
+    model: an old receiver ignores it, a new one fills its default)."""
+    if isinstance(was, dict) and isinstance(now, dict):
+        return all(k in now and _same_default(v, now[k]) for k, v in was.items())
+    return bool(was == now)
+
+
 def problems(old: dict[str, Any], new: dict[str, type[BaseModel]]) -> list[str]:
     """Every way the current models break a receiver or sender of the release in ``old``."""
     out: list[str] = []
@@ -96,7 +104,7 @@ def problems(old: dict[str, Any], new: dict[str, type[BaseModel]]) -> list[str]:
                 )
             if not was.get("required") and now.get("required"):
                 out.append(f"{where}: now required (old senders leave it out at its default)")
-            if "default" in was and "default" in now and was["default"] != now["default"]:
+            if "default" in was and "default" in now and not _same_default(was["default"], now["default"]):
                 out.append(
                     f"{where}: default {was['default']!r} -> {now['default']!r} (omitted means the "
                     "receiver's default: add a new field instead)"

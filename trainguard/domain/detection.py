@@ -97,6 +97,9 @@ def classify_exit(
     stderr_tail = _RANK_PREFIX.sub("", stderr_tail)
     low = stderr_tail.lower()
     exc, msg = _last_exception(stderr_tail)
+    if exc == "RendezvousError":
+        # tg.init's bounded rendezvous: the group did not form (torch's message may name gloo).
+        return ExitInfo(error_class="rendezvous", summary=msg[:300], exception=exc)
     if "out of memory" in low or "memoryerror" in low or "bad_alloc" in low:
         return ExitInfo(error_class="oom", summary=(msg or "out of memory")[:300], exception=exc)
     if "cuda error" in low or "cudaerror" in low or "illegal memory access" in low or "xid" in low:
@@ -127,10 +130,17 @@ def classify_exit(
     return ExitInfo(error_class="unknown", summary=f"exit code {exit_code}")
 
 
+# The job's process group did not form within the rendezvous bound (tg.init): a stall like a
+# hang, seen from the ranks' own errors (who could not reach whose store).
+RENDEZVOUS_KIND = "rendezvous"
+
+
 def exit_kind(info: ExitInfo) -> str:
     """The incident kind a rank exit maps to."""
     if info.user_code:
         return "user-code"
+    if info.exception == "RendezvousError":
+        return RENDEZVOUS_KIND
     if info.error_class in ("nccl", "gloo"):
         return "comm"
     if info.error_class == "oom":

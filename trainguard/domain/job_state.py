@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from trainguard.domain import ettr
 from trainguard.domain.code_versions import CodeEvent, CodeRelease, PendingUpdate
+from trainguard.domain.detection import RENDEZVOUS_KIND
 from trainguard.domain.messages import (
     POOL_WORKFLOW_ID,
     CheckpointRef,
@@ -32,6 +33,13 @@ Phase = Literal[
     "pending", "running", "detecting", "diagnosing", "recovering", "completed", "failed", "stopped"
 ]
 TERMINAL: tuple[Phase, ...] = ("completed", "failed", "stopped")
+
+
+def _seen(other: IncidentReport, kind: str) -> str:
+    """What another machine saw; its own words for a failed rendezvous (which side reached whom)."""
+    if other.kind == kind == RENDEZVOUS_KIND:
+        return f"{other.node}: {other.evidence[:300]}"
+    return f"{other.node}: {other.kind}"
 
 
 class Incident(BaseModel):
@@ -75,7 +83,7 @@ class Incident(BaseModel):
         """Detected: the report that names the cause, and what the other machines saw."""
         detection_s = round((primary.detected_at - fault_at).total_seconds(), 3) if fault_at else None
         evidence = primary.evidence
-        seen_also = sorted({f"{o.node}: {o.kind}" for o in others if o.node != primary.node})
+        seen_also = sorted({_seen(o, primary.kind) for o in others if o.node != primary.node})
         if seen_also:
             evidence += " | also seen: " + ", ".join(seen_also)
         return cls(

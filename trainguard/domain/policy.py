@@ -24,6 +24,10 @@ The ladder (ByteRobust; the reference notes, "Localization" and "Recovery"):
      machines; anything else -> ``stop-time-checks`` on the suspects.
      Diagnoses end in an ``outcome_after_*`` decision: evict what failed, or
      ``reattempt`` when everything passed (the fault is taken as transient).
+   - a stall that no stack localized (a hang whose stacks found no outlier, then a hang or a
+     rendezvous that cannot form) -> ``link-checks``: the stop-time checks on every machine,
+     whose pairwise rounds test the links between machines; a failed pair whose machines pass
+     alone names the link (``checks-link``: both machines suspect, one swapped for a spare).
    - checks passed but no reattempt yet -> ``reattempt``.
    - the same signature again after a reattempt -> ``rollback`` of the latest
      code change (skipped when there is no earlier version).
@@ -70,6 +74,7 @@ Rung = Literal[
     "stack-aggregation",
     "alignment-test",
     "stop-time-checks",
+    "link-checks",
     "checks-passed",
     "first-reattempt",
     "rollback",
@@ -77,6 +82,7 @@ Rung = Literal[
     "exhausted",
     # outcome_after_*()
     "checks-failed",
+    "checks-link",
     "checks-clean",
     "stacks-culprit",
     "stacks-clean",
@@ -126,6 +132,12 @@ class PolicyConfig(_Frozen):
     # such crashes are transient, and a bad machine costs one quick restart more.
     reattempt_first: bool = True
     reattempt_first_kinds: tuple[str, ...] = ("crash",)
+    # Stalls the stacks may not localize: every rank waits in a collective, or the ranks' process
+    # group cannot form (``trainguard.domain.detection.RENDEZVOUS_KIND``). When one comes back
+    # after stack aggregation found no outlier, the stop-time checks run on every machine: their
+    # pairwise rounds tell a link between two machines from a machine.
+    stall_kinds: tuple[str, ...] = ("hang", "rendezvous")
+    link_checks: bool = True
 
 
 DEFAULT_POLICY = PolicyConfig()
@@ -267,6 +279,18 @@ def _tried(streak: list[IncidentRecord], action: Action) -> bool:
     return any(r.action == action or action in r.steps for r in streak)
 
 
+def _kind_of(signature: str) -> str:
+    return signature.split("|", 1)[0]
+
+
+def _unlocalized_stall(tail: list[IncidentRecord], cfg: PolicyConfig) -> bool:
+    """A stall since progress whose stacks found no outlier (reattempted), with no stop-time
+    checks tried on a stall since."""
+    stalls = [r for r in tail if _kind_of(r.signature) in cfg.stall_kinds]
+    clean = any(r.action == "reattempt" and "stack-aggregation" in r.steps for r in stalls)
+    return clean and not _tried(stalls, "stop-time-checks")
+
+
 def _unchecked_reattempt(rec: IncidentRecord) -> bool:
     """A reattempt decided without any diagnosis or replay (the ``first-reattempt`` rung)."""
     return rec.action == "reattempt" and not any(a in rec.steps for a in (*DIAGNOSES, "replay"))
@@ -366,7 +390,19 @@ def decide(incident: IncidentFacts, history: JobHistory, cfg: PolicyConfig = DEF
             + (f": {incident.evidence}" if incident.evidence else ""),
         )
 
-    # 3. Escalation for a fault that keeps coming back while diagnoses pass.
+    # 3. A stall that stacks did not localize, back again: test the links between machines.
+    if cfg.link_checks and incident.kind in cfg.stall_kinds and _unlocalized_stall(tail, cfg):
+        return Decision(
+            action="stop-time-checks",
+            rung="link-checks",
+            signature=sig,
+            scope="all",
+            suspects=sorted(set(incident.machines)),
+            evidence=f"{incident.kind} again after stack aggregation found no outlier: stop-time checks "
+            f"on every machine, whose pairwise rounds test the links between them: {what}",
+        )
+
+    # Escalation for a fault that keeps coming back while diagnoses pass.
     replayed = history.replay_tried or _tried(streak, "replay")
     # Only a reattempt after a diagnosis climbs to rollback; after a first-reattempt the checks come next.
     reattempted = _tried([r for r in streak if not _unchecked_reattempt(r)], "reattempt")
@@ -468,9 +504,16 @@ def outcome_after_checks(
     stragglers: list[str] | None = None,
     *,
     evidence: str = "",
+    links: Sequence[tuple[str, str]] = (),
     cfg: PolicyConfig = DEFAULT_POLICY,
 ) -> Decision:
-    """Stop-time checks returned: evict the machines that failed (and stragglers); none -> reattempt."""
+    """Stop-time checks returned: evict the machines that failed (and stragglers); a failed link
+    between machines that pass alone -> swap one end of it; nothing -> reattempt.
+
+    A link's two machines are both suspect; the later of the pair (in the job's order) leaves as
+    a suspect, re-tested by the pool before any job gets it again, and the earlier keeps its
+    place, re-tested by the next attempt with a new partner. Evicting both would take two spares
+    for one fault that either swap removes."""
     failed = sorted(set(failed_machines))
     slow = sorted(set(stragglers or []) - set(failed)) if cfg.evict_stragglers else []
     detail = f": {evidence}" if evidence else ""
@@ -487,6 +530,20 @@ def outcome_after_checks(
             evidence=f"stop-time checks: {'; '.join(parts)}{detail}",
         )
     ignored = f" (stragglers {', '.join(sorted(stragglers))} not evicted)" if stragglers else ""
+    swap: list[str] = []
+    for a, b in links:
+        if a not in swap and b not in swap:
+            swap.append(b)
+    if swap:
+        named = ", ".join(f"{a}<->{b} ({a} and {b} suspect)" for a, b in links)
+        return Decision(
+            action="evict",
+            rung="checks-link",
+            machines=swap,
+            evidence=f"stop-time checks: no machine failed a check alone, the link {named} failed: "
+            f"{', '.join(swap)} swapped for a spare and re-tested before reuse, the other end re-tested "
+            f"by the next attempt{ignored}{detail}",
+        )
     return Decision(
         action="reattempt",
         rung="checks-clean",

@@ -197,6 +197,15 @@ class DetectionSpec(_Frozen):
         50, ge=0, le=1_000_000, description="no spike checks before this step (early training is noisy)"
     )
     startup_timeout_s: float = Field(300.0, gt=0, le=86400, description="first step must come within this")
+    rendezvous_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=86400,
+        description="how long a rank waits in tg.init for the job's process group to form, from its own "
+        "arrival; longer than the spread of the ranks' arrivals (they start together: the spread is "
+        "their imports and checkpoint staging). Then the ranks exit naming who could not reach whom, "
+        "instead of waiting out startup_timeout_s; collectives keep their own timeout",
+    )
     max_attempts: int = Field(5, ge=1, le=1000, description="restarts without progress before giving up")
     replica_check_every: int = Field(
         50,

@@ -482,6 +482,63 @@ def _report_fatal_errors(ctx: Context) -> None:
     sys.excepthook = hook
 
 
+class RendezvousError(RuntimeError):
+    """The job's process group did not form within the rendezvous bound: some rank could not
+    reach rank 0's store, or its peers (the message says which, from this rank's side)."""
+
+
+def _rendezvous_evidence(env: RankEnv, exc: BaseException) -> str:
+    """Where this rank waited when the bound passed, in words (torch's message names the store
+    it could not connect to, or how many ranks had joined rank 0's)."""
+    raw = " ".join(str(exc).split())
+    first = raw.split(" Exception raised from ")[0][:300]
+    where = f"{env.master_addr}:{env.master_port}"
+    low = raw.lower()
+    if "waiting for clients" in low:
+        what = f"hosting the rendezvous at {where}, not every rank joined"
+    elif env.rank != 0 and ("connect" in low or "client socket" in low):
+        what = f"could not connect to rank 0's rendezvous at {where}"
+    else:
+        what = f"joined the rendezvous at {where}, but the group did not form"
+    return f"rank {env.rank} on {env.node}: {what} ({type(exc).__name__}: {first})"
+
+
+def _group_not_formed(exc: BaseException) -> bool:
+    """torch's errors of a rendezvous that ran out of time, or whose host went away meanwhile."""
+    low = str(exc).lower()
+    words = ("timed out", "timeout", "connection reset", "broken pipe", "closed by peer")
+    return any(w in low for w in words)
+
+
+def _join_group(env: RankEnv, backend: str, timeout_s: float) -> None:
+    """``init_process_group`` that fails within the rendezvous bound when the group cannot form
+    (a peer that cannot be reached), while collectives keep ``timeout_s``: a slow first step of a
+    big model is no failed rendezvous."""
+    bound_s = min(env.rendezvous_timeout_s or timeout_s, timeout_s)
+    try:
+        # env:// reads MASTER_ADDR/PORT, which both the agent and torchrun set.
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=bound_s),
+        )
+    except RuntimeError as exc:  # torch's DistError is one
+        if not _group_not_formed(exc):
+            raise  # a port taken, a bad address: the launch failed, not the rendezvous
+        raise RendezvousError(
+            f"the process group did not form within {bound_s:.0f}s (rendezvous bound): "
+            + _rendezvous_evidence(env, exc)
+        ) from None
+    if bound_s < timeout_s:
+        # The group formed: its collectives (and the store they share) get the full timeout back.
+        full = timedelta(seconds=timeout_s)
+        c10d = dist.distributed_c10d
+        c10d._set_pg_timeout(full)
+        c10d._get_default_store().set_timeout(full)
+
+
 def init(backend: str | None = None, timeout_s: float = 600.0) -> Context:
     """Join the job's process group from the environment the agent set, or adopt the one a
     framework already created (``backend`` and ``timeout_s`` then are the framework's)."""
@@ -509,14 +566,7 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> Context:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(env.local_rank)
-        # env:// reads MASTER_ADDR/PORT, which both the agent and torchrun set.
-        dist.init_process_group(
-            backend=backend,
-            init_method="env://",
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        _join_group(env, backend, timeout_s)
     ctx._make_groups()
     if env.restore_peers and env.resume_step is not None:
         ctx._restore_from_peers()

@@ -68,6 +68,8 @@ class RankEnv(BaseModel):
     max_restarts: int = 0
     # Where the script keeps its own checkpoints on this machine (absolute; ``--checkpoint-dir``).
     script_ckpt_dir: str | None = None
+    # How long tg.init waits for the job's process group to form (None: its collective timeout).
+    rendezvous_timeout_s: float | None = None
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> RankEnv:
@@ -108,6 +110,7 @@ class RankEnv(BaseModel):
             restart_count=int(e.get("TORCHELASTIC_RESTART_COUNT", "0")),
             max_restarts=int(e.get("TORCHELASTIC_MAX_RESTARTS", "0")),
             script_ckpt_dir=e.get("TG_CHECKPOINT_DIR") or None,
+            rendezvous_timeout_s=float(rdv) if (rdv := e.get("TG_RENDEZVOUS_TIMEOUT_S")) else None,
             restore_peers={
                 int(k): (int(v[0]), str(v[1]))
                 for k, v in json.loads(e.get("TG_RESTORE_PEERS") or "{}").items()
@@ -161,6 +164,8 @@ class RankEnv(BaseModel):
             out["TG_BACKUP"] = "1"
         if self.script_ckpt_dir:
             out["TG_CHECKPOINT_DIR"] = self.script_ckpt_dir
+        if self.rendezvous_timeout_s is not None:
+            out["TG_RENDEZVOUS_TIMEOUT_S"] = str(self.rendezvous_timeout_s)
         if self.restore_peers:
             out["TG_RESTORE_PEERS"] = json.dumps({str(k): list(v) for k, v in self.restore_peers.items()})
         return out

@@ -11,7 +11,7 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
-from workflows.job import calls
+from workflows.job import calls, patches
 from workflows.job.attempt import latest_checkpoint
 from workflows.job.outcome import AttemptOutcome, stop_request
 
@@ -103,6 +103,7 @@ class Diagnosis:
                 "intra-machine collective: " + "; ".join(f"{r.node}: {r.evidence}" for r in results)
             )
         stragglers: list[str] = []
+        links: list[tuple[str, str]] = []
         if not failed and len(nodes) > 1:
             slow_factor = self.s.spec.detection.slow_factor
             names = [n.name for n in nodes]
@@ -110,8 +111,11 @@ class Diagnosis:
             round2 = await self._pair_round(pairing.second_round(names, round1, slow_factor), req)
             found = pairing.verdict(round1, round2, slow_factor)
             failed, stragglers = found.faulty, found.stragglers
+            # Histories from before a failed link was acted on replay without it (a reattempt).
+            if found.links and workflow.patched(patches.LINK_CHECKS):
+                links = found.links
             details.append(found.evidence)
-        return outcome_after_checks(failed, stragglers, evidence=" | ".join(details))
+        return outcome_after_checks(failed, stragglers, evidence=" | ".join(details), links=links)
 
     async def _pair_round(
         self, pairs: list[tuple[str, str]], req: DiagnosticInput

@@ -51,3 +51,7 @@ SHARDS_OF_ONE_ATTEMPT = "shards-of-one-attempt"
 # When its fence makes the peers fail first, a machine that missed its heartbeats and does not
 # answer the stop either is reported lost (evicted), not reattempted in place.
 FENCE_BOUND = "fence-bound"
+# A stall that stack aggregation did not localize, back again (a hang, or a rendezvous that cannot
+# form), runs the stop-time checks on every machine; a failed pair whose machines pass alone names
+# the link between them, and one end of it is swapped for a spare (both suspect).
+LINK_CHECKS = "link-checks"

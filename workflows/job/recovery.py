@@ -21,20 +21,24 @@ from workflows.job.visibility import Visibility
 with workflow.unsafe.imports_passed_through():
     from trainguard.domain import checkpoints, ettr
     from trainguard.domain.code_versions import CodeEvent
+    from trainguard.domain.detection import RENDEZVOUS_KIND
     from trainguard.domain.job_state import Incident, JobInput, JobState, RunningAttempt
     from trainguard.domain.messages import POOL_WORKFLOW_ID, EvictInput, IncidentReport
     from trainguard.domain.policy import PolicyConfig, decide, record_incident
 
 
-def suspects(primary: IncidentReport, others: list[IncidentReport]) -> list[str]:
+def suspects(primary: IncidentReport, others: list[IncidentReport], host: str | None = None) -> list[str]:
     """The machine to blame, or every machine that saw the same thing when the
-    report cannot tell (a hang stalls every rank; stack aggregation narrows it)."""
+    report cannot tell (a hang stalls every rank; stack aggregation narrows it).
+    ``host``: the machine hosting the attempt's rendezvous, the other end of a rendezvous that
+    could not form (its own ranks may have been stopped before they reported it)."""
     if primary.suspects:
         return list(primary.suspects)
     if primary.origin:
         return [primary.node]
     same = [o.node for o in others if o.kind == primary.kind and o.node != primary.node]
-    return [primary.node, *dict.fromkeys(same)]
+    ends = [host] if host is not None and primary.kind == RENDEZVOUS_KIND else []
+    return list(dict.fromkeys([primary.node, *same, *ends]))
 
 
 class Recovery:
@@ -82,7 +86,8 @@ class Recovery:
             len(s.incidents) + 1,
             primary,
             outcome.others,
-            suspects(primary, outcome.others),
+            # begin() picks the rendezvous port on the job's first machine.
+            suspects(primary, outcome.others, s.nodes[0].name if s.nodes else None),
             self._fault_time(primary, run),
             attempt,
         )
@@ -96,6 +101,8 @@ class Recovery:
             max_recoveries_without_progress=det.max_attempts,
             # Histories recorded before the first-reattempt rung existed replay without it.
             reattempt_first=det.reattempt_first and workflow.patched(patches.FIRST_REATTEMPT),
+            # ... and without the link checks of a stall that comes back unlocalized.
+            link_checks=workflow.patched(patches.LINK_CHECKS),
         )
         diagnosing_since = workflow.now()
         decisions = [decide(facts, s.history, cfg)]
@@ -109,8 +116,11 @@ class Recovery:
         s.history = record_incident(s.history, facts, decisions)
         self.vis.set_phase("recovering")
         if final.action == "evict":
-            # A whole group evicted for its stuck or slow outlier holds healthy machines too.
-            await self._evict(final.machines, incident, confirmed=final.rung != "stacks-culprit")
+            # A whole group evicted for its stuck or slow outlier holds healthy machines too; one end
+            # of a failed link may be healthy: both leave as suspects, re-tested before reuse.
+            await self._evict(
+                final.machines, incident, confirmed=final.rung not in ("stacks-culprit", "checks-link")
+            )
         if final.action == "rollback" and final.rollback_to:
             apply_version(
                 s,

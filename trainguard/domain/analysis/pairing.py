@@ -7,7 +7,9 @@ reports a wrong result or cannot complete, and is slow when it takes more than
 pair (and the one that waited) with a machine from a good pair, so a single
 bad machine cannot hide behind, or blame, its first partner: a machine bad in
 both rounds is faulty (failed) or a straggler (slow); bad in one round only
-clears it.
+clears it. A pair that failed while neither of its machines is faulty names the link between
+them (``links``): both machines passed with other partners, or no partner was free to tell
+them apart (a job of two machines).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class PairVerdict(BaseModel):
 
     faulty: list[str] = []
     stragglers: list[str] = []
+    # Failed pairs in which no machine is faulty: the link between them (in the job's order).
+    links: list[tuple[str, str]] = []
     evidence: str
 
 
@@ -96,21 +100,41 @@ def verdict(round1: Sequence[PairResult], round2: Sequence[PairResult], slow_fac
     rounds = " | ".join(
         f"round {i}: "
         + ", ".join(
-            f"{a}+{b} {'ok' if r.ok else 'FAILED'} {r.elapsed_s:.2f}s" for r in rs for a, b in [r.machines]
+            f"{a}+{b} {'ok' if r.ok else 'FAILED'} {r.elapsed_s:.2f}s"
+            # What the sides said: a peer that cannot be reached, or a wrong answer.
+            + (f" ({r.evidence[:300]})" if not r.ok and r.evidence else "")
+            for r in rs
+            for a, b in [r.machines]
         )
         for i, rs in ((1, round1), (2, round2))
         if rs
+    )
+    links = list(
+        dict.fromkeys(
+            r.machines for r in (*round1, *round2) if not r.ok and not set(r.machines) & set(faulty)
+        )
     )
     if faulty or stragglers:
         what = ", ".join(
             [*(f"{m} failed both rounds" for m in faulty), *(f"{m} slow in both rounds" for m in stragglers)]
         )
+    elif links and tested2:
+        named = ", ".join(f"{a}<->{b}" for a, b in links)
+        what = f"link {named} failed, its machines passed with others"
     elif tested2:
         what = "no machine bad in both rounds"
+    elif links:
+        what = (
+            "link " + ", ".join(f"{a}<->{b}" for a, b in links) + " failed; no other partner was free to "
+            "tell its machines apart"
+        )
     elif f1 | s1:
         what = "a pair was bad but no other partner was free to tell its machines apart"
     else:
         what = "every pair passed round 1"
     return PairVerdict(
-        faulty=faulty, stragglers=stragglers, evidence=f"pairwise all-gather: {what} ({rounds})"
+        faulty=faulty,
+        stragglers=stragglers,
+        links=links,
+        evidence=f"pairwise all-gather: {what} ({rounds})",
     )
