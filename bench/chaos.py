@@ -133,6 +133,8 @@ LONG_CUT_MIN_S = 100.0
 # (F = 75 s, L = 95 s). Every other trial, partition kinds included, trains at STEP_SLEEP_S.
 PARTITION_STEP_SLEEP_S = 2.0
 LONG_CUTS = frozenset({"temporal-cut-long", "temporal-cut-job"})
+# ... and strike by this step, so that the 80 - 25 steps left outlast L at 2 s a step.
+LONG_CUT_LAST_STEP = 25
 # Faults that stop ranks: the job has not recovered from one until an incident for it is recorded
 # (progress reported just before the strike can carry the step past the struck one first).
 STOPS_RANKS = frozenset(
@@ -327,9 +329,8 @@ class ChaosRun:
         struck: list[Struck] = []
         every = spec.checkpoint.every_steps
         for fault in faults:
-            st = await until(
-                job, lambda s, f=fault: s["step"] >= f.at_step and _recovered(s, 0), SETTLE_TIMEOUT_S
-            )
+            at = min(fault.at_step, LONG_CUT_LAST_STEP) if fault.kind in LONG_CUTS else fault.at_step
+            st = await until(job, lambda s, at=at: s["step"] >= at and _recovered(s, 0), SETTLE_TIMEOUT_S)
             if st is None or st["phase"] in TERMINAL:
                 struck.append(Struck(fault.kind, fault.at_step, -1, note="not reached: the job had ended"))
                 continue
