@@ -193,7 +193,9 @@ class ManifestCache:
     """Manifests and attempt markers read before, by key and ETag: a listing that shows an object
     with the ETag it had when read shows the same bytes (S3 changes the ETag with the content), so
     a commit reads only what changed since the last, not every manifest the job keeps. Objects
-    whose store gives no ETag are read every time."""
+    whose store gives no ETag are read every time. An object replaced between the listing and the
+    read is kept under the listed ETag; that ETag never names those bytes again, since a manifest
+    carries its creation time and the attempt marker only grows."""
 
     def __init__(self, entries: int = 256) -> None:
         self.entries = entries
