@@ -18,6 +18,8 @@ from workflows.job import calls
 class CheckpointActivities:
     def __init__(self, store: S3Store) -> None:
         self.store = store
+        # Manifests this controller read or wrote, by ETag: a commit reads only what changed.
+        self.manifests = checkpoints.ManifestCache()
 
     @activity.defn(name=calls.latest_checkpoint.name)
     async def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
@@ -25,7 +27,9 @@ class CheckpointActivities:
         if inp.attempt is not None:
             # Before anything of the new attempt runs: a stale attempt's commit is refused from now on.
             await asyncio.to_thread(checkpoints.begin_attempt, self.store, jprefix, inp.attempt)
-        return await asyncio.to_thread(checkpoints.latest, self.store, jprefix, inp.world_size, inp.max_step)
+        return await asyncio.to_thread(
+            checkpoints.latest, self.store, jprefix, inp.world_size, inp.max_step, self.manifests
+        )
 
     @activity.defn(name=calls.commit_checkpoint.name)
     async def commit_checkpoint(self, inp: CommitCheckpointInput) -> CheckpointRef:
@@ -33,7 +37,7 @@ class CheckpointActivities:
             # Commits run every few minutes anyway: the job's progress metrics ride along.
             telemetry.record_job(inp.job_id, inp.gauges)
         try:
-            return await asyncio.to_thread(checkpoints.commit, self.store, inp)
+            return await asyncio.to_thread(checkpoints.commit, self.store, inp, self.manifests)
         except checkpoints.StaleAttempt as exc:
             raise ApplicationError(str(exc), type="StaleAttempt", non_retryable=True) from exc
         except ValueError as exc:

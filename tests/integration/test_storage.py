@@ -1,4 +1,5 @@
-"""Shard uploads reuse the hash their writer computed, and the S3 server checks the bytes against it."""
+"""Shard uploads reuse the hash their writer computed, and the S3 server checks the bytes against it;
+commits judge from one listing and read a manifest only when its ETag changed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ClientError
 
+from trainguard.domain import checkpoints
+from trainguard.domain.messages import CommitCheckpointInput, ShardInfo
 from trainguard.services.settings import Settings
 from trainguard.services.storage import S3Store
 
@@ -35,3 +38,49 @@ def test_put_file_with_the_writers_hash_is_checked_by_the_server(settings: Setti
         assert store.put_file(f"{prefix}/c", path) == (len(data), digest)
     finally:
         store.delete([f"{prefix}/{k}" for k in "abc"])
+
+
+def test_commits_on_a_real_store_read_no_manifest_twice(settings: Settings) -> None:
+    """The ETag S3 returns for a PUT is the one its listing shows, so a controller's second commit
+    of a job asks the store for one listing and one PUT (and the pruning's deletes), no GETs or
+    HEADs; a manifest another writer replaced is read again."""
+    store = S3Store(settings)
+    calls: list[str] = []
+    store._client.meta.events.register("before-call.s3", lambda model, **_: calls.append(model.name))
+    job = f"test-commit-{os.getpid()}"
+    jprefix = checkpoints.job_prefix("ckpt", job)
+    cache = checkpoints.ManifestCache()
+    try:
+        checkpoints.begin_attempt(store, jprefix, 1)
+
+        def commit(step: int, attempt: int = 1) -> None:
+            shards = []
+            for rank in range(2):
+                key = checkpoints.shard_key(jprefix, step, rank, attempt)
+                store._client.put_object(Bucket=store.bucket, Key=key, Body=b"x" * (10 + rank))
+                shards.append(ShardInfo(rank=rank, step=step, key=key, size=10 + rank, sha256="-"))
+            inp = CommitCheckpointInput(
+                job_id=job, prefix="ckpt", step=step, world_size=2, shards=shards, keep=2, attempt=attempt
+            )
+            calls.clear()
+            checkpoints.commit(store, inp, cache)
+
+        commit(10)
+        assert sorted(calls) == ["GetObject", "ListObjectsV2", "PutObject"]  # the marker, read once
+        commit(20)
+        assert sorted(calls) == ["ListObjectsV2", "PutObject"]
+        commit(30)  # step 10 pruned: its manifest, then its shards
+        assert sorted(calls) == ["DeleteObjects", "DeleteObjects", "ListObjectsV2", "PutObject"]
+        # Another writer replaced step 30's manifest: this controller reads it again.
+        mkey = checkpoints.manifest_key(jprefix, 30)
+        store.put_json(mkey, {**store.get_json(mkey), "created_at": "elsewhere"})
+        commit(40)
+        assert calls.count("GetObject") == 1
+        ref = checkpoints.latest(store, jprefix, 2, cache=cache)
+        assert ref is not None and ref.step == 40
+        assert {o.key.split("/")[2] for o in store.list(jprefix + "/step-")} == {
+            "step-0000000030",
+            "step-0000000040",
+        }
+    finally:
+        store.delete([o.key for o in store.list(jprefix + "/")])

@@ -8,6 +8,7 @@ step back that attempt 2 rewrote after a silent corruption, and restore never mi
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,28 +28,33 @@ WORLD = 2
 class Obj:
     key: str
     size: int
+    etag: str = ""
 
 
 class MemoryStore:
-    """Keys to bytes; what S3 does for the rules (put replaces, list by prefix)."""
+    """Keys to bytes; what S3 does for the rules (put replaces, list by prefix, an ETag that
+    follows the content); counts the reads."""
 
     def __init__(self) -> None:
         self.objects: dict[str, Any] = {}
+        self.reads: list[str] = []
 
     def uri(self, key: str) -> str:
         return f"mem://{key}"
 
-    def put_json(self, key: str, data: Any) -> None:
+    def put_json(self, key: str, data: Any) -> str | None:
         self.objects[key] = data
+        return self._etag(key)
 
     def get_json(self, key: str) -> Any | None:
+        self.reads.append(key)
         return self.objects.get(key)
 
-    def head(self, key: str) -> Obj | None:
-        return Obj(key, self._size(key)) if key in self.objects else None
-
     def list(self, prefix: str) -> list[Obj]:
-        return [Obj(k, self._size(k)) for k in sorted(self.objects) if k.startswith(prefix)]
+        return [Obj(k, self._size(k), self._etag(k)) for k in sorted(self.objects) if k.startswith(prefix)]
+
+    def _etag(self, key: str) -> str:
+        return hashlib.md5(repr(self.objects[key]).encode()).hexdigest()
 
     def delete(self, keys: list[str]) -> None:
         for k in keys:
@@ -156,3 +162,50 @@ def test_checkpoints_from_before_fencing_stay_readable() -> None:
 
 def _manifest(store: MemoryStore, step: int) -> checkpoints.Manifest:
     return checkpoints.Manifest.model_validate(store.get_json(checkpoints.manifest_key(JP, step)))
+
+
+def test_commits_read_only_what_changed_and_still_prune() -> None:
+    store, cache = MemoryStore(), checkpoints.ManifestCache()
+    checkpoints.begin_attempt(store, JP, 1)
+    for step in (10, 20, 30, 40):
+        store.reads.clear()
+        inp = commit_input(step, upload_all(store, step, 1, b"s%d" % step), 1)
+        checkpoints.commit(store, inp.model_copy(update={"keep": 2}), cache)
+        if step == 10:
+            assert store.reads == [checkpoints.attempt_marker_key(JP)]  # read once, then by ETag
+        else:
+            assert store.reads == []  # every manifest and the marker unchanged since last read
+    steps = {checkpoints.parse_step_dir(k.split("/")[2]) for k in store.objects if "/step-" in k}
+    assert steps == {30, 40}
+    ref = checkpoints.latest(store, JP, WORLD, cache=cache)
+    assert ref is not None and ref.step == 40
+
+
+def test_a_commit_sees_what_others_wrote_since_its_last_read() -> None:
+    store, cache = MemoryStore(), checkpoints.ManifestCache()
+    checkpoints.begin_attempt(store, JP, 1)
+    checkpoints.commit(store, commit_input(20, upload_all(store, 20, 1, b"bad"), 1), cache)
+    # Another controller: attempt 2 begins and rewrites step 20; this cache saw neither.
+    checkpoints.begin_attempt(store, JP, 2)
+    with pytest.raises(StaleAttempt, match="the job is on 2"):
+        checkpoints.commit(store, commit_input(20, upload_all(store, 20, 1, b"bad"), 1), cache)
+    store.put_json(checkpoints.attempt_marker_key(JP), {"attempt": 1})  # the marker alone, rolled back
+    clean = checkpoints.Manifest(
+        job=JOB, step=20, world_size=WORLD, shards=upload_all(store, 20, 2, b"ok!"), created_at="t", attempt=2
+    )
+    store.put_json(checkpoints.manifest_key(JP, 20), clean.model_dump(mode="json"))
+    with pytest.raises(StaleAttempt, match="committed by attempt 2"):
+        checkpoints.commit(store, commit_input(20, upload_all(store, 20, 1, b"bad"), 1), cache)
+
+
+def test_a_shard_missing_or_truncated_in_the_listing_commits_nothing() -> None:
+    store, cache = MemoryStore(), checkpoints.ManifestCache()
+    checkpoints.begin_attempt(store, JP, 1)
+    shards = upload_all(store, 30, 1, b"abc")
+    store.objects[shards[1].key] = b"ab"  # truncated after the rank reported it
+    with pytest.raises(ValueError, match=r"ranks \[1\] missing or truncated"):
+        checkpoints.commit(store, commit_input(30, shards, 1), cache)
+    del store.objects[shards[1].key]
+    with pytest.raises(ValueError, match=r"ranks \[1\] missing or truncated"):
+        checkpoints.commit(store, commit_input(30, shards, 1), cache)
+    assert checkpoints.manifest_key(JP, 30) not in store.objects

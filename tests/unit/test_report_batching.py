@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from tests.unit.single_rank import single_rank_context
 from trainguard.runtime import context
 from trainguard.runtime.context import Context
+from trainguard.runtime.grad_flag import GradFlagWatcher
 
 
 def _context(tmp_path: Path, fd: int) -> Context:
@@ -73,6 +75,57 @@ def test_step_records_wait_for_the_flush_and_news_goes_at_once(
         assert _received(r) == [("step", 20)]
     finally:
         ctx._fence_hook.remove()
+        if ctx._report is not None:
+            ctx._report.close()
+        os.close(r)
+
+
+class HeldEvent:
+    """A device event that completes only when the test says so (the GPU still running backward)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def synchronize(self) -> None:
+        self.done.wait(10.0)
+
+
+def test_a_device_norm_is_read_off_the_training_thread_and_keeps_its_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The path a GPU's gradients take (a watcher thread reads the norm once the device is done),
+    run on the CPU: before_sync does not wait for the value; a NaN still reaches the agent at once,
+    named by its own step, and before that step's report."""
+    monkeypatch.setattr(context, "FLUSH_S", 3600.0)
+    held = HeldEvent()
+    monkeypatch.setattr(GradFlagWatcher, "copy", staticmethod(lambda norm: (norm.detach(), held)))
+    r, w = os.pipe()
+    fcntl.fcntl(r, fcntl.F_SETFL, os.O_NONBLOCK)
+    ctx = _context(tmp_path, w)
+    ctx.defer_grad_flag = True
+    try:
+        held.done.set()
+        ctx.before_sync(1, _model(1.0))
+        ctx.report(1, loss=1.0)
+        assert _received(r) == [("local", 1), ("step", 1)]
+        held.done.clear()
+        ctx.before_sync(2, _model(float("nan")))  # returns while the device is still busy
+        assert _received(r) == []
+        reported = threading.Thread(target=ctx.report, args=(2,), kwargs={"loss": 1.0})
+        reported.start()
+        reported.join(0.3)
+        assert reported.is_alive() and _received(r) == []  # the report waits for its step's norm
+        held.done.set()
+        reported.join(10.0)
+        # The NaN went at once, under its own step; the step's report (held) comes after it.
+        [local] = [json.loads(line) for line in os.read(r, 1 << 20).decode().splitlines()]
+        assert (local["t"], local["step"], local.get("local_nonfinite")) == ("local", 2, True)
+        ctx.report(20, loss=1.0)  # the last step: everything goes
+        assert _received(r) == [("step", 2), ("step", 20)]
+    finally:
+        ctx._fence_hook.remove()
+        if ctx._grad_flags is not None:
+            ctx._grad_flags.close()
         if ctx._report is not None:
             ctx._report.close()
         os.close(r)

@@ -20,7 +20,10 @@ a newer one is complete.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -40,6 +43,8 @@ class StaleAttempt(ValueError):
 class StoredObject(Protocol):
     key: str
     size: int
+    # Changes whenever the object's bytes do (S3: the MD5 of a single PUT); "" where unknown.
+    etag: str
 
 
 class ObjectStore(Protocol):
@@ -47,9 +52,11 @@ class ObjectStore(Protocol):
     protocol keeps boto3, and the services layer, out of the domain and of workflow code."""
 
     def uri(self, key: str) -> str: ...
-    def put_json(self, key: str, data: Any) -> None: ...
+    def put_json(self, key: str, data: Any) -> str | None:
+        """Write ``data``; returns the new object's ETag where the store tells it."""
+        ...
+
     def get_json(self, key: str) -> Any | None: ...
-    def head(self, key: str) -> StoredObject | None: ...
     def list(self, prefix: str) -> Sequence[StoredObject]: ...
     def delete(self, keys: list[str]) -> None: ...
 
@@ -161,44 +168,90 @@ def steps_to_prune(
     )
 
 
-def _scan(store: ObjectStore, jprefix: str) -> tuple[dict[str, int], dict[int, list[str]]]:
-    sizes: dict[str, int] = {}
-    by_step: dict[int, list[str]] = {}
+@dataclass
+class Listing:
+    """One LIST of a job's prefix: every object's size and ETag, the keys of each step."""
+
+    sizes: dict[str, int] = field(default_factory=dict)
+    etags: dict[str, str] = field(default_factory=dict)
+    by_step: dict[int, list[str]] = field(default_factory=dict)
+
+
+def _scan(store: ObjectStore, jprefix: str) -> Listing:
+    seen = Listing()
     for obj in store.list(jprefix + "/"):
-        sizes[obj.key] = obj.size
+        seen.sizes[obj.key] = obj.size
+        seen.etags[obj.key] = obj.etag
         rel = obj.key[len(jprefix) + 1 :]
         step = parse_step_dir(rel.split("/", 1)[0])
         if step is not None:
-            by_step.setdefault(step, []).append(obj.key)
-    return sizes, by_step
+            seen.by_step.setdefault(step, []).append(obj.key)
+    return seen
+
+
+class ManifestCache:
+    """Manifests and attempt markers read before, by key and ETag: a listing that shows an object
+    with the ETag it had when read shows the same bytes (S3 changes the ETag with the content), so
+    a commit reads only what changed since the last, not every manifest the job keeps. Objects
+    whose store gives no ETag are read every time. An object replaced between the listing and the
+    read is kept under the listed ETag; that ETag never names those bytes again, since a manifest
+    carries its creation time and the attempt marker only grows."""
+
+    def __init__(self, entries: int = 256) -> None:
+        self.entries = entries
+        self._data: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()  # commits of several jobs run in threads at once
+
+    def get_json(self, store: ObjectStore, key: str, etag: str) -> Any | None:
+        if etag:
+            with self._lock:
+                if (key, etag) in self._data:
+                    self._data.move_to_end((key, etag))
+                    return self._data[(key, etag)]
+        data = store.get_json(key)
+        if etag and data is not None:
+            self.put(key, etag, data)
+        return data
+
+    def put(self, key: str, etag: str, data: Any) -> None:
+        with self._lock:
+            self._data[(key, etag)] = data
+            self._data.move_to_end((key, etag))
+            while len(self._data) > self.entries:
+                self._data.popitem(last=False)
 
 
 def manifests(store: ObjectStore, jprefix: str) -> list[Manifest]:
     """Every readable manifest under the job's prefix."""
-    _, by_step = _scan(store, jprefix)
-    return _manifests(store, jprefix, by_step)
+    return _manifests(store, jprefix, _scan(store, jprefix), ManifestCache())
 
 
-def _manifests(store: ObjectStore, jprefix: str, by_step: dict[int, list[str]]) -> list[Manifest]:
-    out = []
-    for step, keys in by_step.items():
-        mkey = manifest_key(jprefix, step)
-        if mkey in keys:
-            data = store.get_json(mkey)
-            try:
-                out.append(Manifest.model_validate(data))
-            except ValueError:
-                continue  # a corrupt manifest is the same as none
-    return out
+def _manifest_in(store: ObjectStore, mkey: str, seen: Listing, cache: ManifestCache) -> Manifest | None:
+    """The manifest at ``mkey`` as ``seen`` lists it (None: absent or unreadable)."""
+    if mkey not in seen.sizes:
+        return None
+    try:
+        return Manifest.model_validate(cache.get_json(store, mkey, seen.etags.get(mkey, "")))
+    except ValueError:
+        return None  # a corrupt manifest is the same as none
+
+
+def _manifests(store: ObjectStore, jprefix: str, seen: Listing, cache: ManifestCache) -> list[Manifest]:
+    found = (_manifest_in(store, manifest_key(jprefix, step), seen, cache) for step in seen.by_step)
+    return [m for m in found if m is not None]
 
 
 def latest(
-    store: ObjectStore, jprefix: str, world_size: int, max_step: int | None = None
+    store: ObjectStore,
+    jprefix: str,
+    world_size: int,
+    max_step: int | None = None,
+    cache: ManifestCache | None = None,
 ) -> CheckpointRef | None:
     """The newest complete checkpoint, optionally no newer than ``max_step``."""
-    sizes, by_step = _scan(store, jprefix)
-    manifests = [m for m in _manifests(store, jprefix, by_step) if max_step is None or m.step <= max_step]
-    m = choose_latest(manifests, world_size, sizes)
+    seen = _scan(store, jprefix)
+    found = _manifests(store, jprefix, seen, cache or ManifestCache())
+    m = choose_latest([m for m in found if max_step is None or m.step <= max_step], world_size, seen.sizes)
     if m is None:
         return None
     return CheckpointRef(step=m.step, uri=store.uri(manifest_key(jprefix, m.step)), shards=m.shards)
@@ -213,7 +266,10 @@ def begin_attempt(store: ObjectStore, jprefix: str, attempt: int) -> None:
 
 
 def newest_attempt(store: ObjectStore, jprefix: str) -> int:
-    data = store.get_json(attempt_marker_key(jprefix))
+    return _attempt_of(store.get_json(attempt_marker_key(jprefix)))
+
+
+def _attempt_of(data: Any) -> int:
     return int(data.get("attempt", 0)) if isinstance(data, dict) else 0
 
 
@@ -234,23 +290,25 @@ def check_commit(inp: CommitCheckpointInput, newest: int, existing: Manifest | N
         )
 
 
-def _manifest_at(store: ObjectStore, mkey: str) -> Manifest | None:
-    try:
-        return Manifest.model_validate(store.get_json(mkey))
-    except ValueError:
-        return None
-
-
-def commit(store: ObjectStore, inp: CommitCheckpointInput) -> CheckpointRef:
+def commit(
+    store: ObjectStore, inp: CommitCheckpointInput, cache: ManifestCache | None = None
+) -> CheckpointRef:
     """Verify every shard of ``inp.step`` is stored, write the manifest, then prune.
 
-    Idempotent: committing the same step twice rewrites an identical manifest. A stale
-    attempt's commit is refused (``check_commit``).
+    One listing of the job's prefix, taken before the manifest is written, serves every check:
+    each shard's stored size (what a HEAD of each would say, at the same moment), the attempt
+    marker and an existing manifest of the step (read only when their ETag changed, ``cache``),
+    and the pruning. Idempotent: committing the same step twice rewrites an identical manifest.
+    A stale attempt's commit is refused (``check_commit``).
     """
+    cache = cache or ManifestCache()
     jprefix = job_prefix(inp.prefix, inp.job_id)
     mkey = manifest_key(jprefix, inp.step)
+    seen = _scan(store, jprefix)
     if inp.attempt is not None:
-        check_commit(inp, newest_attempt(store, jprefix), _manifest_at(store, mkey))
+        marker = attempt_marker_key(jprefix)
+        newest = _attempt_of(cache.get_json(store, marker, seen.etags[marker])) if marker in seen.sizes else 0
+        check_commit(inp, newest, _manifest_in(store, mkey, seen, cache))
     shards = sorted(inp.shards, key=lambda s: s.rank)
     manifest = Manifest(
         job=inp.job_id,
@@ -260,30 +318,39 @@ def commit(store: ObjectStore, inp: CommitCheckpointInput) -> CheckpointRef:
         created_at=datetime.now(UTC).isoformat(),
         attempt=inp.attempt,
     )
-    sizes: dict[str, int] = {}
-    for s in shards:
-        info = store.head(s.key)
-        if info is not None:
-            sizes[s.key] = info.size
-    if not manifest_complete(manifest, inp.world_size, sizes):
-        missing = [s.rank for s in shards if sizes.get(s.key) != s.size]
+    if not manifest_complete(manifest, inp.world_size, seen.sizes):
+        missing = [s.rank for s in shards if seen.sizes.get(s.key) != s.size]
         raise ValueError(f"checkpoint step {inp.step} incomplete: ranks {missing} missing or truncated")
-    store.put_json(mkey, manifest.model_dump(mode="json"))
-    prune(store, jprefix, inp.world_size, inp.keep, inp.verified_step)
+    data = manifest.model_dump(mode="json")
+    etag = store.put_json(mkey, data) or ""
+    if etag:
+        cache.put(mkey, etag, data)
+    # The listing as it stands now: this step's manifest written (sizes only matter for shards).
+    seen.sizes[mkey], seen.etags[mkey] = 0, etag
+    if mkey not in seen.by_step.setdefault(inp.step, []):
+        seen.by_step[inp.step].append(mkey)
+    prune(store, jprefix, inp.world_size, inp.keep, inp.verified_step, cache=cache, seen=seen)
     return CheckpointRef(step=inp.step, uri=store.uri(mkey), shards=shards)
 
 
 def prune(
-    store: ObjectStore, jprefix: str, world_size: int, keep: int, verified_step: int | None = None
+    store: ObjectStore,
+    jprefix: str,
+    world_size: int,
+    keep: int,
+    verified_step: int | None = None,
+    cache: ManifestCache | None = None,
+    seen: Listing | None = None,
 ) -> list[int]:
-    sizes, by_step = _scan(store, jprefix)
-    complete = {
-        m.step for m in _manifests(store, jprefix, by_step) if manifest_complete(m, world_size, sizes)
-    }
-    doomed = steps_to_prune(set(by_step), complete, keep, verified_step)
+    """Delete the steps ``steps_to_prune`` names, judged from one listing (``seen``: the caller's,
+    else a new one) and the manifests it shows (``cache``: read only those not read before)."""
+    seen = seen or _scan(store, jprefix)
+    found = _manifests(store, jprefix, seen, cache or ManifestCache())
+    complete = {m.step for m in found if manifest_complete(m, world_size, seen.sizes)}
+    doomed = steps_to_prune(set(seen.by_step), complete, keep, verified_step)
     # Manifests go first so a half-deleted checkpoint is never mistaken for a complete one.
     for step in doomed:
-        keys = by_step[step]
+        keys = seen.by_step[step]
         mkey = manifest_key(jprefix, step)
         if mkey in keys:
             store.delete([mkey])

@@ -32,7 +32,9 @@ console = Console()
 
 async def run_job(state_dir: Path) -> dict:
     spec = load_spec(REPO / "examples" / "gpt" / "job.yaml")
-    spec = spec.model_copy(update={"name": f"{spec.name}-{time.strftime('%H%M%S')}"})
+    # Progress once a second: the demo shows the job as it goes (the example's default is 5 s).
+    detection = spec.detection.model_copy(update={"progress_interval_s": 1.0})
+    spec = spec.model_copy(update={"name": f"{spec.name}-{time.strftime('%H%M%S')}", "detection": detection})
     client = await TrainguardClient.connect(Settings.load(state_dir))
     job = await client.submit(spec)
     console.print(

@@ -31,6 +31,7 @@ from trainguard.domain.checkpoints import shard_name
 from trainguard.domain.topology import GroupKind, all_groups, coords
 from trainguard.runtime import backup, faults, protocol, shardfile
 from trainguard.runtime.env import RankEnv, backup_shard_name
+from trainguard.runtime.grad_flag import GradFlagWatcher
 from trainguard.runtime.snapshots import Snapshot, SnapshotPipeline
 from trainguard.runtime.state import param_hash
 from trainguard.runtime.tracked import TrackedState
@@ -49,6 +50,8 @@ FLUSH_S = 0.25
 # so the agent sees where a spike started (its spike factor is larger).
 LOCAL_SPIKE_FLUSH = 2.0
 PARAMS_RELIST = 100
+# A report waits at most this long for its step's own-gradient record (the device ran it long ago).
+GRAD_FLAG_WAIT_S = 60.0
 
 
 class Context:
@@ -93,6 +96,10 @@ class Context:
         self._fence_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
         self._tracked: TrackedState | None = None
         self._send_lock = threading.Lock()
+        # Own-gradient norms on a device are read by a watcher thread (trainguard.runtime.grad_flag);
+        # ``defer_grad_flag`` takes that path on the CPU too (tests).
+        self.defer_grad_flag = False
+        self._grad_flags: GradFlagWatcher | None = None
         self._owns_group = True  # init() made the default process group (not a framework)
         # The memory-snapshot interval: fixed, or agreed by every rank (see _vote) when the job
         # gives a cost budget instead.
@@ -163,10 +170,26 @@ class Context:
         faults.apply(self._faults.active(step), step, model, self._median_step_s(), self._fault_fired)
         # Two ops for the whole model (one norm per gradient, then theirs), not four per parameter.
         grads = [g for p in self._params_of(model, step) if (g := p.grad) is not None]
-        norms = torch.stack(torch._foreach_norm(grads)) if grads else None
-        norm = float(torch.linalg.vector_norm(norms, dtype=torch.float64)) if norms is not None else 0.0
+        if not grads:
+            self._local_norm(step, 0.0)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)), dtype=torch.float64)
+            if norm.device.type == "cuda" or self.defer_grad_flag:
+                # Reading it here would wait for the device: a watcher thread reads it instead.
+                if self._grad_flags is None:
+                    self._grad_flags = GradFlagWatcher(self._local_norm)
+                self._grad_flags.put(step, *self._grad_flags.copy(norm))
+            else:
+                self._local_norm(step, float(norm))
+        if self._last_report_t is not None:
+            # Forward/backward time, pipeline waits included, the dp all-reduce excluded:
+            # a slow machine (and its pipeline) stands out here, not in step times.
+            self._local["compute_s"] = time.monotonic() - self._last_report_t
+
+    def _local_norm(self, step: int, norm: float) -> None:
+        """This rank's own gradient norm at ``step``, sent before the all-reduce spreads a NaN or a
+        spike to every rank (from the watcher thread where the norm is on a device)."""
         finite = math.isfinite(norm)
-        # Sent now, before the all-reduce spreads a NaN or a spike to every rank.
         local: protocol.Local = {"t": "local", "step": step, "local_grad_norm": norm if finite else None}
         recent = self._local_norms
         urgent = not finite or (len(recent) >= 5 and norm > LOCAL_SPIKE_FLUSH * statistics.median(recent))
@@ -175,10 +198,6 @@ class Context:
         else:
             self._local_norms = [*recent[-19:], norm]
         self._send(local, hold=not urgent)
-        if self._last_report_t is not None:
-            # Forward/backward time, pipeline waits included, the dp all-reduce excluded:
-            # a slow machine (and its pipeline) stands out here, not in step times.
-            self._local["compute_s"] = time.monotonic() - self._last_report_t
 
     def _params_of(self, model: torch.nn.Module, step: int) -> list[torch.nn.Parameter]:
         """``model``'s parameters, listed again only for another model or every PARAMS_RELIST
@@ -199,6 +218,10 @@ class Context:
         self, step: int, loss: float | None = None, grad_norm: float | None = None, **extra: Any
     ) -> None:
         """Record that ``step`` finished, with its metrics; cheap enough to call every step."""
+        if self._grad_flags is not None:
+            # This step's own-gradient record first (long read by now: its norm ran before the
+            # all-reduce); the agent matches a job-wide spike to the rank where it started.
+            self._grad_flags.wait(step, GRAD_FLAG_WAIT_S)
         if self._drilled_step != step:
             # The script has no before_sync: drills that need no model still act here.
             faults.apply(self._faults.active(step), step, None, self._median_step_s(), self._fault_fired)
@@ -457,6 +480,8 @@ class Context:
         """Declare this rank done with the hash of its final parameters."""
         self.wait_snapshot()
         self._fence_hook.remove()
+        if self._grad_flags is not None:
+            self._grad_flags.close()  # every record it had is sent
         self._send(protocol.Final(t="final", step=self.target_steps, param_hash=param_hash))
         if dist.is_initialized():
             dist.barrier()

@@ -40,6 +40,7 @@ def sha256_file(path: Path) -> str:
 class ObjectInfo:
     key: str
     size: int
+    etag: str = ""
 
 
 def _loopback(endpoint: str | None) -> bool:
@@ -110,13 +111,15 @@ class S3Store:
         self._client.download_file(self.bucket, key, str(tmp))
         tmp.replace(path)
 
-    def put_json(self, key: str, data: Any) -> None:
-        self._client.put_object(
+    def put_json(self, key: str, data: Any) -> str | None:
+        """Write ``data`` as JSON; returns the object's ETag."""
+        r = self._client.put_object(
             Bucket=self.bucket,
             Key=key,
             Body=json.dumps(data, indent=1).encode(),
             ContentType="application/json",
         )
+        return r.get("ETag")
 
     def get_json(self, key: str) -> Any | None:
         try:
@@ -147,7 +150,10 @@ class S3Store:
     def list(self, prefix: str) -> list[ObjectInfo]:
         out: list[ObjectInfo] = []
         for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
-            out.extend(ObjectInfo(key=o["Key"], size=int(o["Size"])) for o in page.get("Contents", []))
+            out.extend(
+                ObjectInfo(key=o["Key"], size=int(o["Size"]), etag=o.get("ETag", ""))
+                for o in page.get("Contents", [])
+            )
         return out
 
     def delete(self, keys: list[str]) -> None:

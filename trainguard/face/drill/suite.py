@@ -87,8 +87,9 @@ def example_spec(code_dir: Path, name: str, **over: Any) -> JobSpec:
 
 
 def drill_spec(mix: Mix, code_dir: Path) -> JobSpec:
-    """The example job with the integration tests' fast checks, progress at the example's own
-    rate (``examples/gpt/job.yaml``: once a second)."""
+    """The example job with the integration tests' fast checks, progress once a second (what
+    ``examples/gpt/job.yaml`` asked for when the drill's figures were first taken; `trainguard demo`
+    too)."""
     spec = example_spec(code_dir, "gpt-drill", target_steps=mix.target_steps)
     detection = spec.detection.model_copy(update={"progress_interval_s": 1.0})
     return spec.model_copy(update={"detection": detection})
