@@ -93,15 +93,7 @@ class Diagnosis:
         inter-machine rounds over the job's machines."""
         nodes = self.s.nodes
         targets = decision.suspects if decision.scope == "suspects" and decision.suspects else None
-        results = await calls.on_machines(calls.self_test, req, nodes, only=targets)
-        failed = [r.node for r in results if not r.passed]
-        details = ["self-test: " + "; ".join(f"{r.node}: {r.evidence}" for r in results)]
-        if not failed and req.local_world > 1:
-            results = await calls.on_machines(calls.collective_test, req, nodes, only=targets)
-            failed = [r.node for r in results if not r.passed]
-            details.append(
-                "intra-machine collective: " + "; ".join(f"{r.node}: {r.evidence}" for r in results)
-            )
+        failed, details = await self._alone(req, targets)
         stragglers: list[str] = []
         links: list[tuple[str, str]] = []
         if not failed and len(nodes) > 1:
@@ -115,7 +107,30 @@ class Diagnosis:
             if found.links and workflow.patched(patches.LINK_CHECKS):
                 links = found.links
             details.append(found.evidence)
+            # A link is named only between machines that pass alone: an end the suspects' checks
+            # left out (a partner in the pair round) is tested first; failing, it is the culprit.
+            untested = [m for pair in links for m in pair if targets is not None and m not in targets]
+            if untested:
+                alone_failed, alone = await self._alone(req, list(dict.fromkeys(untested)))
+                details.extend(alone)
+                if alone_failed:
+                    failed, links = alone_failed, []
         return outcome_after_checks(failed, stragglers, evidence=" | ".join(details), links=links)
+
+    async def _alone(self, req: DiagnosticInput, only: list[str] | None) -> tuple[list[str], list[str]]:
+        """The checks a machine passes or fails by itself: the compute self-test, then the
+        intra-machine collective (where it has more than one rank). Failed machines, details."""
+        nodes = self.s.nodes
+        results = await calls.on_machines(calls.self_test, req, nodes, only=only)
+        failed = [r.node for r in results if not r.passed]
+        details = ["self-test: " + "; ".join(f"{r.node}: {r.evidence}" for r in results)]
+        if not failed and req.local_world > 1:
+            results = await calls.on_machines(calls.collective_test, req, nodes, only=only)
+            failed = [r.node for r in results if not r.passed]
+            details.append(
+                "intra-machine collective: " + "; ".join(f"{r.node}: {r.evidence}" for r in results)
+            )
+        return failed, details
 
     async def _pair_round(
         self, pairs: list[tuple[str, str]], req: DiagnosticInput
