@@ -82,3 +82,30 @@ def test_sync_client_offers_every_call_of_the_async_client() -> None:
     assert calls(JobHandle) <= set(dir(SyncJobHandle))
     assert SyncClient.submit.__annotations__["return"] == "SyncJobHandle"
     assert hasattr(SyncClient, "__enter__") and hasattr(SyncClient, "__exit__")
+
+
+def test_status_text_prints_torch_errors_verbatim(capsys: pytest.CaptureFixture[str]) -> None:
+    """gloo's errors hold "[/path/pair.cc:553]", which rich would read as a closing tag and fail on."""
+    from trainguard.face import cli
+
+    gloo = "rank 2 raised (gloo): [/__w/pytorch/third_party/gloo/tcp/pair.cc:553] Connection closed [x]"
+    st = {
+        "job_id": "j",
+        "phase": "failed",
+        "step": 3,
+        "target_steps": 10,
+        "attempt": 2,
+        "code_version": "v1",
+        "ettr": 0.5,
+        "ettr_window_1h": 0.5,
+        "nodes": {"0": "node-1"},
+        "verdict": f"stopped: {gloo}",
+        "incidents": [
+            {"id": "i-1", "kind": "comm", "suspects": ["node-2"], "action": "evict", "lost_steps": 1,
+             "evidence": gloo, "log_uri": "s3://b/[k]"},
+        ],
+    }  # fmt: skip
+    cli._print_status(st)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "[/__w/pytorch/third_party/gloo/tcp/pair.cc:553]" in text.replace("│ ", "").replace(" │", "")
+    assert "s3://b/[k]" in text

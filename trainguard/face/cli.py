@@ -20,6 +20,7 @@ from typing import Annotated, Any, NoReturn, TypeVar
 import typer
 import typer.core
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -462,11 +463,11 @@ def _print_status(st: dict[str, Any]) -> None:
     t.add_row("machines", ", ".join(f"{k}: {v}" for k, v in st["nodes"].items()))
     if st.get("checkpoint"):
         c = st["checkpoint"]
-        t.add_row("checkpoint", f"step {c['step']} ({c['tier']}) {c['uri']}")
+        t.add_row("checkpoint", f"step {c['step']} ({c['tier']}) {escape(c['uri'])}")
     if st.get("waiting"):
-        t.add_row("waiting for", st["waiting"])
+        t.add_row("waiting for", escape(st["waiting"]))
     if st.get("verdict"):
-        t.add_row("verdict", st["verdict"])
+        t.add_row("verdict", escape(st["verdict"]))
     if st.get("result"):
         t.add_row("param hash", st["result"]["param_hash"] or "- (the ranks did not report one)")
     out.print(t)
@@ -481,12 +482,12 @@ def _print_status(st: dict[str, Any]) -> None:
                 ", ".join(i["suspects"]),
                 i["action"],
                 str(i["lost_steps"]),
-                i["evidence"][:120],
+                escape(i["evidence"][:120]),  # torch's errors hold "[/path:line]", no markup
             )
         out.print(it)
         for i in st["incidents"]:
             if i.get("log_uri"):  # the output of the rank it came from (`trainguard logs JOB`)
-                out.print(f"{i['id']} log: {i['log_uri']}", highlight=False, soft_wrap=True)
+                out.print(f"{i['id']} log: {escape(i['log_uri'])}", highlight=False, soft_wrap=True)
 
 
 @app.command("list")
@@ -571,7 +572,7 @@ def nodes(
         t.add_column(col)
     for r in rows:
         state = r["state"] + (" (cordoned)" if r["cordoned"] else "")
-        t.add_row(r["node"], state, r["job"] or "-", (r["reason"] or "-")[:80])
+        t.add_row(r["node"], state, r["job"] or "-", escape((r["reason"] or "-")[:80]))
     out.print(t)
 
 
