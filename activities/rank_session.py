@@ -67,6 +67,8 @@ log = logging.getLogger(__name__)
 STDERR_TAIL_BYTES = 4000
 KILL_GRACE_S = 5.0
 LOCAL_STEPS_KEPT = 3
+# How long a finished attempt waits to send its last progress report before returning.
+FINAL_REPORT_TIMEOUT_S = 10.0
 # Memory snapshots reported to the workflow (the newest two: machines may be a step apart).
 MEMORY_STEPS_REPORTED = 2
 WATCH_EVERY_S = 0.25
@@ -875,7 +877,7 @@ class RankSession:
         missing = [r for r in self.inp.ranks if r in self.runtime_ranks and r not in self.final_hashes]
         ok = not failed and not missing and not self._killed and self.incident is None
         if ok:
-            await self._uploads.join()
+            await self._report_the_end()
         await self._flush_script_ckpts()
         if self.incident is None and not self._killed and (failed or missing):
             self.incident = self._exit_incident(missing)
@@ -889,6 +891,15 @@ class RankSession:
         for t in self._tasks:
             if t is not asyncio.current_task():
                 t.cancel()
+
+    async def _report_the_end(self) -> None:
+        """The ranks finished: their last shards uploaded, then a last progress report. Without
+        it the agreed snapshot interval and the protection time since the previous routine report
+        (up to ``progress_interval_s`` old) would end with the attempt, and the job's accounting and
+        `status` with them. Bounded: with Temporal out of reach the result waits for it anyway."""
+        await self._uploads.join()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._flush_progress(), FINAL_REPORT_TIMEOUT_S)
 
     async def _flush_script_ckpts(self) -> None:
         """The ranks are gone: the script's last complete checkpoints reach S3 before the

@@ -103,3 +103,45 @@ async def test_a_replica_hash_step_goes_from_a_peer_at_the_progress_rate(monkeyp
     peer = await _send_times(monkeypatch, node_index=3, sends=4, hash_at=1600.0)
     # Hashed after the report at 1600: it goes at the progress rate, not with the next routine one.
     assert peer == [1000.0, 1600.0, 1660.0, 2260.0]
+
+
+def _ending_session(send: Any) -> Any:
+    session: Any = RankSession.__new__(RankSession)
+    session._uploads = asyncio.Queue()
+    session._flush_progress = send
+    return session
+
+
+async def test_finished_ranks_send_a_last_report_after_their_last_upload() -> None:
+    events: list[str] = []
+
+    async def send() -> bool:
+        events.append("report")
+        return True
+
+    session = _ending_session(send)
+    session._uploads.put_nowait(40)  # the last step's shards are still uploading
+
+    async def upload() -> None:
+        await asyncio.sleep(0)
+        await session._uploads.get()
+        events.append("uploaded")
+        session._uploads.task_done()
+
+    uploader = asyncio.create_task(upload())
+    await session._report_the_end()
+    await uploader
+    # Without this report the interval the ranks agreed on, and the protection time since the
+    # routine report before it, never reach the job's status.
+    assert events == ["uploaded", "report"]
+
+
+async def test_the_last_report_waits_a_bounded_time_for_an_unreachable_workflow(monkeypatch: Any) -> None:
+    monkeypatch.setattr(rank_session, "FINAL_REPORT_TIMEOUT_S", 0.05)
+    never = asyncio.Event()
+
+    async def send() -> bool:
+        await never.wait()  # Temporal out of reach: the signal never returns
+        return True
+
+    await asyncio.wait_for(_ending_session(send)._report_the_end(), timeout=5.0)
