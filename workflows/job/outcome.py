@@ -5,6 +5,7 @@ waiting for every machine's outcome lets the cause outrank its consequences)."""
 from __future__ import annotations
 
 import contextlib
+from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, CancelledError
@@ -29,6 +30,14 @@ with workflow.unsafe.imports_passed_through():
     )
 
 Handles = dict[str, workflow.ActivityHandle[RunRanksResult]]  # machine -> its run_ranks
+
+# How long the machines still running may take to report on their own when every report so far
+# is a peer's effect. The machine whose ranks died first reports after its agent has stopped its
+# other ranks, uploaded the script's checkpoints and probed its hardware (`probe_now`: each probe
+# bounded by its 5 s timeout, trainguard.agent.health.events.Probe.timeout_s, for a driver call
+# stuck on a lost GPU); typically well under a second, and the wait ends as soon as it reports.
+# Only a machine that neither reports nor ends (ranks hung in a collective) costs the whole grace.
+CAUSE_GRACE_S = 8.0
 
 
 class AttemptOutcome(BaseModel):
@@ -80,6 +89,26 @@ def hung(handles: Handles) -> bool:
         if r.incident is not None and r.incident.kind == "hang":
             return True
     return False
+
+
+def _names_origin(h: workflow.ActivityHandle[RunRanksResult]) -> bool:
+    """Whether a finished run_ranks reports where a failure began (not a peer's effect)."""
+    try:
+        r = h.result()
+    except ActivityError as err:
+        return not isinstance(err.cause, CancelledError)  # a machine lost
+    return r.gone or (r.incident is not None and r.incident.origin)
+
+
+def awaiting_cause(progress: Progress, handles: Handles, unheard: frozenset[str]) -> bool:
+    """Every report so far is a peer's effect (a collective error, a failed rendezvous, ranks
+    that failed without a cause), and a machine that may still report the cause is running
+    (not one asked to re-attach and unheard since: perhaps cut off, it may never report)."""
+    if progress.found is not None and progress.found.origin:
+        return False
+    if any(h.done() and _names_origin(h) for h in handles.values()):
+        return False
+    return any(not h.done() for name, h in handles.items() if name not in unheard)
 
 
 async def cancel_all(handles: Handles) -> None:
@@ -145,6 +174,19 @@ async def collect_failure(
     them that does not answer the stop either is lost (it is cut off, not merely slow), whatever
     its peers report."""
     silent: set[str] = set()
+    if (
+        finding is None
+        and awaiting_cause(progress, handles, reattached)
+        and workflow.patched(patches.CAUSE_GRACE)
+    ):
+        # A peer's collective error reaches the workflow before the report of the machine whose
+        # ranks died first; stopping that machine now would cancel its report.
+        with contextlib.suppress(TimeoutError):
+            await workflow.wait_condition(
+                lambda: not awaiting_cause(progress, handles, reattached),
+                timeout=timedelta(seconds=CAUSE_GRACE_S),
+                timeout_summary="cause-grace",
+            )
     if finding is None and workflow.patched(patches.STOP_AT_ONCE):
         still = [name for name, h in handles.items() if not h.done()]
         run = s.running

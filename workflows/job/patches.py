@@ -55,3 +55,8 @@ FENCE_BOUND = "fence-bound"
 # form), runs the stop-time checks on every machine; a failed pair whose machines pass alone names
 # the link between them, and one end of it is swapped for a spare (both suspect).
 LINK_CHECKS = "link-checks"
+# When every report of a failure so far is a peer's effect (a collective error, a failed
+# rendezvous), the machines still running get a short grace to report on their own before they
+# are stopped: a machine whose ranks died first was cancelled while its agent was still finishing
+# (checkpoint upload, hardware probe), its report lost, and a peer's `comm` became the incident.
+CAUSE_GRACE = "cause-grace"
