@@ -35,8 +35,10 @@ Handles = dict[str, workflow.ActivityHandle[RunRanksResult]]  # machine -> its r
 # is a peer's effect. The machine whose ranks died first reports after its agent has stopped its
 # other ranks, uploaded the script's checkpoints and probed its hardware (`probe_now`: each probe
 # bounded by its 5 s timeout, trainguard.agent.health.events.Probe.timeout_s, for a driver call
-# stuck on a lost GPU); typically well under a second, and the wait ends as soon as it reports.
-# Only a machine that neither reports nor ends (ranks hung in a collective) costs the whole grace.
+# stuck on a lost GPU); typically under a second (0.5 s measured), and the wait ends as soon as it
+# reports. Only a machine that neither reports nor ends costs the whole grace: ranks hung in a
+# collective, or a dead agent (whose run_ranks the stop and cancel after it wait for until its
+# heartbeat timeout anyway). tests/unit/test_cause_grace.py keeps it above the probe timeout.
 CAUSE_GRACE_S = 8.0
 
 
