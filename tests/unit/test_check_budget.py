@@ -78,6 +78,8 @@ def test_a_pair_side_waits_for_a_partner_as_slow_to_start_as_itself(
 
     for side in asyncio.run(pair()):
         assert side.passed, side.evidence
+        # Its pace, not its wait for the partner: a late start does not make a pair slow.
+        assert side.elapsed_s is not None and side.elapsed_s < 1.0
 
 
 def test_a_check_process_that_never_gets_ready_fails_naming_its_start(

@@ -47,7 +47,6 @@ def run(
     host, _, port = master.rpartition(":")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    start = time.monotonic()
     dist.init_process_group(
         "nccl" if cuda else "gloo",
         init_method=f"tcp://{host}:{port}",
@@ -55,6 +54,9 @@ def run(
         world_size=world,
         timeout=timedelta(seconds=timeout_s),
     )
+    # Timed from the group formed: the wait for a partner still starting is not its pace (the
+    # pair rounds name a machine slow by this time).
+    start = time.monotonic()
     try:
         mine = _block(rank).to(torch.float32).to(device)
         if corrupt:
