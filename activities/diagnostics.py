@@ -18,15 +18,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import socket
 import sys
+import time
+from dataclasses import dataclass
+from typing import Any
 
 from temporalio import activity
 
 from activities.drills import DrillState
 from activities.health import HealthMonitor
-from trainguard.domain.messages import CheckResult, DiagnosticInput, PairTestInput
+from trainguard.domain.messages import (
+    CHECK_MARGIN_S,
+    CHECK_PEER_GRACE_MAX_S,
+    CHECK_START_BOUND_S,
+    CheckResult,
+    DiagnosticInput,
+    PairTestInput,
+)
 from workflows.job import calls
 
 # Standing drill faults that mean "this unit computes wrongly".
@@ -34,30 +45,117 @@ _DAMAGING = {"sdc", "gpu-lost", "gpu-xid", "ecc"}
 # How late a slow unit's part of a collective arrives, unless the drill says.
 _SLOW_DELAY_S = 2.0
 
+CHECK_MODULE = "trainguard.agent.collective_check"
+READY, GO = b"ready", "go"  # collective_check's lines (not imported here: it imports torch)
 
-async def _check_process(args: list[str], timeout_s: float) -> dict:
-    """Run one ``trainguard.agent.collective_check`` participant; its JSON line, or why there is none."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "trainguard.agent.collective_check",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+
+@dataclass
+class _Check:
+    """One started check process; stderr is read all along so that it never blocks on a full pipe."""
+
+    proc: asyncio.subprocess.Process
+    spawned: float
+    err: asyncio.Task[bytes]
+    ready_at: float = 0.0
+
+    async def until_ready(self, start_bound_s: float) -> str | None:
+        """None once it printed its ready line; else why it did not within the start bound."""
+        assert self.proc.stdout is not None
+        out = self.proc.stdout
+
+        async def ready() -> bool:
+            while line := await out.readline():
+                if line.strip() == READY:
+                    return True
+            return False  # it exited first
+
+        try:
+            ok = await asyncio.wait_for(ready(), start_bound_s - (time.monotonic() - self.spawned))
+        except TimeoutError:
+            return (
+                f"check process not ready {start_bound_s:.0f} s after its start "
+                "(Python's start and torch's import): the check did not run"
+            )
+        if ok:
+            self.ready_at = time.monotonic()
+            return None
+        await self.proc.wait()
+        return f"check process exited {self.proc.returncode} before it was ready: {await self.stderr()}"
+
+    async def go(self, grace_s: float) -> None:
+        assert self.proc.stdin is not None
+        with contextlib.suppress(ConnectionError):  # it died: its answer says so
+            self.proc.stdin.write(f"{GO} {grace_s:.1f}\n".encode())
+            await self.proc.stdin.drain()
+            self.proc.stdin.close()
+
+    async def answer(self) -> dict:
+        assert self.proc.stdout is not None
+        out = await self.proc.stdout.read()
+        await self.proc.wait()
+        lines = out.decode(errors="replace").strip().splitlines()
+        try:
+            return json.loads(lines[-1])
+        except (IndexError, json.JSONDecodeError):
+            why = f"check exited {self.proc.returncode}: {await self.stderr()}"
+            return {"ok": False, "elapsed_s": 0.0, "evidence": why}
+
+    async def stderr(self) -> str:
+        return (await self.err).decode(errors="replace").strip()[-300:]
+
+
+async def _check_processes(
+    argsets: list[list[str]],
+    timeout_s: float,
+    peer_grace: bool = False,
+) -> list[dict]:
+    """Run ``trainguard.agent.collective_check`` participants of this machine; their JSON lines.
+
+    Each must be ready (Python started, torch imported) within ``CHECK_START_BOUND_S`` of its
+    start, or none runs and the late one's answer names its start. Then all start together
+    and the budget, ``timeout_s`` (+ the grace) + ``CHECK_MARGIN_S``, counts from there. With
+    ``peer_grace`` (one side of a pair) the rendezvous also waits as long as this side's own
+    start took (at most ``CHECK_PEER_GRACE_MAX_S``): a partner on another machine, as loaded,
+    may still be importing torch. A check that overruns its budget raises TimeoutError.
+    """
+    checks: list[_Check] = []
     try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout_s + 30)
-    except (TimeoutError, asyncio.CancelledError):
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-        raise
-    lines = out.decode(errors="replace").strip().splitlines()
-    try:
-        return json.loads(lines[-1])
-    except (IndexError, json.JSONDecodeError):
-        tail = err.decode(errors="replace").strip()[-300:]
-        return {"ok": False, "elapsed_s": 0.0, "evidence": f"check exited {proc.returncode}: {tail}"}
+        for args in argsets:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                CHECK_MODULE,
+                *args,
+                "--wait-go",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            assert proc.stderr is not None
+            checks.append(_Check(proc, time.monotonic(), asyncio.create_task(proc.stderr.read())))
+        late = await asyncio.gather(*(c.until_ready(CHECK_START_BOUND_S) for c in checks))
+        if any(late):
+            others = "not run: another check process of this machine did not get ready"
+            return [{"ok": False, "elapsed_s": 0.0, "evidence": why or others} for why in late]
+        grace = (
+            min(max(c.ready_at - c.spawned for c in checks), CHECK_PEER_GRACE_MAX_S) if peer_grace else 0.0
+        )
+        await asyncio.gather(*(c.go(grace) for c in checks))
+        budget = timeout_s + grace + CHECK_MARGIN_S
+        return list(await asyncio.wait_for(asyncio.gather(*(c.answer() for c in checks)), budget))
+    finally:
+        for c in checks:
+            if c.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    c.proc.kill()
+                await c.proc.wait()
+            c.err.cancel()
+
+
+async def _selftest() -> Any:
+    """``trainguard.agent.selftest``, imported off the event loop: torch is loaded only when a
+    check runs, and its first import can take most of a minute on a loaded machine."""
+    return await asyncio.to_thread(importlib.import_module, "trainguard.agent.selftest")
 
 
 class DiagnosticActivities:
@@ -77,8 +175,7 @@ class DiagnosticActivities:
 
     @activity.defn(name=calls.self_test.name)
     async def self_test(self, req: DiagnosticInput) -> CheckResult:
-        from trainguard.agent import selftest  # torch: loaded only when a check runs
-
+        selftest = await _selftest()
         problems = [
             f"{e.source} {e.kind}: {e.message}"
             for e in await self.health.probe_now()
@@ -120,11 +217,8 @@ class DiagnosticActivities:
             "--timeout-s",
             str(req.timeout_s),
         ]
-        results = await asyncio.gather(
-            *(
-                _check_process(["--rank", str(r), *common, *drill], req.timeout_s)
-                for r in range(req.local_world)
-            )
+        results = await _check_processes(
+            [["--rank", str(r), *common, *drill] for r in range(req.local_world)], req.timeout_s
         )
         bad = [f"local rank {r}: {x['evidence']}" for r, x in enumerate(results) if not x["ok"]]
         elapsed = max(float(x["elapsed_s"]) for x in results)
@@ -139,8 +233,8 @@ class DiagnosticActivities:
     async def pair_test(self, req: PairTestInput) -> CheckResult:
         """This machine's side of a pairwise all-gather + matmul with another machine."""
         args = ["--rank", str(req.rank), "--world", "2", "--master", f"{req.master.host}:{req.master.port}"]
-        x = await _check_process(
-            [*args, "--timeout-s", str(req.timeout_s), *self._drill_args()], req.timeout_s
+        (x,) = await _check_processes(
+            [[*args, "--timeout-s", str(req.timeout_s), *self._drill_args()]], req.timeout_s, peer_grace=True
         )
         return CheckResult(
             node=self.node, passed=bool(x["ok"]), elapsed_s=float(x["elapsed_s"]), evidence=x["evidence"]
@@ -148,8 +242,7 @@ class DiagnosticActivities:
 
     @activity.defn(name=calls.alignment_test.name)
     async def alignment_test(self, req: DiagnosticInput) -> CheckResult:
-        from trainguard.agent import selftest
-
+        selftest = await _selftest()
         digest = await asyncio.to_thread(selftest.alignment_step, bool(self._damaged()))
         ok = digest == selftest.ALIGNMENT_REFERENCE
         return CheckResult(

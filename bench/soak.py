@@ -22,11 +22,17 @@ Growth of an incarnation is measured after its first ``--warmup-s`` (900 s: the 
 minutes hold imports, caches and pools filling): a least-squares line through its samples;
 ``pct`` is the fitted rise over that window relative to the fitted start, ``pct_per_hour``
 the slope relative to the start; ``window_pct`` compares the means of the first and last
-quarter of the samples (robust to one spike). The goal holds when every struck fault and
+quarter of the samples (robust to one spike). One level shift in the window (a restarted
+agent imports torch, ~200 MB, on its first diagnosis check) is found by fitting a line plus a
+step at every split; it counts when it stands 5 residual deviations above the noise and 5% of
+the level before it. It is reported (``step``: time, size, the lines before and after it) and
+the verdict reads the line after it (``steady_pct``; the line before it where less than 5
+minutes came after): a one-off step is not growth. The goal holds when every struck fault and
 every incident recovered (every job completed with the fault-free hash), no incarnation
 assessed (alive at least 5 minutes past its warm-up) grew more than 10% in RSS or descriptors
-(fitted ``pct``), and no job ever held more than ``keep`` + 1 checkpoint step directories in S3
+(``steady_pct``), and no job ever held more than ``keep`` + 1 checkpoint step directories in S3
 (``keep`` plus the one in flight) nor more than ``keep`` committed manifests once it ended.
+Every incarnation's samples are kept (``series``) so that a curve can be read afterwards.
 
     python bench/soak.py [--hours 2] [--fault-every-s 180] [--sample-every-s 30] [--seed 0]
                          [--state-dir DIR] [--json]
@@ -45,7 +51,9 @@ assessed (alive at least 5 minutes past its warm-up) grew more than 10% in RSS o
      "processes": [{"name": "controller", "pid": 123, "lived_s": 7300, "assessed_s": 6400,
                     "samples": 240, "rss_mb": [first, last, max], "fds": [first, last, max],
                     "rss": {growth}, "fds_growth": {growth}, "grew": false,
-                    "children": [max count, max rss MB]}, ...],
+                    "children": [max count, max rss MB],
+                    "series": [[t_s, rss_mb, fds, children, children_rss_mb], ...]}, ...],
+     "series_columns": ["t_s", "rss_mb", "fds", "children", "children_rss_mb"],
      "histories": {"trainguard-pool": {"max": 812, "last": 90, "runs": 3}, ...},
      "s3": {"keep": 2, "max_step_dirs": 3, "max_objects": 14, "final_objects": 280,
             "over_keep": [], "per_job": {"soak-1": {"max_step_dirs": 3, "final_manifests": 2,
@@ -53,9 +61,13 @@ assessed (alive at least 5 minutes past its warm-up) grew more than 10% in RSS o
      "sample_errors": 0,
      "goal": {"recovered": true, "no_growth": true, "s3_within_keep": true, "met": true}}
 
-where ``{growth}`` is ``{"per_hour": .., "pct": .., "pct_per_hour": .., "window_pct": .., "span_s": ..}``
-(RSS in MB) or null while the incarnation has not lived past its warm-up; ``no_growth`` is null
-when no incarnation was assessed (a run shorter than the warm-up).
+where ``{growth}`` is ``{"per_hour": .., "pct": .., "pct_per_hour": .., "window_pct": .., "span_s": ..,
+"samples": .., "step": null or {"at_s": .., "size": .., "pct": .., "before": {line}, "after": {line}},
+"steady_pct": .., "steady_per_hour": ..}`` (RSS in MB; ``at_s`` from the incarnation's start;
+``{line}`` the same, its step and steady null; null when too short to judge) or null while the
+incarnation has not lived past its warm-up; ``no_growth`` is null when no incarnation was
+assessed (a run shorter than the warm-up). ``series`` rows: seconds since the incarnation's
+start, RSS MB, descriptors, children, children's RSS MB, one a sample.
 """
 
 from __future__ import annotations
@@ -70,7 +82,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +130,9 @@ DRILLS: dict[str, tuple[int | None, int | None]] = {  # kind -> (rank, count)
 # and its growth over hours is what the soak is for (``--faults`` adds them).
 DEFAULT_FAULTS = ("crash", "hang", "gpu-lost", "controller-kill", "agent-kill")
 GROWTH_LIMIT_PCT = 10.0
+# The columns of each incarnation's ``series``: seconds since its start, RSS, open descriptors,
+# children (an agent's ranks) and their RSS.
+SERIES_COLUMNS = ("t_s", "rss_mb", "fds", "children", "children_rss_mb")
 # An incarnation is judged only on this much life after its warm-up: a line through a minute
 # of samples says nothing about hours.
 MIN_ASSESSED_S = 300.0
@@ -136,14 +151,39 @@ class Growth:
     window_pct: float  # mean of the last quarter of samples vs the first quarter, %
     span_s: float  # the window's length
     samples: int
+    # One level shift in the window (None: none found); the line above runs through it.
+    step: Step | None = None
+    # What the verdict reads: the line's rise without a step; with one, the rise of the line
+    # after it (before it where too little came after); None where neither side can be judged.
+    steady_pct: float | None = None
+    steady_per_hour: float | None = None
 
 
-def growth(
-    points: Sequence[tuple[float, float]], since: float, min_samples: int = 3, min_span_s: float = 0.0
-) -> Growth | None:
-    """Growth of ``(time, value)`` points taken at or after ``since``; None with fewer than
-    ``min_samples`` of them or when they span no more than ``min_span_s``."""
-    pts = sorted((t, v) for t, v in points if t >= since)
+@dataclass(frozen=True)
+class Step:
+    """A one-off level shift (a restarted agent importing torch on its first check): the
+    verdict reads the line after it, so that a step is not read as a slope."""
+
+    at_s: float  # the first sample at the new level, seconds from ``origin``
+    size: float  # the shift, units (a line with a step fitted: the slope is taken out)
+    pct: float  # % of the level just before it
+    before: Growth | None  # the line through the samples before it (None: too few or too short)
+    after: Growth | None  # the line through the samples from it on
+
+
+# A shift is a step when it stands this many residual deviations of the line-plus-step fit
+# above the noise, is this % of the level before it, and has this many samples on each side.
+STEP_NOISE_K = 5.0
+STEP_MIN_PCT = 5.0
+STEP_MIN_SIDE = 3
+
+
+def _rel(x: float, base: float) -> float:
+    return 100.0 * x / base if base > 0 else (0.0 if x == 0 else math.inf)
+
+
+def _line(pts: Sequence[tuple[float, float]], min_samples: int, min_span_s: float) -> Growth | None:
+    """The least-squares line through sorted ``pts``; None when too few or too short."""
     if len(pts) < min_samples:
         return None
     t0, t1 = pts[0][0], pts[-1][0]
@@ -158,17 +198,92 @@ def growth(
     q = max(1, n // 4)
     head = sum(v for _, v in pts[:q]) / q
     tail = sum(v for _, v in pts[-q:]) / q
-
-    def rel(x: float, base: float) -> float:
-        return 100.0 * x / base if base > 0 else (0.0 if x == 0 else math.inf)
-
     return Growth(
         per_hour=round(slope * 3600, 3),
-        pct=round(rel(last - first, first), 2),
-        pct_per_hour=round(rel(slope * 3600, first), 2),
-        window_pct=round(rel(tail - head, head), 2),
+        pct=round(_rel(last - first, first), 2),
+        pct_per_hour=round(_rel(slope * 3600, first), 2),
+        window_pct=round(_rel(tail - head, head), 2),
         span_s=round(t1 - t0, 1),
         samples=n,
+    )
+
+
+def find_step(pts: Sequence[tuple[float, float]]) -> tuple[int, float, float] | None:
+    """The one level shift in sorted ``pts``: ``(index of the first sample after it, size,
+    level before it)``, or None. Fits ``v = a + b*t + h*[i >= k]`` for every split ``k`` (one
+    pass over suffix sums) and keeps the split with the least squared error; a transient spike
+    moves no level and a steady slope is taken by ``b``, so neither reads as a step."""
+    n = len(pts)
+    if n < 2 * STEP_MIN_SIDE or n <= 3:
+        return None
+    tm = sum(t for t, _ in pts) / n
+    vm = sum(v for _, v in pts) / n
+    tc = [t - tm for t, _ in pts]
+    vc = [v - vm for _, v in pts]
+    stt = sum(x * x for x in tc)
+    stv = sum(x * y for x, y in zip(tc, vc, strict=True))
+    svv = sum(y * y for y in vc)
+    if stt <= 0:
+        return None
+    best: tuple[float, int, float, float] | None = None  # sse, k, b, h
+    st_after = sv_after = 0.0  # sums of the centred t and v from k on
+    for k in range(n - 1, 0, -1):
+        st_after += tc[k]
+        sv_after += vc[k]
+        if min(k, n - k) < STEP_MIN_SIDE:
+            continue
+        sii = k * (n - k) / n  # the centred indicator's own sum of squares
+        det = stt * sii - st_after * st_after
+        if det <= 1e-12 * stt * sii:
+            continue
+        b = (sii * stv - st_after * sv_after) / det
+        h = (stt * sv_after - st_after * stv) / det
+        sse = svv - b * stv - h * sv_after
+        if best is None or sse < best[0]:
+            best = (sse, k, b, h)
+    if best is None:
+        return None
+    sse, k, b, h = best
+    sigma = math.sqrt(max(sse, 0.0) / (n - 3))
+    before = vm + b * tc[k - 1] - h * (n - k) / n  # the fitted level at the last sample before
+    if abs(h) > max(STEP_NOISE_K * sigma, STEP_MIN_PCT / 100 * abs(before)):
+        return k, h, before
+    return None
+
+
+def growth(
+    points: Sequence[tuple[float, float]],
+    since: float,
+    min_samples: int = 3,
+    min_span_s: float = 0.0,
+    origin: float = 0.0,
+) -> Growth | None:
+    """Growth of ``(time, value)`` points taken at or after ``since``; None with fewer than
+    ``min_samples`` of them or when they span no more than ``min_span_s``. A step found in
+    them is reported with its time from ``origin``, and the lines before and after it."""
+    pts = sorted((t, v) for t, v in points if t >= since)
+    whole = _line(pts, min_samples, min_span_s)
+    if whole is None:
+        return None
+    found = find_step(pts)
+    if found is None:
+        return replace(whole, steady_pct=whole.pct, steady_per_hour=whole.per_hour)
+    k, size, level = found
+    before = _line(pts[:k], min_samples, min_span_s)
+    after = _line(pts[k:], min_samples, min_span_s)
+    steady = after or before
+    step = Step(
+        at_s=round(pts[k][0] - origin, 1),
+        size=round(size, 3),
+        pct=round(_rel(size, level), 2),
+        before=before,
+        after=after,
+    )
+    return replace(
+        whole,
+        step=step,
+        steady_pct=steady.pct if steady else None,
+        steady_per_hour=steady.per_hour if steady else None,
     )
 
 
@@ -184,9 +299,15 @@ class Incarnation:
     def report(self, warmup_s: float) -> dict[str, Any]:
         since = self.started + warmup_s
         last_t = self.points[-1][0]
-        rss = growth([(t, r / MB) for t, r, *_ in self.points], since, min_span_s=MIN_ASSESSED_S)
-        fds = growth([(t, float(f)) for t, _, f, *_ in self.points], since, min_span_s=MIN_ASSESSED_S)
-        grew = None if rss is None or fds is None else max(rss.pct, fds.pct) > GROWTH_LIMIT_PCT
+
+        def fit(values: list[tuple[float, float]]) -> Growth | None:
+            return growth(values, since, min_span_s=MIN_ASSESSED_S, origin=self.started)
+
+        rss = fit([(t, r / MB) for t, r, *_ in self.points])
+        fds = fit([(t, float(f)) for t, _, f, *_ in self.points])
+        # Judged on the steady line: a one-off step (an import) is not growth.
+        rss_pct, fds_pct = (g.steady_pct if g else None for g in (rss, fds))
+        grew = None if rss_pct is None or fds_pct is None else max(rss_pct, fds_pct) > GROWTH_LIMIT_PCT
         return {
             "name": self.name,
             "pid": self.pid,
@@ -202,6 +323,10 @@ class Incarnation:
             "fds_growth": asdict(fds) if fds else None,
             "grew": grew,
             "children": [max(p[3] for p in self.points), round(max(p[4] for p in self.points) / MB, 1)],
+            "series": [  # one row a sample, SERIES_COLUMNS
+                [round(t - self.started, 1), round(r / MB, 1), f, k, round(kr / MB, 1)]
+                for t, r, f, k, kr in self.points
+            ],
         }
 
 
@@ -410,6 +535,7 @@ def report(
         "by_kind": chaos_doc["by_kind"],
         "incidents": incidents,
         "processes": procs,
+        "series_columns": list(SERIES_COLUMNS),
         "histories": {
             wid: {"max": h["max"], "last": h["last"], "runs": len(h["runs"])}
             for wid, h in sampler.histories.items()
@@ -508,7 +634,7 @@ def print_text(doc: dict[str, Any]) -> None:
     )
     for row in doc["incidents"]:
         log(f"  {row['job']}: {incident_line(row)}")
-    head = ("process", "pid", "lived s", "RSS MB", "MB/h", "%", "fds", "fds/h", "%", "grew")
+    head = ("process", "pid", "lived s", "RSS MB", "MB/h", "%", "RSS step", "fds", "fds/h", "%", "grew")
     log("  " + "".join(f"{h:>{w}}" for h, w in zip(head, WIDTHS, strict=True)))
     for p in doc["processes"]:
         rss, fds = p["rss"] or {}, p["fds_growth"] or {}
@@ -517,11 +643,12 @@ def print_text(doc: dict[str, Any]) -> None:
             p["pid"],
             round(p["lived_s"]),
             "{}/{}".format(*p["rss_mb"][:2]),
-            rss.get("per_hour", "-"),
-            rss.get("pct", "-"),
+            steady(rss, "steady_per_hour"),
+            steady(rss, "steady_pct"),
+            step_cell(rss),
             "{}/{}".format(*p["fds"][:2]),
-            fds.get("per_hour", "-"),
-            fds.get("pct", "-"),
+            steady(fds, "steady_per_hour"),
+            steady(fds, "steady_pct"),
             p["grew"],
         )
         log("  " + "".join(f"{c!s:>{w}}" for c, w in zip(cells, WIDTHS, strict=True)))
@@ -531,7 +658,18 @@ def print_text(doc: dict[str, Any]) -> None:
     log(f"  goal: {doc['goal']}")
 
 
-WIDTHS = (16, 8, 9, 14, 9, 8, 9, 8, 8, 7)
+WIDTHS = (16, 8, 9, 14, 9, 8, 14, 9, 8, 8, 7)
+
+
+def steady(g: dict[str, Any], key: str) -> Any:
+    """The judged number (the line after a step, if any); '-' where there is none."""
+    return "-" if g.get(key) is None else g[key]
+
+
+def step_cell(g: dict[str, Any]) -> str:
+    """A step as ``+size@time`` (size in the series' units, time from the incarnation's start)."""
+    st = g.get("step")
+    return "-" if not st else f"{st['size']:+.0f}@{st['at_s']:.0f}s"
 
 
 def main() -> None:

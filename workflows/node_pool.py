@@ -30,6 +30,7 @@ from workflows.pool_slurm import PATCH_SLURM, SlurmSync, _order
 with workflow.unsafe.imports_passed_through():
     from trainguard.domain.messages import (
         ALL_FAULTS,
+        CHECK_START_BOUND_S,
         ClearFaultsInput,
         CordonInput,
         DiagnosticInput,
@@ -150,7 +151,7 @@ class NodePoolWorkflow(SlurmSync):
                     DiagnosticInput(job_id="trainguard-pool", attempt=0),
                     task_queue=before[name].info.task_queue,
                     schedule_to_start=timedelta(seconds=30),
-                    start_to_close=timedelta(seconds=120),
+                    start_to_close=timedelta(seconds=120 + CHECK_START_BOUND_S),
                     summary=f"{name}: self-test ({before[name].state})",
                 )
                 return r.passed, r.evidence

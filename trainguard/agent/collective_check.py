@@ -10,6 +10,13 @@ prints one JSON line: ``{"ok": ..., "elapsed_s": ..., "evidence": ...}``.
 
 ``--delay-s`` and ``--absent`` carry a drill standing on the machine (a slow
 unit, an unreachable NIC) into the check the way the fault itself would act.
+
+With ``--wait-go`` (the agent's way) it prints ``ready`` once Python has started and
+torch is imported, then waits for ``go GRACE_S`` on stdin: the agent counts the
+check's budget from that line, not from the process start (a loaded machine can take
+most of a minute to import torch), and starts the ranks of one machine together. The
+rendezvous waits ``--timeout-s`` + GRACE_S from the go: the grace is the time a pair's
+partner on another machine may still need to get ready.
 """
 
 from __future__ import annotations
@@ -21,7 +28,10 @@ import time
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
+READY = "ready"  # the line a check process prints once it can start its check
+GO = "go"
 N = 64
 _SEED = 4321
 
@@ -34,12 +44,9 @@ def _block(rank: int) -> torch.Tensor:
 def run(
     rank: int, world: int, master: str, timeout_s: float, delay_s: float = 0.0, corrupt: bool = False
 ) -> dict[str, object]:
-    import torch.distributed as dist
-
     host, _, port = master.rpartition(":")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    start = time.monotonic()
     dist.init_process_group(
         "nccl" if cuda else "gloo",
         init_method=f"tcp://{host}:{port}",
@@ -47,6 +54,9 @@ def run(
         world_size=world,
         timeout=timedelta(seconds=timeout_s),
     )
+    # Timed from the group formed: the wait for a partner still starting is not its pace (the
+    # pair rounds name a machine slow by this time).
+    start = time.monotonic()
     try:
         mine = _block(rank).to(torch.float32).to(device)
         if corrupt:
@@ -88,12 +98,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay-s", type=float, default=0.0)
     p.add_argument("--corrupt", action="store_true")
     p.add_argument("--absent", action="store_true", help="never join (an unreachable machine)")
+    p.add_argument(
+        "--wait-go", action="store_true", help="print 'ready', then wait for 'go GRACE_S' on stdin"
+    )
     a = p.parse_args(argv)
+    grace_s = 0.0
+    if a.wait_go:
+        sys.stdout.write(READY + "\n")
+        sys.stdout.flush()
+        word, _, grace = sys.stdin.readline().strip().partition(" ")
+        if word != GO:
+            return 1  # the agent gave up on the check (its stdin closed)
+        grace_s = float(grace or 0.0)
     if a.absent:
         out: dict[str, object] = {"ok": False, "elapsed_s": 0.0, "evidence": "could not reach its peers"}
     else:
         try:
-            out = run(a.rank, a.world, a.master, a.timeout_s, a.delay_s, a.corrupt)
+            out = run(a.rank, a.world, a.master, a.timeout_s + grace_s, a.delay_s, a.corrupt)
         except Exception as exc:
             out = {"ok": False, "elapsed_s": 0.0, "evidence": f"{type(exc).__name__}: {str(exc)[:300]}"}
     sys.stdout.write(json.dumps(out) + "\n")

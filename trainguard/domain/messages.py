@@ -391,6 +391,16 @@ class StopRanksInput(Msg):
     chain: str = ""
 
 
+# A stop-time check process must say it is ready (Python started, torch imported) within this;
+# its budget (``timeout_s``) counts from then: two processes importing torch on a loaded 2-core
+# machine took most of a minute.
+CHECK_START_BOUND_S = 120.0
+# A pair's side waits for a partner still starting as long as its own start took, at most this.
+CHECK_PEER_GRACE_MAX_S = 60.0
+# After a check's budget: its arithmetic, its answer and the group's teardown.
+CHECK_MARGIN_S = 30.0
+
+
 class DiagnosticInput(Msg):
     job_id: str
     attempt: int

@@ -24,6 +24,7 @@ from temporalio.common import RetryPolicy
 with workflow.unsafe.imports_passed_through():
     from trainguard.domain.job_state import IncidentTelemetryInput
     from trainguard.domain.messages import (
+        CHECK_START_BOUND_S,
         CONTROLLER_QUEUE,
         CheckpointRef,
         CheckResult,
@@ -80,6 +81,9 @@ class Options:
 ON_CONTROLLER = Options(task_queue=CONTROLLER_QUEUE, start_to_close=SHORT, retry=CONTROLLER_RETRY)
 # A short check on a machine: one that cannot answer within seconds is skipped or fails the check.
 ON_MACHINE = Options(schedule_to_start=timedelta(seconds=10), start_to_close=timedelta(seconds=60))
+# A stop-time check first loads torch (a process of its own, or the agent's first import), which
+# a loaded machine may take up to CHECK_START_BOUND_S to do; its budget counts from then.
+ON_MACHINE_CHECK = dataclasses.replace(ON_MACHINE, start_to_close=timedelta(seconds=60 + CHECK_START_BOUND_S))
 
 
 @dataclass(frozen=True)
@@ -168,13 +172,13 @@ run_ranks: Activity[RunRanksInput, RunRanksResult] = Activity(
 stop_ranks: Activity[StopRanksInput, bool] = Activity("stop_ranks", StopRanksInput, bool, ON_MACHINE)
 dump_stacks: Activity[StackInput, StackDump] = Activity("dump_stacks", StackInput, StackDump, ON_MACHINE)
 self_test: Activity[DiagnosticInput, CheckResult] = Activity(
-    "self_test", DiagnosticInput, CheckResult, ON_MACHINE
+    "self_test", DiagnosticInput, CheckResult, ON_MACHINE_CHECK
 )
 collective_test: Activity[DiagnosticInput, CheckResult] = Activity(
-    "collective_test", DiagnosticInput, CheckResult, ON_MACHINE
+    "collective_test", DiagnosticInput, CheckResult, ON_MACHINE_CHECK
 )
 alignment_test: Activity[DiagnosticInput, CheckResult] = Activity(
-    "alignment_test", DiagnosticInput, CheckResult, ON_MACHINE
+    "alignment_test", DiagnosticInput, CheckResult, ON_MACHINE_CHECK
 )
 pair_test: Activity[PairTestInput, CheckResult] = Activity(
     "pair_test", PairTestInput, CheckResult, ON_MACHINE

@@ -22,6 +22,8 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.domain.code_versions import spec_for
     from trainguard.domain.job_state import JobInput, JobState
     from trainguard.domain.messages import (
+        CHECK_PEER_GRACE_MAX_S,
+        CHECK_START_BOUND_S,
         CheckpointRef,
         CheckResult,
         DiagnosticInput,
@@ -138,12 +140,15 @@ class Diagnosis:
         """Every pair at once: the first machine hosts the rendezvous, both run ``pair_test``."""
         queues = {n.name: n.task_queue for n in self.s.nodes}
         limit = timedelta(seconds=req.timeout_s + 45)
+        # A side's check process may take CHECK_START_BOUND_S to get ready and then wait up to
+        # CHECK_PEER_GRACE_MAX_S for its partner to, before its own budget counts.
+        check_limit = limit + timedelta(seconds=CHECK_START_BOUND_S + CHECK_PEER_GRACE_MAX_S)
 
         async def pair_test(rank: int, node: str, master: Endpoint) -> CheckResult:
             return await calls.pair_test(
                 PairTestInput(job_id=req.job_id, attempt=req.attempt, rank=rank, master=master),
                 task_queue=queues[node],
-                start_to_close=limit,
+                start_to_close=check_limit,
                 summary=f"{node}: pairwise check",
             )
 
