@@ -187,3 +187,38 @@ def test_liveness_tells_working_from_blocked(tmp_path: Path) -> None:
     assert any(t0 < ts <= t1 + launch.LIVE_EVERY_S for ts in alive), (alive, t0, t1)
     # One look may still compare the last evaluating stack with the blocked one; none after.
     assert not [ts for ts in alive if t1 + 2 * launch.LIVE_EVERY_S + 0.2 < ts <= t2], (alive, t1, t2)
+
+
+GROUP_END_SCRIPT = """
+import socket, time
+import torch, torch.distributed as dist
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+p = torch.nn.Parameter(torch.zeros(2)); opt = torch.optim.SGD([p], lr=0.1)
+for _ in range(3):
+    p.grad = torch.ones(2); opt.step()
+dist.destroy_process_group()
+print(time.time())
+time.sleep(2.0)  # freeing the script's objects, gloo's teardown: no step to report
+"""
+
+
+def test_the_default_group_destroyed_sends_the_last_step_and_exiting(tmp_path: Path) -> None:
+    """The last steps and `exiting` go when the script destroys its process group, not seconds
+    later at the interpreter's exit, which the agent would time as a hang."""
+    script = tmp_path / "finish.py"
+    script.write_text(GROUP_END_SCRIPT)
+    r, w = os.pipe()
+    env = {"PATH": os.environ["PATH"], "TG_REPORT_FD": str(w), "RANK": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-u", LAUNCHER, str(script)], env=env, pass_fds=(w,), capture_output=True, text=True
+    )
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        msgs = [json.loads(line) for line in f]
+    assert proc.returncode == 0, proc.stderr
+    destroyed = float(proc.stdout.split()[0])
+    steps = [m for m in msgs if m["t"] == "step"]
+    exiting = [m for m in msgs if m["t"] == "exiting"]
+    assert steps[-1]["step"] == 3 and steps[-1]["ts"] <= destroyed, msgs
+    assert exiting and exiting[0]["ts"] <= destroyed, msgs
