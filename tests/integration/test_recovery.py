@@ -55,7 +55,15 @@ async def test_storage_outage_restores_only_complete_checkpoints(
     # S3 down while a machine is lost. Without peer backups the restore must come from S3: it
     # waits for storage, then takes the newest *complete* checkpoint, never a half-written one.
     spec = example_spec("rec-outage")
-    spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"peer_backup": False})})
+    # Steps slowed so the job is still training when the crash is injected: at the example's
+    # pace (~65 ms a step on a fast moment) it could finish its 80 steps before S3 was even
+    # stopped, and then wait for S3 with nothing to crash.
+    spec = spec.model_copy(
+        update={
+            "checkpoint": spec.checkpoint.model_copy(update={"peer_backup": False}),
+            "env": {**spec.env, "GPT_STEP_SLEEP_S": "0.15"},
+        }
+    )
     job = await tg.submit(spec)
     before = await wait_until(job, lambda s: (s["checkpoint"] or {}).get("step", 0) >= 20)
     stack = Stack.load(stack_dir)
