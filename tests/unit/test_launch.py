@@ -46,6 +46,25 @@ def train(opts: list[torch.optim.Optimizer], params: list[torch.nn.Parameter], s
             o.step()
 
 
+def run_launched(
+    script: Path, *args: str, rank: int = 0
+) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    """Run ``script`` as the agent runs it: through the launcher, under a bare interpreter
+    without trainguard, its report pipe open; the process and every record it sent."""
+    r, w = os.pipe()
+    env = {"PATH": os.environ["PATH"], "TG_REPORT_FD": str(w), "RANK": str(rank)}
+    proc = subprocess.run(
+        [sys.executable, "-u", LAUNCHER, str(script), *args],
+        env=env,
+        pass_fds=(w,),
+        capture_output=True,
+        text=True,
+    )
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        return proc, [json.loads(line) for line in f]
+
+
 def test_a_step_is_one_step_of_the_first_optimizer(pipe: tuple[launch.Launcher, int]) -> None:
     launcher, fd = pipe
     a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
@@ -125,14 +144,7 @@ def test_uncaught_exception_and_exit_reports(tmp_path: Path) -> None:
     """Run as the agent runs it: a file path, under a bare interpreter without trainguard."""
     script = tmp_path / "boom.py"
     script.write_text("import sys\nassert sys.argv[1:] == ['--x', '1']\nraise ValueError('bad batch')\n")
-    r, w = os.pipe()
-    env = {"PATH": os.environ["PATH"], "TG_REPORT_FD": str(w), "RANK": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-u", LAUNCHER, str(script), "--x", "1"], env=env, pass_fds=(w,), capture_output=True
-    )
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        msgs = [json.loads(line) for line in f]
+    proc, msgs = run_launched(script, "--x", "1", rank=1)
     assert proc.returncode == 1
     assert [m["t"] for m in msgs] == ["error", "exiting"], msgs
     assert "ValueError: bad batch" in msgs[0]["traceback"] and msgs[0]["rank"] == 1
@@ -173,14 +185,7 @@ def test_liveness_tells_working_from_blocked(tmp_path: Path) -> None:
     moves, and stays silent while it is blocked (the hang check then times it)."""
     script = tmp_path / "evaluate.py"
     script.write_text(LIVENESS_SCRIPT)
-    r, w = os.pipe()
-    env = {"PATH": os.environ["PATH"], "TG_REPORT_FD": str(w), "RANK": "0"}
-    proc = subprocess.run(
-        [sys.executable, "-u", LAUNCHER, str(script)], env=env, pass_fds=(w,), capture_output=True, text=True
-    )
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        msgs = [json.loads(line) for line in f]
+    proc, msgs = run_launched(script)
     assert proc.returncode == 0, proc.stderr
     t0, t1, t2 = map(float, proc.stdout.split())
     alive = [m["ts"] for m in msgs if m["t"] == "alive"]
@@ -208,14 +213,7 @@ def test_the_default_group_destroyed_sends_the_last_step_and_exiting(tmp_path: P
     later at the interpreter's exit, which the agent would time as a hang."""
     script = tmp_path / "finish.py"
     script.write_text(GROUP_END_SCRIPT)
-    r, w = os.pipe()
-    env = {"PATH": os.environ["PATH"], "TG_REPORT_FD": str(w), "RANK": "0"}
-    proc = subprocess.run(
-        [sys.executable, "-u", LAUNCHER, str(script)], env=env, pass_fds=(w,), capture_output=True, text=True
-    )
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        msgs = [json.loads(line) for line in f]
+    proc, msgs = run_launched(script)
     assert proc.returncode == 0, proc.stderr
     destroyed = float(proc.stdout.split()[0])
     steps = [m for m in msgs if m["t"] == "step"]
