@@ -80,10 +80,13 @@ class Options:
 
 ON_CONTROLLER = Options(task_queue=CONTROLLER_QUEUE, start_to_close=SHORT, retry=CONTROLLER_RETRY)
 # A short check on a machine: one that cannot answer within seconds is skipped or fails the check.
-ON_MACHINE = Options(schedule_to_start=timedelta(seconds=10), start_to_close=timedelta(seconds=60))
+ON_MACHINE_LIMIT = timedelta(seconds=60)
+ON_MACHINE = Options(schedule_to_start=timedelta(seconds=10), start_to_close=ON_MACHINE_LIMIT)
 # A stop-time check first loads torch (a process of its own, or the agent's first import), which
 # a loaded machine may take up to CHECK_START_BOUND_S to do; its budget counts from then.
-ON_MACHINE_CHECK = dataclasses.replace(ON_MACHINE, start_to_close=timedelta(seconds=60 + CHECK_START_BOUND_S))
+ON_MACHINE_CHECK = dataclasses.replace(
+    ON_MACHINE, start_to_close=ON_MACHINE_LIMIT + timedelta(seconds=CHECK_START_BOUND_S)
+)
 
 
 @dataclass(frozen=True)
