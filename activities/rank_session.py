@@ -74,6 +74,10 @@ MEMORY_STEPS_REPORTED = 2
 WATCH_EVERY_S = 0.25
 # Hung ranks wait this long for the workflow to dump their stacks and stop them.
 ORPHAN_FROZEN_S = 60.0
+# A rank that finished (said ``exiting``: its script destroyed its process group or returned) and
+# shows no sign of life this long is stuck in its exit (a native teardown, the interpreter's
+# shutdown): killed, its training counted done. Unbounded, it held the job and its machines.
+EXIT_BOUND_S = 60.0
 # rank, step, the rank's own clock (time.time()) per line, one file per attempt.
 STEP_TRAIL = "steps.tsv"
 
@@ -196,6 +200,7 @@ class RankSession:
         self.flaps: list[datetime] = []
         self.health_notes: list[str] = []
         self._we_killed: set[int] = set()
+        self._stuck_in_exit: set[int] = set()  # finished ranks killed for not exiting
         self.frozen = False  # hung ranks kept alive for their stacks
         self.started = False  # every rank launched and supervised
         self._first_step_sent = False  # a report carrying first_step_at reached the workflow
@@ -738,9 +743,11 @@ class RankSession:
                     if report is not None:
                         self._raise_incident(report)
                         break
-                anomaly = self.monitor.check(time.monotonic())
+                now = time.monotonic()
+                anomaly = self.monitor.check(now)
                 if anomaly is not None:
                     self._raise_incident(self._from_anomaly(anomaly))
+                self._end_stuck_exits(now)
         finally:
             self.health.unsubscribe(events)
 
@@ -846,6 +853,21 @@ class RankSession:
             return
         self._tasks.append(asyncio.create_task(self._terminate(), name="terminate"))
 
+    def _end_stuck_exits(self, now: float) -> None:
+        found = self.monitor.stuck_in_exit(now, self.live_pids(), EXIT_BOUND_S)
+        stuck = [r for r in found if r not in self._stuck_in_exit]
+        if not stuck:
+            return
+        self._stuck_in_exit.update(stuck)
+        log.warning(
+            "ranks %s finished but have not exited, no sign of life for %.0f s: killed", stuck, EXIT_BOUND_S
+        )
+        procs = [self.procs[r] for r in stuck]
+        self._tasks.append(asyncio.create_task(_stop_groups(procs), name="stuck-exits"))
+
+    def _failed_exit(self, rank: int) -> bool:
+        return self.procs[rank].returncode != 0 and rank not in self._stuck_in_exit
+
     def live_pids(self) -> dict[int, int]:
         return {r: p.pid for r, p in self.procs.items() if p.returncode is None}
 
@@ -859,7 +881,7 @@ class RankSession:
             for t in done:
                 rank = waits[t]
                 self._record_exit(rank)
-                if self.procs[rank].returncode != 0:
+                if self._failed_exit(rank):
                     failed = True
                     self._own_death(rank)
                 else:
@@ -964,7 +986,7 @@ class RankSession:
         errors its peers die of; ranks we stopped ourselves say nothing."""
         best: tuple[int, IncidentReport] | None = None
         for e in self.exits.values():
-            if e.exit_code == 0 or e.rank in self._we_killed:
+            if e.exit_code == 0 or e.rank in self._we_killed or e.rank in self._stuck_in_exit:
                 continue
             info = classify_exit(e.exit_code, e.signal, e.stderr_tail, self.workdir)
             report = self._exit_report(e.rank, info, "exited")
@@ -995,19 +1017,8 @@ class RankSession:
 
     async def _terminate(self) -> None:
         """SIGTERM every rank's process group, SIGKILL what is left after a grace period."""
-        live = [p for p in self.procs.values() if p.returncode is None]
         self._we_killed.update(r for r, p in self.procs.items() if p.returncode is None)
-        for p in live:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-        if live:
-            _, still = await asyncio.wait([asyncio.create_task(p.wait()) for p in live], timeout=KILL_GRACE_S)
-            if still:
-                for p in live:
-                    if p.returncode is None:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.killpg(p.pid, signal.SIGKILL)
-                await asyncio.gather(*(p.wait() for p in live))
+        await _stop_groups(list(self.procs.values()))
 
     async def kill(self) -> None:
         """Stop the ranks (the workflow asked, or nobody owns the session any more)."""
@@ -1033,3 +1044,19 @@ class RankSession:
         await asyncio.sleep(timeout_s)
         log.warning("session %s orphaned for %.0fs; stopping its ranks", self.key, timeout_s)
         await self.kill()
+
+
+async def _stop_groups(procs: list[asyncio.subprocess.Process]) -> None:
+    """SIGTERM the process groups of ``procs`` still running, SIGKILL what is left after a grace."""
+    live = [p for p in procs if p.returncode is None]
+    for p in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+    if live:
+        _, still = await asyncio.wait([asyncio.create_task(p.wait()) for p in live], timeout=KILL_GRACE_S)
+        if still:
+            for p in live:
+                if p.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)
+            await asyncio.gather(*(p.wait() for p in live))

@@ -14,7 +14,7 @@ import pytest
 from infra.browser import BrowserUnavailable, ensure_chromium
 from infra.local import bring_down, bring_up, node_names, restore_pool
 from infra.stack import Stack, StackConfig, client_env
-from tests.integration.helpers import REPO, example_spec, run_to_end
+from tests.integration.helpers import REPO, end_leftover_jobs, example_spec, run_to_end
 from tests.replay.record import export_histories
 from trainguard.client import TrainguardClient
 from trainguard.services.settings import Settings
@@ -41,6 +41,43 @@ def stack(stack_dir: Path) -> Stack:
 @pytest.fixture(scope="session")
 def settings(stack_dir: Path) -> Settings:
     return Settings.from_mapping(client_env(Stack.load(stack_dir).config), stack_dir)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failure's gist on the terminal as it happens, not only in the summary at the end: a run
+    stopped by its time limit still says what failed first."""
+    report = yield
+    if report.failed:
+        lines = report.longreprtext.splitlines()
+        gist = " | ".join([line[1:].strip()[:300] for line in lines if line.startswith("E ")][:3])
+        tr = item.config.pluginmanager.get_plugin("terminalreporter")
+        if tr is not None:
+            tr.write_line("")
+            tr.write_line(f"FAILED {item.nodeid} ({report.when}, {report.duration:.0f} s): {gist}")
+    return report
+
+
+@pytest.fixture(autouse=True)
+def _shared_stack_hygiene(request: pytest.FixtureRequest) -> None:
+    if "stack_dir" in request.fixturenames:
+        request.getfixturevalue("no_job_outlives_its_test")
+
+
+@pytest.fixture
+async def no_job_outlives_its_test(
+    tg: TrainguardClient, request: pytest.FixtureRequest
+) -> AsyncIterator[None]:
+    """The shared stack's machines go back to the pool after each test: a job a failed test left
+    running would otherwise hold them, and every later test would wait for machines and fail."""
+    yield
+    ended = await end_leftover_jobs(tg, f"by {request.node.nodeid}")
+    tr = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if ended and tr is not None and capture is not None:
+        with capture.global_and_fixture_disabled():  # on the terminal as it happens
+            tr.write_line("")
+            tr.write_line(f"{request.node.nodeid} left jobs running, cancelled: {', '.join(ended)}")
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainguard.client import JobHandle
+from trainguard.client import JobHandle, TrainguardClient
 from trainguard.domain.spec import JobSpec
 from trainguard.face.drill.suite import example_spec as drill_example_spec
+from trainguard.services import pool_client
 from trainguard.services.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,6 +42,29 @@ async def wait_until(
 
 async def run_to_end(job: JobHandle) -> dict[str, Any]:
     return await asyncio.wait_for(job.wait(poll_s=0.5), JOB_TIMEOUT_S)
+
+
+LEFTOVER_CANCEL_S = 60.0  # a cancel stops ranks without waiting for uploads: seconds, not minutes
+
+
+async def end_leftover_jobs(tg: TrainguardClient, why: str) -> list[str]:
+    """Cancel every job still running on the shared stack, so that a test that failed (or forgot)
+    does not hold machines that every later test waits for; a job the cancel cannot end within
+    LEFTOVER_CANCEL_S is terminated and its machines released. Returns the jobs ended."""
+    query = "WorkflowType = 'TrainingJobWorkflow' AND ExecutionStatus = 'Running'"
+    names = [wf.id async for wf in tg.temporal.list_workflows(query)]
+    for name in names:
+        await tg.job(name).cancel(f"left running {why}")
+    for name in names:
+        handle = tg.temporal.get_workflow_handle(name)
+        try:
+            await asyncio.wait_for(handle.result(), LEFTOVER_CANCEL_S)
+        except TimeoutError:
+            await handle.terminate(f"cancel did not end it within {LEFTOVER_CANCEL_S:.0f} s ({why})")
+            await pool_client.release(tg.temporal, name, tg.settings.pool)
+        except Exception:  # failed or terminated: ended all the same
+            pass
+    return names
 
 
 def cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:

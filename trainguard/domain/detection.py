@@ -19,7 +19,7 @@ import re
 import signal as signal_mod
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,6 +177,7 @@ class TrainingMonitor:
         self.history: dict[tuple[int, str], deque[float]] = {}
         self.local_spikes: dict[int, dict[int, float]] = {}  # step -> rank -> ratio
         self.finished: set[int] = set()
+        self.finished_at: dict[int, float] = {}
 
     def _ratio(self, rank: int, name: str, value: float | None, step: int) -> float | None:
         """``value`` over the rolling median of earlier values (None while warming up);
@@ -276,8 +277,21 @@ class TrainingMonitor:
         against the startup timeout."""
         if finished:
             self.finished.add(rank)
+            self.finished_at.setdefault(rank, now)
         if rank in self.last_step_at or working:
             self.last_step_at[rank] = now
+
+    def stuck_in_exit(self, now: float, running: Iterable[int], bound_s: float) -> list[int]:
+        """Finished ranks whose processes are still ``running`` with no sign of life (a step,
+        a moving stack) for ``bound_s``: stuck in their exit (a native teardown, the interpreter's
+        shutdown), no longer training. A finished rank that still works (rank 0 uploading the
+        final model) keeps sending signs of life and is left alone."""
+        return [
+            r
+            for r in running
+            if r in self.finished
+            and now - max(self.finished_at[r], self.last_step_at.get(r, self.finished_at[r])) > bound_s
+        ]
 
     def check(self, now: float) -> Anomaly | None:
         """Time-based checks: a rank with no first step in time, or no progress (hang)."""

@@ -1,0 +1,64 @@
+"""A rank that finished training but never exits does not hold its job and machines forever."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from typing import Any
+
+from activities import rank_session
+from activities.rank_session import EXIT_BOUND_S, RankSession
+from trainguard.domain.detection import TrainingMonitor
+from trainguard.domain.spec import DetectionSpec
+
+
+def _monitor() -> TrainingMonitor:
+    m = TrainingMonitor(DetectionSpec(), [0, 1, 2], started_at=0.0)
+    for rank in (0, 1, 2):
+        m.on_step(rank, {"step": 1}, now=1.0)
+    return m
+
+
+def test_a_finished_rank_still_running_without_life_is_stuck_in_its_exit() -> None:
+    m = _monitor()
+    m.on_alive(0, 10.0, finished=True)  # said `exiting`
+    m.on_alive(1, 10.0, finished=True)
+    assert m.stuck_in_exit(10.0 + EXIT_BOUND_S, running=[0, 1, 2], bound_s=EXIT_BOUND_S) == []
+    m.on_alive(1, 50.0, working=True)  # rank 1's stack still moves: an upload after the group ended
+    later = 10.5 + EXIT_BOUND_S
+    assert m.stuck_in_exit(later, running=[0, 1, 2], bound_s=EXIT_BOUND_S) == [0]
+    # Rank 2 never finished (a hang is the monitor's check), rank 0 exited meanwhile.
+    assert m.stuck_in_exit(later, running=[1, 2], bound_s=EXIT_BOUND_S) == []
+
+
+async def _sleeper() -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import time; time.sleep(600)", start_new_session=True
+    )
+
+
+async def test_the_agent_kills_a_rank_stuck_in_its_exit_and_counts_it_done(monkeypatch: Any) -> None:
+    monkeypatch.setattr(rank_session, "KILL_GRACE_S", 0.5)
+    session: Any = RankSession.__new__(RankSession)
+    session.monitor = _monitor()
+    session.procs = {0: await _sleeper(), 1: await _sleeper()}
+    session._stuck_in_exit = set()
+    session._tasks = []
+    try:
+        session.monitor.on_alive(0, 10.0, finished=True)
+        session._end_stuck_exits(10.0 + EXIT_BOUND_S / 2)
+        assert session._tasks == []  # within its bound: left alone
+        session._end_stuck_exits(11.0 + EXIT_BOUND_S)
+        await asyncio.gather(*session._tasks)
+        assert session.procs[0].returncode == -signal.SIGTERM
+        assert session.procs[1].returncode is None  # still training: not the exit bound's business
+        assert not session._failed_exit(0)
+        session.procs[1].kill()
+        await session.procs[1].wait()
+        assert session._failed_exit(1)  # a rank killed by anything else failed
+    finally:
+        for p in session.procs.values():
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
