@@ -74,8 +74,8 @@ MEMORY_STEPS_REPORTED = 2
 WATCH_EVERY_S = 0.25
 # Hung ranks wait this long for the workflow to dump their stacks and stop them.
 ORPHAN_FROZEN_S = 60.0
-# A rank that finished (said ``exiting``: its script destroyed its process group or returned) and
-# shows no sign of life this long is stuck in its exit (a native teardown, the interpreter's
+# A rank whose launcher said ``exiting`` (its script destroyed its process group or returned) and
+# that shows no sign of life this long is stuck in its exit (a native teardown, the interpreter's
 # shutdown): killed, its training counted done. Unbounded, it held the job and its machines.
 EXIT_BOUND_S = 60.0
 # rank, step, the rank's own clock (time.time()) per line, one file per attempt.
@@ -200,7 +200,8 @@ class RankSession:
         self.flaps: list[datetime] = []
         self.health_notes: list[str] = []
         self._we_killed: set[int] = set()
-        self._stuck_in_exit: set[int] = set()  # finished ranks killed for not exiting
+        self._exiting: set[int] = set()  # ranks whose launcher said their script is over
+        self._stuck_in_exit: set[int] = set()  # of those, the ones killed for not exiting
         self.frozen = False  # hung ranks kept alive for their stacks
         self.started = False  # every rank launched and supervised
         self._first_step_sent = False  # a report carrying first_step_at reached the workflow
@@ -505,6 +506,7 @@ class RankSession:
         elif kind == "exiting":
             # The script is over; the interpreter's shutdown is no step to wait for.
             self.monitor.on_alive(rank, time.monotonic(), finished=True)
+            self._exiting.add(rank)
         elif kind == "final":
             self.monitor.on_alive(rank, time.monotonic(), finished=True)
             self.final_hashes[rank] = str(rec["param_hash"])
@@ -854,7 +856,10 @@ class RankSession:
         self._tasks.append(asyncio.create_task(self._terminate(), name="terminate"))
 
     def _end_stuck_exits(self, now: float) -> None:
-        found = self.monitor.stuck_in_exit(now, self.live_pids(), EXIT_BOUND_S)
+        # Only ranks whose launcher still watches their stack: a runtime rank's pipe closes with
+        # its `final`, so work after it (an evaluation, an upload) would send no sign of life.
+        exiting = [r for r in self.live_pids() if r in self._exiting]
+        found = self.monitor.stuck_in_exit(now, exiting, EXIT_BOUND_S)
         stuck = [r for r in found if r not in self._stuck_in_exit]
         if not stuck:
             return

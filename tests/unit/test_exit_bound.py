@@ -43,10 +43,14 @@ async def test_the_agent_kills_a_rank_stuck_in_its_exit_and_counts_it_done(monke
     session: Any = RankSession.__new__(RankSession)
     session.monitor = _monitor()
     session.procs = {0: await _sleeper(), 1: await _sleeper()}
+    session._exiting = set()
     session._stuck_in_exit = set()
     session._tasks = []
     try:
-        session.monitor.on_alive(0, 10.0, finished=True)
+        session.monitor.on_alive(0, 10.0, finished=True)  # a runtime rank's `final`: its pipe closed
+        session._end_stuck_exits(11.0 + EXIT_BOUND_S)
+        assert session._tasks == []  # work after `final` sends no sign of life: not bounded
+        session._exiting.add(0)  # the launcher's `exiting`: it still watches the stack
         session._end_stuck_exits(10.0 + EXIT_BOUND_S / 2)
         assert session._tasks == []  # within its bound: left alone
         session._end_stuck_exits(11.0 + EXIT_BOUND_S)
