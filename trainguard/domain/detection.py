@@ -177,7 +177,6 @@ class TrainingMonitor:
         self.history: dict[tuple[int, str], deque[float]] = {}
         self.local_spikes: dict[int, dict[int, float]] = {}  # step -> rank -> ratio
         self.finished: set[int] = set()
-        self.finished_at: dict[int, float] = {}
 
     def _ratio(self, rank: int, name: str, value: float | None, step: int) -> float | None:
         """``value`` over the rolling median of earlier values (None while warming up);
@@ -277,8 +276,8 @@ class TrainingMonitor:
         against the startup timeout."""
         if finished:
             self.finished.add(rank)
-            self.finished_at.setdefault(rank, now)
-        if rank in self.last_step_at or working:
+        # The finish is a sign of life too: a finished rank's exit is timed from its last one.
+        if rank in self.last_step_at or working or finished:
             self.last_step_at[rank] = now
 
     def stuck_in_exit(self, now: float, running: Iterable[int], bound_s: float) -> list[int]:
@@ -286,12 +285,7 @@ class TrainingMonitor:
         a moving stack) for ``bound_s``: stuck in their exit (a native teardown, the interpreter's
         shutdown), no longer training. A finished rank that still works (rank 0 uploading the
         final model) keeps sending signs of life and is left alone."""
-        return [
-            r
-            for r in running
-            if r in self.finished
-            and now - max(self.finished_at[r], self.last_step_at.get(r, self.finished_at[r])) > bound_s
-        ]
+        return [r for r in running if r in self.finished and now - self.last_step_at[r] > bound_s]
 
     def check(self, now: float) -> Anomaly | None:
         """Time-based checks: a rank with no first step in time, or no progress (hang)."""
