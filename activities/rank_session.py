@@ -55,6 +55,7 @@ from trainguard.domain.messages import (
     RunRanksResult,
     ShardInfo,
 )
+from trainguard.domain.protection import CpuBeside
 from trainguard.domain.report_interval import report_interval
 from trainguard.runtime import protocol
 from trainguard.runtime.env import RankEnv, backup_shard_name, inheritable_environ
@@ -180,6 +181,8 @@ class RankSession:
         self.saved_meta: dict[int, dict[int, tuple[int, str]]] = {}  # step -> rank -> (bytes, sha256)
         self.ckpt_block_s = 0.0
         self.protection_s: dict[int, float] = {}  # rank -> step time lost to snapshots (cumulative)
+        # This agent's own CPU while its ranks train is protection too: it shares their cores.
+        self.agent_cpu = CpuBeside(len(os.sched_getaffinity(0)))
         self.interval: protocol.Interval | None = None  # the snapshot interval the ranks agreed on
         self.unsent: list[ShardInfo] = []
         self.exits: dict[int, RankExit] = {}
@@ -437,6 +440,9 @@ class RankSession:
             now = datetime.now(UTC)
             if self.first_step_at is None:
                 self.first_step_at = now
+                self.agent_cpu.restart(time.process_time())
+            else:  # counted up to the last step, not the uploads after training
+                self.agent_cpu.add(time.process_time(), os.getloadavg()[0] / self.agent_cpu.cores)
             # The rank's own clock: a step record may wait in its buffer (FLUSH_S) before it comes.
             ts = rec.get("ts")
             self.step_wall.setdefault(step, datetime.fromtimestamp(ts, UTC) if ts else now)
@@ -674,8 +680,8 @@ class RankSession:
             memory=self.memory_shards(),
             ckpt_block_s=round(self.ckpt_block_s, 6),
             backups=self.backup_shards(),
-            # The job steps at its slowest rank's pace.
-            protection_s=round(max(self.protection_s.values(), default=0.0), 6),
+            # The job steps at its slowest rank's pace; this agent's CPU slows all of them.
+            protection_s=round(max(self.protection_s.values(), default=0.0) + self.agent_cpu.total_s, 6),
             snapshot_every=self.interval["every"] if self.interval else None,
             snapshot_cost_s=self.interval["cost_s"] if self.interval else None,
         )

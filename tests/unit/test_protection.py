@@ -9,6 +9,7 @@ import pytest
 from trainguard.domain import ettr
 from trainguard.domain.job_state import JobState, status_json
 from trainguard.domain.protection import (
+    CpuBeside,
     SlowdownMeter,
     candidate_intervals,
     choose_interval,
@@ -108,3 +109,15 @@ def test_status_shows_the_interval_and_the_protection_badput() -> None:
         )
     )
     assert status_json(fixed, T0)["protection"]["chosen_by"] == "spec"
+
+
+def test_cpu_beside_training_counts_from_the_first_step_spread_over_the_cores() -> None:
+    meter = CpuBeside(cores=2)
+    assert meter.add(cpu_s=5.0, load_per_core=2.0) == 0.0  # nothing counted before restart
+    meter.restart(10.0)
+    # 0.4 s of the agent's CPU on a busy 2-core machine: 0.2 s of the ranks' step time.
+    assert meter.add(cpu_s=10.4, load_per_core=2.0) == pytest.approx(0.2)
+    # Idle cores (a GPU machine): a tenth of it.
+    assert meter.add(cpu_s=11.4, load_per_core=0.1) == pytest.approx(0.2 + 0.05)
+    meter.restart(20.0)  # a new attempt's first step: the CPU between is not counted
+    assert meter.add(cpu_s=20.0, load_per_core=2.0) == pytest.approx(0.25)

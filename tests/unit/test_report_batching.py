@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,41 @@ def test_a_device_norm_is_read_off_the_training_thread_and_keeps_its_step(
         ctx._fence_hook.remove()
         if ctx._grad_flags is not None:
             ctx._grad_flags.close()
+        if ctx._report is not None:
+            ctx._report.close()
+        os.close(r)
+
+
+def test_the_training_threads_checks_are_protection_and_a_drills_delay_is_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the per-step checks take of the training thread (here a replica hash made slow) is
+    protection badput; what a drill holds the step for is the fault's, not protection's."""
+
+    def slow_hash(model: torch.nn.Module) -> str:
+        time.sleep(0.05)
+        return "sha256:x"
+
+    def slow_drill(*args: object) -> None:
+        time.sleep(0.3)
+
+    monkeypatch.setattr(context, "param_hash", slow_hash)
+    monkeypatch.setattr(context.faults, "apply", slow_drill)
+    monkeypatch.setattr(context, "FLUSH_S", 0.0)
+    r, w = os.pipe()
+    fcntl.fcntl(r, fcntl.F_SETFL, os.O_NONBLOCK)
+    ctx = _context(tmp_path, w)
+    ctx.env = ctx.env.model_copy(update={"hash_every": 1})
+    try:
+        for step in range(1, 6):  # steps 2-5 hash: 0.2 s of checks, 1.5 s of drills
+            ctx.before_sync(step, _model(1.0))
+            ctx.report(step, loss=1.0)
+        records = [json.loads(line) for line in os.read(r, 1 << 20).decode().splitlines()]
+        protection_s = [rec["protection_s"] for rec in records if rec["t"] == "step"]
+        assert protection_s == sorted(protection_s)  # cumulative
+        assert 0.2 <= protection_s[-1] < 0.3
+    finally:
+        ctx._fence_hook.remove()
         if ctx._report is not None:
             ctx._report.close()
         os.close(r)

@@ -82,3 +82,27 @@ class SlowdownMeter:
         extra = max(0.0, extra - (blocked_s if since_snapshot == 1 else 0.0))
         self.total_s += extra
         return extra
+
+
+class CpuBeside:
+    """Training seconds lost to a process that runs beside the ranks on their machine (the node
+    agent: reading reports, uploads, probes): its CPU seconds, as far as they are taken from
+    training (:func:`contention` of the machine's load), spread over the machine's cores, since
+    the ranks' CPU-bound steps share those cores."""
+
+    def __init__(self, cores: int) -> None:
+        self.cores = max(1, cores)
+        self.total_s = 0.0
+        self._mark: float | None = None
+
+    def restart(self, cpu_s: float) -> None:
+        """Count from ``cpu_s`` on (the process's CPU time now): before it, nothing trained."""
+        self._mark = cpu_s
+
+    def add(self, cpu_s: float, load_per_core: float) -> float:
+        """The process's CPU time is ``cpu_s`` now; returns the cumulative seconds lost."""
+        if self._mark is not None and cpu_s > self._mark:
+            share = contention(0.0, 1.0, load_per_core)
+            self.total_s += (cpu_s - self._mark) * share / self.cores
+        self._mark = cpu_s
+        return self.total_s

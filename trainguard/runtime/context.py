@@ -114,6 +114,10 @@ class Context:
         # Step-time cost of snapshots beyond training's waits: the job's protection badput.
         self._slowdown = protection.SlowdownMeter()
         self._last_snap: tuple[int, float] | None = None  # (step, hand-over wait) of the newest
+        # The training thread's own time in the per-step checks (own-gradient norm, replica
+        # hash, reports): protection too, beside what the snapshots slow.
+        self._checks_s = 0.0
+        self._report_s = 0.0  # the newest report's own time, counted with the next report
 
     # -- process groups -------------------------------------------------------
     def _make_groups(self) -> None:
@@ -162,12 +166,15 @@ class Context:
         """
         self._drilled_step = step
         self._fence()  # drills may change parameters in place
+        t0 = time.monotonic()
         every = self.env.hash_every
         if every and step > 1 and (step - 1) % every == 0:
             # Parameters as the previous step left them: exactly what its checkpoint holds.
             self._local["param_hash"] = param_hash(model)
             self._local["hash_step"] = step - 1
+        drills = time.monotonic()
         faults.apply(self._faults.active(step), step, model, self._median_step_s(), self._fault_fired)
+        t0 += time.monotonic() - drills  # a drill's delay is the fault, not protection
         # Two ops for the whole model (one norm per gradient, then theirs), not four per parameter.
         grads = [g for p in self._params_of(model, step) if (g := p.grad) is not None]
         if not grads:
@@ -181,6 +188,7 @@ class Context:
                 self._grad_flags.put(step, *self._grad_flags.copy(norm))
             else:
                 self._local_norm(step, float(norm))
+        self._checks_s += time.monotonic() - t0
         if self._last_report_t is not None:
             # Forward/backward time, pipeline waits included, the dp all-reduce excluded:
             # a slow machine (and its pipeline) stands out here, not in step times.
@@ -227,6 +235,8 @@ class Context:
             faults.apply(self._faults.active(step), step, None, self._median_step_s(), self._fault_fired)
         now, cpu = time.monotonic(), time.thread_time()
         step_time = None if self._last_report_t is None else now - self._last_report_t
+        # The report's own time counts with the next one (it is part of that step's time).
+        self._checks_s += self._report_s
         if step_time is not None:
             self._train_cpu = [*self._train_cpu[-49:], cpu - self._last_report_cpu]
         self._last_report_t, self._last_report_cpu = now, cpu
@@ -235,8 +245,8 @@ class Context:
             self._meter_step(step, step_time)
         rec: protocol.Step = {"t": "step", "step": step, "step_time_s": step_time, **self._local}  # type: ignore[typeddict-item]
         self._local = {}
-        if self._slowdown.total_s:
-            rec["protection_s"] = round(self._slowdown.total_s, 6)
+        if protection_s := self._slowdown.total_s + self._checks_s:
+            rec["protection_s"] = round(protection_s, 6)
         if self.env.ckpt_budget > 0:
             self._agree_interval(step)
         if loss is not None:
@@ -248,6 +258,7 @@ class Context:
         last = self.target_steps is not None and step >= self.target_steps
         finite = all(math.isfinite(v) for v in (rec.get("loss"), rec.get("grad_norm")) if v is not None)
         self._send(rec, hold=step_time is not None and not last and finite)
+        self._report_s = time.monotonic() - now
 
     # -- the snapshot interval ---------------------------------------------------
     def _meter_step(self, step: int, step_time: float) -> None:
