@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -10,6 +11,7 @@ from trainguard.domain import ettr
 from trainguard.domain.job_state import JobState, status_json
 from trainguard.domain.protection import (
     CpuBeside,
+    IntervalCost,
     SlowdownMeter,
     candidate_intervals,
     choose_interval,
@@ -121,3 +123,48 @@ def test_cpu_beside_training_counts_from_the_first_step_spread_over_the_cores() 
     assert meter.add(cpu_s=11.4, load_per_core=0.1) == pytest.approx(0.2 + 0.05)
     meter.restart(20.0)  # a new attempt's first step: the CPU between is not counted
     assert meter.add(cpu_s=20.0, load_per_core=2.0) == pytest.approx(0.25)
+
+
+def _interval_cost(every: int, steps: int, extra: list[float], noise_s: float = 0.0) -> IntervalCost:
+    """Snapshots every ``every`` steps of 50 ms; the steps after each take ``extra`` more (the
+    first after it, the second, ...), with uniform noise of +-``noise_s``."""
+    meter = IntervalCost()
+    rng = random.Random(7)
+    last_snap: int | None = None
+    for step in range(1, steps + 1):
+        since = None if last_snap is None else step - last_snap
+        add = extra[since - 1] if since is not None and since <= len(extra) else 0.0
+        meter.step(0.05 + add + rng.uniform(-noise_s, noise_s))
+        if step % every == 0:
+            meter.snapshot()
+            last_snap = step
+    return meter
+
+
+def test_the_interval_cost_sees_work_spread_past_the_steps_right_after_a_snapshot() -> None:
+    # An upload and a store's intake on the same cores slow steps 3-6 after each snapshot: the
+    # steps right after it (what the slowdown meter compares) show only the first 20 ms.
+    extra = [0.01, 0.01, 0.03, 0.03, 0.03, 0.03]
+    meter = _interval_cost(every=40, steps=400, extra=extra, noise_s=0.005)
+    assert meter.cost_s() == pytest.approx(sum(extra), abs=0.02)
+    # Too few intervals measured: no figure yet (the vote keeps its CPU model).
+    assert _interval_cost(every=40, steps=100, extra=extra).cost_s() is None
+
+
+def test_a_short_interval_gives_a_low_figure_never_a_high_one() -> None:
+    extra = [0.01, 0.01, 0.03, 0.03, 0.03, 0.03]
+    cost = _interval_cost(every=10, steps=400, extra=extra).cost_s()
+    # Half of a 10-step interval is settled: the work in steps 6 (in the settled half) is missed.
+    assert cost is not None and 0.0 < cost <= sum(extra) + 1e-9
+    # Intervals under 4 steps are not measured at all.
+    assert _interval_cost(every=2, steps=400, extra=extra).cost_s() is None
+
+
+def test_a_costly_interval_raises_the_vote_within_the_lost_work_cap() -> None:
+    """The cost model said 40 steps; the measured interval cost (0.14 s a snapshot at 50 ms a
+    step, 2% budget) asks for 140, a multiple of the S3 interval, under the 10 s cap."""
+    measured = _interval_cost(every=40, steps=400, extra=[0.035] * 4).cost_s()
+    assert measured == pytest.approx(0.14, abs=0.005)
+    assert choose_interval(0.0285, 0.05, 0.02, 10.0, 20, 10_000) == 40
+    assert choose_interval(max(0.0285, measured), 0.05, 0.02, 10.0, 20, 10_000) == 140
+    assert choose_interval(1.0, 0.05, 0.02, 10.0, 20, 10_000) == 200  # the cap: 10 s of steps

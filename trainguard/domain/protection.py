@@ -1,7 +1,7 @@
 """What protection costs, and how often a job can afford a memory snapshot.
 
 Pure arithmetic shared by the in-rank runtime (which measures and proposes an interval)
-and the tests. Two questions:
+and the tests. Three questions:
 
 - :func:`choose_interval`: the snapshot interval that keeps the cost of snapshots and
   peer backups inside ``checkpoint.overhead_budget`` of step time, capped so that a
@@ -11,6 +11,8 @@ and the tests. Two questions:
 - :class:`SlowdownMeter`: how many seconds of step time the snapshots took, from the
   step times of the steps right after a snapshot against the steps far from one (an
   interval above 2 makes that measurable); otherwise from the measured cost.
+- :class:`IntervalCost`: what a snapshot costs the whole interval after it, whatever runs
+  it (the vote takes the larger of that and the snapshot threads' CPU time).
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ from collections import deque
 AFFECTED_STEPS = 2
 # Clean steps needed before their median is trusted as the unprotected step time.
 MIN_CLEAN = 5
+# IntervalCost: steps this far past a snapshot are settled (its copy, serialization, backup, the
+# agent's upload and the store's intake are done), or past half a shorter interval; the cost is
+# trusted once MIN_INTERVALS intervals of at least MIN_INTERVAL steps were measured.
+SETTLED_AFTER = 8
+MIN_INTERVAL = 4
+MIN_INTERVALS = 2
 
 
 def candidate_intervals(persist_every: int, up_to: int) -> list[int]:
@@ -82,6 +90,43 @@ class SlowdownMeter:
         extra = max(0.0, extra - (blocked_s if since_snapshot == 1 else 0.0))
         self.total_s += extra
         return extra
+
+
+class IntervalCost:
+    """What one snapshot costs the whole interval after it, from step times alone: the sum over
+    the interval's steps of their time beyond a settled step's (the mean of the steps more than
+    SETTLED_AFTER past a snapshot, or past half an interval shorter than twice that). It sees
+    everything a snapshot sets off, wherever it runs: the rank's threads, the agent's upload, a
+    store on the same cores; the snapshot threads' CPU time (the vote's cost model) sees only the
+    first. Where a snapshot's work outlasts half a short interval the figure is low, never high."""
+
+    def __init__(self, kept: int = 8, settled_kept: int = 200) -> None:
+        self._settled: deque[float] = deque(maxlen=settled_kept)
+        self._interval: list[float] | None = None  # step times since the newest snapshot
+        self.costs: deque[float] = deque(maxlen=kept)
+        self.total_s = 0.0  # every measured interval's cost
+
+    def snapshot(self) -> None:
+        """A snapshot was handed over: the interval before it is complete."""
+        steps = self._interval
+        self._interval = []
+        if steps is None or len(steps) < MIN_INTERVAL:
+            return
+        self._settled.extend(steps[min(SETTLED_AFTER, len(steps) // 2) :])
+        if len(self._settled) >= MIN_CLEAN:
+            settled = statistics.fmean(self._settled)  # a mean, as the sum it is compared with
+            cost = max(0.0, sum(steps) - settled * len(steps))
+            self.costs.append(cost)
+            self.total_s += cost
+
+    def step(self, step_time_s: float) -> None:
+        if self._interval is not None:
+            self._interval.append(step_time_s)
+
+    def cost_s(self) -> float | None:
+        """Seconds of step time one snapshot costs (the median of the recent intervals), or None
+        until MIN_INTERVALS were measured."""
+        return statistics.median(self.costs) if len(self.costs) >= MIN_INTERVALS else None
 
 
 class CpuBeside:

@@ -113,6 +113,9 @@ class Context:
         self._stretch = 1.0  # training's wall time per CPU second of its own
         # Step-time cost of snapshots beyond training's waits: the job's protection badput.
         self._slowdown = protection.SlowdownMeter()
+        # ... and what a snapshot costs the steps of its whole interval (the vote's other measure).
+        self._interval_cost = protection.IntervalCost()
+        self._blocked_s = 0.0  # training's waits for every snapshot (in the intervals' costs)
         self._last_snap: tuple[int, float] | None = None  # (step, hand-over wait) of the newest
         # The training thread's own time in the per-step checks (own-gradient norm, replica
         # hash, reports): protection too, beside what the snapshots slow.
@@ -245,7 +248,10 @@ class Context:
             self._meter_step(step, step_time)
         rec: protocol.Step = {"t": "step", "step": step, "step_time_s": step_time, **self._local}  # type: ignore[typeddict-item]
         self._local = {}
-        if protection_s := self._slowdown.total_s + self._checks_s:
+        # Two measures of what snapshots slowed, neither counting training's waits for them: the
+        # steps right after each, or whole intervals (all it sets off, where intervals are long).
+        slowed = max(self._slowdown.total_s, self._interval_cost.total_s - self._blocked_s)
+        if protection_s := slowed + self._checks_s:
             rec["protection_s"] = round(protection_s, 6)
         if self.env.ckpt_budget > 0:
             self._agree_interval(step)
@@ -271,10 +277,12 @@ class Context:
         share = self._contention * self._stretch
         fallback = statistics.median(share * c.cpu_s for c in costs) if costs else 0.0
         self._slowdown.step(step_time, since, blocked, fallback)
+        self._interval_cost.step(step_time)
 
     def _snapshot_cost(self) -> float | None:
         """Training seconds one snapshot costs: its waits, and the snapshot threads' CPU time as
-        far as it is taken from training (:func:`trainguard.domain.protection.contention`)."""
+        far as it is taken from training (:func:`trainguard.domain.protection.contention`), or
+        what the steps of its interval lost, where that is more."""
         costs = list(self._snapshots.costs)
         if not costs:
             return None
@@ -290,7 +298,10 @@ class Context:
         if self._train_cpu and self._step_times:
             train_cpu = max(1e-6, statistics.median(self._train_cpu))
             self._stretch = min(MAX_STRETCH, max(1.0, self._median_step_s() / train_cpu))
-        return statistics.median(c.blocked_s + self._contention * self._stretch * c.cpu_s for c in costs)
+        modelled = statistics.median(c.blocked_s + self._contention * self._stretch * c.cpu_s for c in costs)
+        # The threads' CPU misses what a snapshot sets off elsewhere (the agent's upload, a store on
+        # these cores): the steps of whole intervals show it, once they were measured.
+        return max(modelled, self._interval_cost.cost_s() or 0.0)
 
     def _agree_interval(self, step: int) -> None:
         """Every VOTE_EVERY steps each rank proposes an interval; the largest wins (the costliest
@@ -422,6 +433,8 @@ class Context:
         self._fence_wait_s = 0.0
         path = self._shard_path(step)
         self._last_snap = (step, time.monotonic() - t0)
+        self._interval_cost.snapshot()
+        self._blocked_s += blocked
         self._snapshots.submit(step, path, blocked, complete)
         return path
 
