@@ -109,3 +109,26 @@ def test_status_text_prints_torch_errors_verbatim(capsys: pytest.CaptureFixture[
     text = " ".join(capsys.readouterr().out.split())
     assert "[/__w/pytorch/third_party/gloo/tcp/pair.cc:553]" in text.replace("│ ", "").replace(" │", "")
     assert "s3://b/[k]" in text
+
+
+def test_status_text_shows_the_badput_and_the_protection_chosen(capsys: pytest.CaptureFixture[str]) -> None:
+    from trainguard.face import cli
+
+    st = {
+        "job_id": "j", "phase": "running", "step": 300, "target_steps": 400, "attempt": 1,
+        "code_version": "v1", "ettr": 0.62, "ettr_window_1h": 0.62, "nodes": {"0": "node-1"},
+        "incidents": [],
+        "badput_s": {"startup": 6.03, "detection": 0.0, "checkpoint": 0.02, "protection": 1.58},
+        "protection": {"memory_every_steps": 180, "chosen_by": "budget", "overhead_budget": 0.02,
+                       "max_lost_s": 10.0, "snapshot_cost_s": 0.177, "lost_s_per_failure": 9.466},
+    }  # fmt: skip
+    assert cli._cost_rows(st) == [
+        ("badput", "startup 6.0 s, protection 1.6 s"),  # the largest first; under 0.05 s left out
+        ("protection", "memory snapshot every 180 steps (for a 2% budget), a failure loses up to 9.5 s"),
+    ]
+    cli._print_status(st)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "│ badput │ startup 6.0 s, protection 1.6 s" in text and "│ protection │ memory snapshot" in text
+    spec = {**st["protection"], "chosen_by": "spec", "overhead_budget": None, "lost_s_per_failure": None}
+    fixed = "memory snapshot every 180 steps (fixed by the spec)"
+    assert cli._cost_rows({"protection": spec}) == [("protection", fixed)]

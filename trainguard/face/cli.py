@@ -453,6 +453,19 @@ def status(
         _print_status(st)
 
 
+def _cost_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
+    """Where the time that did not train went, and the snapshot interval protection chose."""
+    rows = []
+    if lost := sorted(((v, k) for k, v in (st.get("badput_s") or {}).items() if v >= 0.05), reverse=True):
+        rows.append(("badput", ", ".join(f"{k} {v:.1f} s" for v, k in lost)))
+    if (p := st.get("protection")) and p.get("memory_every_steps"):
+        why = "fixed by the spec" if p["chosen_by"] == "spec" else f"for a {p['overhead_budget']:.0%} budget"
+        lost_s = p.get("lost_s_per_failure")
+        loses = f", a failure loses up to {lost_s:.1f} s" if lost_s else ""
+        rows.append(("protection", f"memory snapshot every {p['memory_every_steps']} steps ({why}){loses}"))
+    return rows
+
+
 def _print_status(st: dict[str, Any]) -> None:
     t = Table(title=f"job {st['job_id']}", show_header=False)
     t.add_row("phase", st["phase"])
@@ -460,6 +473,8 @@ def _print_status(st: dict[str, Any]) -> None:
     t.add_row("attempt", str(st["attempt"]))
     t.add_row("code version", st["code_version"])
     t.add_row("ETTR", f"{st['ettr']:.3f} (1 h: {st['ettr_window_1h']:.3f})")
+    for row in _cost_rows(st):
+        t.add_row(*row)
     t.add_row("machines", ", ".join(f"{k}: {v}" for k, v in st["nodes"].items()))
     if st.get("checkpoint"):
         c = st["checkpoint"]
