@@ -32,6 +32,8 @@ def test_trainguard_recovers_from_both_and_completes(doc: dict[str, Any]) -> Non
     tg = doc["systems"]["trainguard"]
     assert tg["completed"] is True and tg["final_step"] == doc["mix"]["target_steps"] == 75
     assert 0 < tg["ettr"] <= 1 and tg["wall_s"] > tg["productive_s"] > 0
+    # Its own ledger's protection (snapshots, checks, the agent) is left out of productive time.
+    assert tg["protection_s"] > 0 and "protection" in render(doc)
     assert tg["param_hash"].startswith("sha256:")
     faults = rows(doc, "trainguard")
     assert set(faults) == {"crash", "nan"}

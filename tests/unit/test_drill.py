@@ -19,6 +19,7 @@ from trainguard.face.drill.progress import ProgressTrace, corrupt_from, ettr, pr
 from trainguard.face.drill.suite import document, render
 from trainguard.face.drill.torchrun_resume import newest_complete_step, set_resume_step
 from trainguard.face.drill.torchrun_side import Attempt, Launch, RankLogs, TorchrunSide, training_script
+from trainguard.face.drill.trainguard_side import TrainguardSide
 
 # -- the mix --------------------------------------------------------------------------------
 
@@ -279,3 +280,20 @@ async def test_progress_reports_each_observation_with_the_faults_injected(
         ("scripted", 3, 5, 1, 1),
         ("scripted", 5, 5, 1, 1),
     ]
+
+
+async def test_trainguard_productive_time_leaves_out_its_ledgers_protection() -> None:
+    """Counted from outside, 10 steps in 10 s are 10 s productive; the job's own ledger says 1.5 s
+    of them went to protection (snapshots, checks, the agent) and 0.5 s to snapshot waits."""
+    side = TrainguardSide(None, Path("."), None, Path("."))  # type: ignore[arg-type]
+    side.status = {
+        "phase": "completed", "step": 10, "incidents": [], "result": {"param_hash": "sha256:x"},
+        "badput_s": {"startup": 3.0, "checkpoint": 0.5, "protection": 1.5},
+    }  # fmt: skip
+    trace = ProgressTrace()
+    for i in range(11):
+        trace.add(100.0 + i, i)
+    outcome = Outcome(trace, start=97.0, end=110.0, injected=[], pending=[])
+    result = await side.finish(outcome)
+    assert result.productive_s == pytest.approx(8.0) and result.protection_s == pytest.approx(2.0)
+    assert result.to_json()["protection_s"] == 2.0 and result.ettr == pytest.approx(8.0 / 13.0)

@@ -75,6 +75,7 @@ class SystemResult:
     param_hash: str | None
     rows: list[FaultRow]
     note: str = ""
+    protection_s: float | None = None  # left out of productive_s (trainguard's own ledger)
 
     @property
     def ettr(self) -> float:
@@ -86,6 +87,7 @@ class SystemResult:
             "completed": self.completed,
             "wall_s": round(self.wall_s, 1),
             "productive_s": round(self.productive_s, 1),
+            **({} if self.protection_s is None else {"protection_s": round(self.protection_s, 1)}),
             "final_step": self.final_step,
             "param_hash": self.param_hash,
             "note": self.note,

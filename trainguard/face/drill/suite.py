@@ -170,6 +170,8 @@ def render(doc: dict[str, Any]) -> str:
     for name, s in doc["systems"].items():
         done = "completed" if s["completed"] else "NOT completed"
         extra = f" ({s['note']})" if s["note"] else ""
+        if s.get("protection_s") is not None:
+            extra += f"; protection {s['protection_s']:.1f} s not counted productive"
         lines.append(
             f"{name:<11} wall {s['wall_s']:>7.1f} s  productive {s['productive_s']:>6.1f} s  "
             f"ETTR {s['ettr']:.3f}  {done}, step {s['final_step']}{extra}"

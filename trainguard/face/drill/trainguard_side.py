@@ -171,12 +171,18 @@ class TrainguardSide:
             rows.append(self._row(inj, incidents[inj.mark : stop], outcome))
         rows += not_reached(SYSTEM, outcome.pending, f"the job had ended ({st.get('phase')})")
         result = st.get("result") or {}
+        # Counted from outside, every new step's time is productive; the job's own ledger knows
+        # how much of it protection took (snapshot waits and background work, the per-step
+        # checks, the agent): not productive. (torchrun's side keeps its blocking saves.)
+        badput = st.get("badput_s") or {}
+        protection_s = badput.get("protection", 0.0) + badput.get("checkpoint", 0.0)
         return SystemResult(
             system=SYSTEM,
             wall_s=outcome.wall_s,
             # trainguard turns NaN and replica disagreement into incidents and resumes from a
             # checkpoint before them: no step of its final run is left corrupted.
-            productive_s=productive_seconds(outcome.trace.samples),
+            productive_s=max(0.0, productive_seconds(outcome.trace.samples) - protection_s),
+            protection_s=protection_s,
             completed=st.get("phase") == "completed",
             final_step=int(st.get("step", 0)),
             param_hash=result.get("param_hash"),
