@@ -26,6 +26,7 @@ from trainguard.services.settings import Settings
 from trainguard.services.storage import S3Store
 from trainguard.services.temporal import connect
 from workers.common import add_metrics_port, run_until_signalled, setup_logging, start_metrics
+from workers.memory_trace import trace_memory_if_asked
 from workflows.job.workflow import TrainingJobWorkflow
 from workflows.node_pool import NodePoolWorkflow
 
@@ -72,6 +73,7 @@ def cli() -> None:
     add_metrics_port(parser)
     args = parser.parse_args()
     setup_logging("controller")
+    trace_memory_if_asked("controller")
     asyncio.run(main(args.identity, args.metrics_port))
 
 

@@ -49,6 +49,7 @@ from trainguard.services.settings import Settings
 from trainguard.services.storage import S3Store
 from trainguard.services.temporal import connect
 from workers.common import add_metrics_port, run_until_signalled, setup_logging, start_metrics
+from workers.memory_trace import trace_memory_if_asked
 
 # The server's view of a run_ranks heartbeat is never older than this when the link goes: part of
 # the lost bound the agent's fence must beat (trainguard.domain.fencing).
@@ -227,6 +228,7 @@ def cli() -> None:
             "pip install 'trainguard[agent]'\n",
         )
     setup_logging(f"agent-{args.name}")
+    trace_memory_if_asked(f"agent-{args.name}")
     asyncio.run(
         main(
             args.name,
