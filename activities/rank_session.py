@@ -79,6 +79,8 @@ ORPHAN_FROZEN_S = 60.0
 # that shows no sign of life this long is stuck in its exit (a native teardown, the interpreter's
 # shutdown): killed, its training counted done. Unbounded, it held the job and its machines.
 EXIT_BOUND_S = 60.0
+# When each of the newest this many steps was reached (a drill's `at_step` is timed from it).
+STEP_WALL_KEPT = 10_000
 # rank, step, the rank's own clock (time.time()) per line, one file per attempt.
 STEP_TRAIL = "steps.tsv"
 
@@ -445,7 +447,7 @@ class RankSession:
                 self.agent_cpu.add(time.process_time(), os.getloadavg()[0] / self.agent_cpu.cores)
             # The rank's own clock: a step record may wait in its buffer (FLUSH_S) before it comes.
             ts = rec.get("ts")
-            self.step_wall.setdefault(step, datetime.fromtimestamp(ts, UTC) if ts else now)
+            self._note_step_wall(step, datetime.fromtimestamp(ts, UTC) if ts else now)
             self._trail(rank, step, ts)
             if rec.get("loss") is not None:
                 self.loss = float(rec["loss"])
@@ -516,6 +518,14 @@ class RankSession:
         elif kind == "final":
             self.monitor.on_alive(rank, time.monotonic(), finished=True)
             self.final_hashes[rank] = str(rec["param_hash"])
+
+    def _note_step_wall(self, step: int, wall: datetime) -> None:
+        """When a local rank first reported ``step``, for the newest STEP_WALL_KEPT steps: an
+        attempt may run for weeks, a step a second or more."""
+        if step not in self.step_wall:
+            self.step_wall[step] = wall
+            if len(self.step_wall) > STEP_WALL_KEPT:  # steps come in order: the first is the oldest
+                del self.step_wall[next(iter(self.step_wall))]
 
     def _trail(self, rank: int, step: int, ts: float | None) -> None:
         """Each step as its rank timed it, in the attempt's log dir: what proves afterwards that

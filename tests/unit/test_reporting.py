@@ -145,3 +145,15 @@ async def test_the_last_report_waits_a_bounded_time_for_an_unreachable_workflow(
         return True
 
     await asyncio.wait_for(_ending_session(send)._report_the_end(), timeout=5.0)
+
+
+def test_an_agent_keeps_the_reach_time_of_its_newest_steps_only() -> None:
+    """A week-long attempt at a step a second must not keep a time per step it ever took."""
+    session: Any = RankSession.__new__(RankSession)
+    session.step_wall = {}
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    for step in range(1, rank_session.STEP_WALL_KEPT + 6):
+        session._note_step_wall(step, t0)
+        session._note_step_wall(step, datetime.now(UTC))  # the second local rank: the first time stays
+    assert len(session.step_wall) == rank_session.STEP_WALL_KEPT
+    assert min(session.step_wall) == 6 and set(session.step_wall.values()) == {t0}
