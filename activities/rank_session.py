@@ -31,6 +31,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from activities.drills import DrillState
 from activities.health import HealthMonitor
 from activities.script_checkpoints import RESTORE_RECORD, ScriptCheckpoints
@@ -79,6 +81,9 @@ ORPHAN_FROZEN_S = 60.0
 # that shows no sign of life this long is stuck in its exit (a native teardown, the interpreter's
 # shutdown): killed, its training counted done. Unbounded, it held the job and its machines.
 EXIT_BOUND_S = 60.0
+# ... unless its processes (the rank's and its children's) used this much CPU since the last look:
+# a final upload or a logger's flush in a thread or a child leaves the Python stack still.
+EXIT_CPU_ALIVE_S = 1.0
 # When each of the newest this many steps was reached (a drill's `at_step` is timed from it).
 STEP_WALL_KEPT = 10_000
 # rank, step, the rank's own clock (time.time()) per line, one file per attempt.
@@ -207,6 +212,7 @@ class RankSession:
         self._we_killed: set[int] = set()
         self._exiting: set[int] = set()  # ranks whose launcher said their script is over
         self._stuck_in_exit: set[int] = set()  # of those, the ones killed for not exiting
+        self._exit_cpu: dict[int, float] = {}  # of those, their process tree's CPU seconds at the last look
         self.frozen = False  # hung ranks kept alive for their stacks
         self.started = False  # every rank launched and supervised
         self._first_step_sent = False  # a report carrying first_step_at reached the workflow
@@ -515,6 +521,7 @@ class RankSession:
             # The script is over; the interpreter's shutdown is no step to wait for.
             self.monitor.on_alive(rank, time.monotonic(), finished=True)
             self._exiting.add(rank)
+            self._exit_cpu[rank] = tree_cpu_s(self.procs[rank].pid)
         elif kind == "final":
             self.monitor.on_alive(rank, time.monotonic(), finished=True)
             self.final_hashes[rank] = str(rec["param_hash"])
@@ -875,8 +882,16 @@ class RankSession:
         # Only ranks whose launcher still watches their stack: a runtime rank's pipe closes with
         # its `final`, so work after it (an evaluation, an upload) would send no sign of life.
         exiting = [r for r in self.live_pids() if r in self._exiting]
-        found = self.monitor.stuck_in_exit(now, exiting, EXIT_BOUND_S)
-        stuck = [r for r in found if r not in self._stuck_in_exit]
+        stuck = []
+        for r in self.monitor.stuck_in_exit(now, exiting, EXIT_BOUND_S):
+            if r in self._stuck_in_exit:
+                continue
+            cpu = tree_cpu_s(self.procs[r].pid)
+            if cpu - self._exit_cpu.get(r, 0.0) >= EXIT_CPU_ALIVE_S:  # it works, off the main thread
+                self._exit_cpu[r] = cpu
+                self.monitor.on_alive(r, now, working=True)
+            else:
+                stuck.append(r)
         if not stuck:
             return
         self._stuck_in_exit.update(stuck)
@@ -1065,6 +1080,21 @@ class RankSession:
         await asyncio.sleep(timeout_s)
         log.warning("session %s orphaned for %.0fs; stopping its ranks", self.key, timeout_s)
         await self.kill()
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) a process and its descendants have used so far; 0 when gone."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
 
 
 async def _stop_groups(procs: list[asyncio.subprocess.Process]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from typing import Any
@@ -45,6 +46,7 @@ async def test_the_agent_kills_a_rank_stuck_in_its_exit_and_counts_it_done(monke
     session.procs = {0: await _sleeper(), 1: await _sleeper()}
     session._exiting = set()
     session._stuck_in_exit = set()
+    session._exit_cpu = {}
     session._tasks = []
     try:
         session.monitor.on_alive(0, 10.0, finished=True)  # a runtime rank's `final`: its pipe closed
@@ -65,4 +67,58 @@ async def test_the_agent_kills_a_rank_stuck_in_its_exit_and_counts_it_done(monke
         for p in session.procs.values():
             if p.returncode is None:
                 p.kill()
+                await p.wait()
+
+
+# A rank whose child works on (an upload, a logger's flush) while the rank's own thread waits.
+_WORKING_CHILD = """
+import subprocess, sys, time
+child = '''
+import time
+print("started", flush=True)
+t = time.process_time()
+while time.process_time() - t < 2.5:
+    pass
+print("burned", flush=True)
+while True:
+    pass
+'''
+subprocess.Popen([sys.executable, "-c", child])
+time.sleep(600)
+"""
+
+
+async def test_a_finished_rank_whose_child_still_works_is_not_killed(monkeypatch: Any) -> None:
+    """A final upload or a logger's flush in a child (or a thread) keeps the main thread's stack
+    still: the CPU its process tree uses is its sign of life."""
+    monkeypatch.setattr(rank_session, "KILL_GRACE_S", 0.5)
+    session: Any = RankSession.__new__(RankSession)
+    session.monitor = _monitor()
+    session.procs = {
+        0: await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _WORKING_CHILD, start_new_session=True, stdout=asyncio.subprocess.PIPE
+        ),
+        1: await _sleeper(),
+    }
+    session._exiting = {0, 1}
+    session._stuck_in_exit = set()
+    session._tasks = []
+    session._exit_cpu = {1: rank_session.tree_cpu_s(session.procs[1].pid)}
+    try:
+        assert session.procs[0].stdout is not None
+        assert (await session.procs[0].stdout.readline()).strip() == b"started"
+        session._exit_cpu[0] = rank_session.tree_cpu_s(session.procs[0].pid)
+        for r in (0, 1):
+            session.monitor.on_alive(r, 10.0, finished=True)
+        # The child has used more than EXIT_CPU_ALIVE_S of CPU since (by its own clock).
+        assert (await session.procs[0].stdout.readline()).strip() == b"burned"
+        session._end_stuck_exits(11.0 + EXIT_BOUND_S)
+        await asyncio.gather(*session._tasks)
+        assert session.procs[0].returncode is None  # its child works: alive, timed again from now
+        assert session.monitor.last_step_at[0] == 11.0 + EXIT_BOUND_S
+        assert session.procs[1].returncode == -signal.SIGTERM and session._stuck_in_exit == {1}
+    finally:
+        for p in session.procs.values():
+            if p.returncode is None:
+                os.killpg(p.pid, signal.SIGKILL)
                 await p.wait()
