@@ -81,9 +81,13 @@ def test_long_steps_snapshot_every_step() -> None:
 
 
 def test_max_lost_caps_the_interval() -> None:
-    # Snapshots would need every 50 steps to fit the budget, but 10 s is 10 steps of 1 s.
-    assert choose_interval(1.0, 1.0, 0.02, 10.0, 20, 10_000) == 10
+    # Snapshots would need every 50 steps to fit the budget, but 10 s is 10 steps of 1 s, and a
+    # failure just before a snapshot loses the interval and the step in flight: at most 9.
+    assert choose_interval(1.0, 1.0, 0.02, 10.0, 20, 10_000) == 5
     assert choose_interval(1.0, 1.0, 0.02, 3.0, 20, 10_000) == 2
+    # 0.5 s of steps: 19 steps; a snapshot that takes 1 s to be stored leaves 17.
+    assert choose_interval(1.0, 0.5, 0.02, 10.0, 1, 10_000) == 19
+    assert choose_interval(1.0, 0.5, 0.02, 10.0, 1, 10_000, settle_s=1.0) == 17
 
 
 def test_contention() -> None:
@@ -167,4 +171,6 @@ def test_a_costly_interval_raises_the_vote_within_the_lost_work_cap() -> None:
     assert measured == pytest.approx(0.14, abs=0.005)
     assert choose_interval(0.0285, 0.05, 0.02, 10.0, 20, 10_000) == 40
     assert choose_interval(max(0.0285, measured), 0.05, 0.02, 10.0, 20, 10_000) == 140
-    assert choose_interval(1.0, 0.05, 0.02, 10.0, 20, 10_000) == 200  # the cap: 10 s of steps
+    # The cap: 10 s of steps, less the step in flight and the snapshot's time to be stored.
+    assert choose_interval(1.0, 0.05, 0.02, 10.0, 20, 10_000) == 180
+    assert choose_interval(1.0, 0.05, 0.02, 10.0, 20, 10_000, settle_s=1.0) == 160

@@ -42,13 +42,21 @@ def candidate_intervals(persist_every: int, up_to: int) -> list[int]:
 
 
 def choose_interval(
-    cost_s: float, step_s: float, budget: float, max_lost_s: float, persist_every: int, target_steps: int
+    cost_s: float,
+    step_s: float,
+    budget: float,
+    max_lost_s: float,
+    persist_every: int,
+    target_steps: int,
+    settle_s: float = 0.0,
 ) -> int:
-    """The smallest allowed interval whose snapshots cost at most ``budget`` of step time, but no
-    more steps than ``max_lost_s`` of training (then the largest allowed within that)."""
+    """The smallest allowed interval whose snapshots cost at most ``budget`` of step time, but
+    within ``max_lost_s`` of training (then the largest allowed within that). A failure just
+    before a snapshot is stored loses the interval, the step in flight, and the ``settle_s`` a
+    snapshot takes from its hand-over to stored (a failure then restores the one before)."""
     if step_s <= 0:
         return 1
-    cap = max(1, min(target_steps, math.floor(max_lost_s / step_s)))
+    cap = max(1, min(target_steps, math.floor((max_lost_s - settle_s) / step_s) - 1))
     need = max(1, math.ceil(cost_s / (budget * step_s) - 1e-9))
     allowed = candidate_intervals(persist_every, cap)
     fits = [k for k in allowed if k >= need]

@@ -344,6 +344,7 @@ class Context:
                 env.max_lost_s,
                 env.persist_every,
                 env.target_steps,
+                settle_s=statistics.median(c.wall_s for c in self._snapshots.costs),
             )
         value = torch.tensor([proposal], dtype=torch.int64)
         work = None

@@ -57,6 +57,7 @@ class Snapshot:
     slot: int
     copied: threading.Event = field(default_factory=threading.Event)
     cpu_s: float = 0.0  # CPU time the snapshot threads spent on it
+    handed_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class SnapshotCost:
     step: int
     blocked_s: float
     cpu_s: float
+    # From the hand-over to stored (memory tier and peer backup): a failure in this window
+    # restores the snapshot before.
+    wall_s: float = 0.0
 
 
 def _lower_priority() -> None:
@@ -174,7 +178,8 @@ class SnapshotPipeline:
                 if self._error is None:
                     self._store(snap, data)
                     snap.cpu_s += time.thread_time() - t0
-                    self.costs.append(SnapshotCost(snap.step, snap.blocked_s, snap.cpu_s))
+                    wall = time.monotonic() - snap.handed_at
+                    self.costs.append(SnapshotCost(snap.step, snap.blocked_s, snap.cpu_s, wall))
             except BaseException as exc:
                 self._error = exc
             finally:
