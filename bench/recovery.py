@@ -2,7 +2,8 @@
 
 Two private stacks of 3 machines (2 for the job, 1 spare), one whose agents keep
 warm rank processes (torch imported) and one without, run the example job with
-its product defaults (a memory snapshot every step, peer backups, S3 every 20):
+its product defaults (memory snapshots at the interval the ranks choose within the cost
+budget, peer backups, S3 every 20):
 
 - ``crash_warm_s`` / ``crash_cold_s``: a one-off rank crash on healthy machines,
   from the fault to the first new step. The checks pass, the ranks restart on the
@@ -14,6 +15,8 @@ its product defaults (a memory snapshot every step, peer backups, S3 every 20):
 - ``hot_update_s``: an urgent code update, from the request to the first step on
   the new version (same machines, memory restore).
 - ``lost_steps_max``: the most steps any of those recoveries computed again.
+- ``protection``: the recovery job's snapshot interval at the end (``status``'s): lost
+  steps stay within one interval, the step in flight and a snapshot's time to be stored.
 - ``ckpt_blocking_pct``: in a fault-free run, the time training was blocked by
   snapshots per step, as a share of the step time.
 - ``s3_mb_s`` / ``disk_mb_s``: write throughput of one 64 MiB shard to the
@@ -204,6 +207,8 @@ async def run_warm(state_dir: Path, trials: int, log: Any) -> dict[str, Any]:
         evict.append(down)
         lost.append(lost_c)
         log(f"crash that recurs, evicted ({tier}): {down} s, lost {lost_c}")
+    # The snapshot interval the ranks chose (within the cost budget), which bounds the lost steps.
+    protection = (await job.status()).get("protection")
     await job.stop("benchmark done")
     memory_record = state_dir / "nodes" / "node-2" / "memory_dir"
     s3, disk = _throughput(tg.settings, Path(memory_record.read_text().strip()))
@@ -218,6 +223,7 @@ async def run_warm(state_dir: Path, trials: int, log: Any) -> dict[str, Any]:
         "s3_mb_s": round(s3, 1),
         "disk_mb_s": round(disk, 1),
         "warm_rank_starts": _warm_starts(state_dir),
+        "protection": protection,
     }
 
 
