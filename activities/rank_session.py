@@ -190,6 +190,7 @@ class RankSession:
         self.protection_s: dict[int, float] = {}  # rank -> step time lost to snapshots (cumulative)
         # This agent's own CPU while its ranks train is protection too: it shares their cores.
         self.agent_cpu = CpuBeside(len(os.sched_getaffinity(0)))
+        self._cpu_at_step = 0.0  # the agent's CPU time at its ranks' newest step record
         self.interval: protocol.Interval | None = None  # the snapshot interval the ranks agreed on
         self.unsent: list[ShardInfo] = []
         self.exits: dict[int, RankExit] = {}
@@ -446,11 +447,12 @@ class RankSession:
             step = int(rec["step"])
             self.last_step[rank] = step
             now = datetime.now(UTC)
+            # The agent's CPU counts up to the last step, not the uploads after training; the
+            # machine's load is read when a report is built, not on every step record.
+            self._cpu_at_step = time.process_time()
             if self.first_step_at is None:
                 self.first_step_at = now
-                self.agent_cpu.restart(time.process_time())
-            else:  # counted up to the last step, not the uploads after training
-                self.agent_cpu.add(time.process_time(), os.getloadavg()[0] / self.agent_cpu.cores)
+                self.agent_cpu.restart(self._cpu_at_step)
             # The rank's own clock: a step record may wait in its buffer (FLUSH_S) before it comes.
             ts = rec.get("ts")
             self._note_step_wall(step, datetime.fromtimestamp(ts, UTC) if ts else now)
@@ -698,10 +700,16 @@ class RankSession:
             ckpt_block_s=round(self.ckpt_block_s, 6),
             backups=self.backup_shards(),
             # The job steps at its slowest rank's pace; this agent's CPU slows all of them.
-            protection_s=round(max(self.protection_s.values(), default=0.0) + self.agent_cpu.total_s, 6),
+            protection_s=round(max(self.protection_s.values(), default=0.0) + self._agent_cost(), 6),
             snapshot_every=self.interval["every"] if self.interval else None,
             snapshot_cost_s=self.interval["cost_s"] if self.interval else None,
         )
+
+    def _agent_cost(self) -> float:
+        """Training seconds this agent's CPU took from its ranks, up to their newest step."""
+        if self.first_step_at is None:
+            return 0.0
+        return self.agent_cpu.add(self._cpu_at_step, os.getloadavg()[0] / self.agent_cpu.cores)
 
     def memory_shards(self) -> list[ShardInfo]:
         return [s for step in sorted(self.memory) for s in self.memory[step]]
