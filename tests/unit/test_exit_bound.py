@@ -39,15 +39,21 @@ async def _sleeper() -> asyncio.subprocess.Process:
     )
 
 
-async def test_the_agent_kills_a_rank_stuck_in_its_exit_and_counts_it_done(monkeypatch: Any) -> None:
-    monkeypatch.setattr(rank_session, "KILL_GRACE_S", 0.5)
+def _session(procs: dict[int, asyncio.subprocess.Process], exiting: set[int]) -> Any:
+    """An agent's session with what the exit bound reads: its ranks' processes and monitor."""
     session: Any = RankSession.__new__(RankSession)
     session.monitor = _monitor()
-    session.procs = {0: await _sleeper(), 1: await _sleeper()}
-    session._exiting = set()
+    session.procs = procs
+    session._exiting = exiting
     session._stuck_in_exit = set()
     session._exit_cpu = {}
     session._tasks = []
+    return session
+
+
+async def test_the_agent_kills_a_rank_stuck_in_its_exit_and_counts_it_done(monkeypatch: Any) -> None:
+    monkeypatch.setattr(rank_session, "KILL_GRACE_S", 0.5)
+    session = _session({0: await _sleeper(), 1: await _sleeper()}, exiting=set())
     try:
         session.monitor.on_alive(0, 10.0, finished=True)  # a runtime rank's `final`: its pipe closed
         session._end_stuck_exits(11.0 + EXIT_BOUND_S)
@@ -92,18 +98,11 @@ async def test_a_finished_rank_whose_child_still_works_is_not_killed(monkeypatch
     """A final upload or a logger's flush in a child (or a thread) keeps the main thread's stack
     still: the CPU its process tree uses is its sign of life."""
     monkeypatch.setattr(rank_session, "KILL_GRACE_S", 0.5)
-    session: Any = RankSession.__new__(RankSession)
-    session.monitor = _monitor()
-    session.procs = {
-        0: await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _WORKING_CHILD, start_new_session=True, stdout=asyncio.subprocess.PIPE
-        ),
-        1: await _sleeper(),
-    }
-    session._exiting = {0, 1}
-    session._stuck_in_exit = set()
-    session._tasks = []
-    session._exit_cpu = {1: rank_session.tree_cpu_s(session.procs[1].pid)}
+    working = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _WORKING_CHILD, start_new_session=True, stdout=asyncio.subprocess.PIPE
+    )
+    session = _session({0: working, 1: await _sleeper()}, exiting={0, 1})
+    session._exit_cpu[1] = rank_session.tree_cpu_s(session.procs[1].pid)
     try:
         assert session.procs[0].stdout is not None
         assert (await session.procs[0].stdout.readline()).strip() == b"started"
