@@ -157,3 +157,22 @@ def test_an_agent_keeps_the_reach_time_of_its_newest_steps_only() -> None:
         session._note_step_wall(step, datetime.now(UTC))  # the second local rank: the first time stays
     assert len(session.step_wall) == rank_session.STEP_WALL_KEPT
     assert min(session.step_wall) == 6 and set(session.step_wall.values()) == {t0}
+
+
+def test_the_step_trail_is_readable_at_once_and_reopened_after_the_result(tmp_path: Any) -> None:
+    """steps.tsv (the chaos bench's overlap check) keeps one handle, and loses no line to a
+    buffer: an agent killed mid-attempt leaves every step its ranks reported."""
+    session: Any = RankSession.__new__(RankSession)
+    session.log_dir, session._trail_file = tmp_path, None
+    session.result = SimpleNamespace(done=lambda: True)  # a frozen session answered already
+    trail = tmp_path / rank_session.STEP_TRAIL
+    session._trail(0, 1, 100.0)
+    session._trail(1, 1, 100.5)
+    assert trail.read_text() == "0\t1\t100.000\n1\t1\t100.500\n"  # no flush, no close yet
+    kept = session._trail_file
+    session._trail(0, 2, 101.0)
+    assert session._trail_file is kept  # not opened again per line
+    session._set_result(True)
+    assert session._trail_file is None and kept.closed
+    session._trail(1, 2, 101.5)
+    assert trail.read_text().splitlines()[-2:] == ["0\t2\t101.000", "1\t2\t101.500"]
