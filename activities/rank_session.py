@@ -707,6 +707,7 @@ class RankSession:
             protection_s=round(max(self.protection_s.values(), default=0.0) + self._agent_cost(), 6),
             snapshot_every=self.interval["every"] if self.interval else None,
             snapshot_cost_s=self.interval["cost_s"] if self.interval else None,
+            snapshot_settle_s=self.interval.get("settle_s") if self.interval else None,
         )
 
     def _agent_cost(self) -> float:

@@ -28,6 +28,10 @@ def test_overhead_bench_prints_ratio_and_breakdown() -> None:
     assert out["snapshot_every"] is None
     chosen = out["status"]["protection"][0]
     assert chosen["chosen_by"] == "budget" and chosen["memory_every_steps"] >= 1, chosen
+    # What a failure loses: the interval, the step in flight and the snapshot's measured time to
+    # be stored, which the ranks report with the interval.
+    step_s = out["status"]["step_time_s"][0]
+    assert chosen["lost_s_per_failure"] > (chosen["memory_every_steps"] + 1) * step_s, (chosen, step_s)
     assert out["status"]["protection_badput_s"][0] >= 0, out
     comp = out["components_ms"]
     # Measured inside the ranks: every step reports and checks its gradients, every step

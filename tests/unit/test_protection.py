@@ -108,7 +108,10 @@ def test_status_shows_the_interval_and_the_protection_badput() -> None:
     assert st["badput_s"]["protection"] == 1.5 and st["badput_s"]["checkpoint"] == 0.0
     assert st["protection"]["memory_every_steps"] == 20
     assert st["protection"]["chosen_by"] == "budget"
-    assert st["protection"]["lost_s_per_failure"] == pytest.approx(2.0)
+    # The interval, the step in flight, and (once the ranks measured it) a snapshot's time to be stored.
+    assert st["protection"]["lost_s_per_failure"] == pytest.approx(2.1)
+    state.snapshot_settle_s = 0.4
+    assert status_json(state, T0)["protection"]["lost_s_per_failure"] == pytest.approx(2.5)
     fixed = JobState(
         spec=spec.model_copy(
             update={"checkpoint": spec.checkpoint.model_copy(update={"memory_every_steps": 5})}

@@ -237,6 +237,7 @@ class JobState(BaseModel):
     # The memory-snapshot interval the ranks chose within the cost budget, and a snapshot's cost.
     snapshot_every: int | None = None
     snapshot_cost_s: float | None = None
+    snapshot_settle_s: float | None = None  # a snapshot's hand-over to stored (median)
     # Step and productive time over wall time, bounded (trainguard report draws it).
     progress_series: ProgressSeries = ProgressSeries()
 
@@ -289,9 +290,12 @@ def _protection(state: JobState) -> dict[str, Any]:
         "overhead_budget": None if ckpt.memory_every_steps is not None else ckpt.overhead_budget,
         "max_lost_s": ckpt.max_lost_s,
         "snapshot_cost_s": state.snapshot_cost_s,
-        # Up to one interval of steps since the newest snapshot (a failure during a snapshot's
-        # write loses the interval before it as well).
-        "lost_s_per_failure": round(every * step_s, 3) if every and step_s else None,
+        # The worst case: a failure just before a snapshot is stored loses the interval since
+        # the one before, the step in flight and the snapshot's time to be stored (the cap that
+        # keeps this within max_lost_s counts all three: protection.choose_interval).
+        "lost_s_per_failure": (
+            round((every + 1) * step_s + (state.snapshot_settle_s or 0.0), 3) if every and step_s else None
+        ),
     }
 
 

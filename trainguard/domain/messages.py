@@ -321,6 +321,8 @@ class ProgressReport(Msg):
     # The memory-snapshot interval the ranks agreed on (a cost budget), and a snapshot's cost.
     snapshot_every: int | None = None
     snapshot_cost_s: float | None = None
+    # A snapshot's time from hand-over to stored: a failure within it loses the interval before.
+    snapshot_settle_s: float | None = None
 
 
 # -- drills and incidents ---------------------------------------------------------

@@ -108,6 +108,7 @@ class Context:
         self._vote: tuple[int, torch.Tensor, Any] | None = None  # (apply at step, value, work)
         self._announced = False
         self._last_cost = 0.0
+        self._last_settle = 0.0  # a snapshot's hand-over to stored, median, at the last vote
         self._cpu_mark = (time.process_time(), time.monotonic())
         self._contention = 1.0  # share of the snapshot threads' CPU taken from training
         self._stretch = 1.0  # training's wall time per CPU second of its own
@@ -323,6 +324,7 @@ class Context:
                         every=agreed,
                         step_s=round(self._median_step_s(), 6),
                         cost_s=round(self._last_cost, 6),
+                        settle_s=round(self._last_settle, 6),
                     )
                 )
         if (
@@ -337,6 +339,7 @@ class Context:
         self._last_cost = cost or 0.0
         proposal = 0
         if cost is not None and self._step_times:
+            self._last_settle = statistics.median(c.wall_s for c in self._snapshots.costs)
             proposal = protection.choose_interval(
                 cost,
                 self._median_step_s(),
@@ -344,7 +347,7 @@ class Context:
                 env.max_lost_s,
                 env.persist_every,
                 env.target_steps,
-                settle_s=statistics.median(c.wall_s for c in self._snapshots.costs),
+                settle_s=self._last_settle,
             )
         value = torch.tensor([proposal], dtype=torch.int64)
         work = None

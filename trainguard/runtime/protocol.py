@@ -66,6 +66,7 @@ class Interval(_Sent):
     every: int
     step_s: float  # median step time it was chosen for
     cost_s: float  # what a snapshot costs training, as this rank measured it
+    settle_s: NotRequired[float]  # a snapshot's median time from hand-over to stored
 
 
 class Ckpt(_Sent):

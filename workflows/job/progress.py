@@ -140,6 +140,7 @@ class Progress:
         if r.snapshot_every is not None:
             self.s.snapshot_every = r.snapshot_every
             self.s.snapshot_cost_s = r.snapshot_cost_s
+            self.s.snapshot_settle_s = r.snapshot_settle_s
 
     def note_memory(self, r: ProgressReport | RunRanksResult) -> None:
         if r.memory:
