@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from trainguard.domain import ettr
+from trainguard.domain import ettr, protection
 from trainguard.domain.code_versions import CodeEvent, CodeRelease, PendingUpdate
 from trainguard.domain.detection import RENDEZVOUS_KIND
 from trainguard.domain.messages import (
@@ -290,11 +290,11 @@ def _protection(state: JobState) -> dict[str, Any]:
         "overhead_budget": None if ckpt.memory_every_steps is not None else ckpt.overhead_budget,
         "max_lost_s": ckpt.max_lost_s,
         "snapshot_cost_s": state.snapshot_cost_s,
-        # The worst case: a failure just before a snapshot is stored loses the interval since
-        # the one before, the step in flight and the snapshot's time to be stored (the cap that
-        # keeps this within max_lost_s counts all three: protection.choose_interval).
+        # The worst case, which the interval's cap keeps within max_lost_s.
         "lost_s_per_failure": (
-            round((every + 1) * step_s + (state.snapshot_settle_s or 0.0), 3) if every and step_s else None
+            round(protection.worst_loss_s(every, step_s, state.snapshot_settle_s or 0.0), 3)
+            if every and step_s
+            else None
         ),
     }
 

@@ -41,6 +41,13 @@ def candidate_intervals(persist_every: int, up_to: int) -> list[int]:
     return [*divisors, *range(2 * persist_every, up_to + 1, persist_every)]
 
 
+def worst_loss_s(every: int, step_s: float, settle_s: float = 0.0) -> float:
+    """Training a failure loses at worst with a snapshot every ``every`` steps: one just before a
+    snapshot is stored loses the interval, the step in flight, and the ``settle_s`` a snapshot
+    takes from its hand-over to stored (a failure then restores the one before)."""
+    return (every + 1) * step_s + settle_s
+
+
 def choose_interval(
     cost_s: float,
     step_s: float,
@@ -51,11 +58,11 @@ def choose_interval(
     settle_s: float = 0.0,
 ) -> int:
     """The smallest allowed interval whose snapshots cost at most ``budget`` of step time, but
-    within ``max_lost_s`` of training (then the largest allowed within that). A failure just
-    before a snapshot is stored loses the interval, the step in flight, and the ``settle_s`` a
-    snapshot takes from its hand-over to stored (a failure then restores the one before)."""
+    within ``max_lost_s`` of training (then the largest allowed within that): :func:`worst_loss_s`
+    at most ``max_lost_s``."""
     if step_s <= 0:
         return 1
+    # The largest k with worst_loss_s(k, step_s, settle_s) <= max_lost_s.
     cap = max(1, min(target_steps, math.floor((max_lost_s - settle_s) / step_s) - 1))
     need = max(1, math.ceil(cost_s / (budget * step_s) - 1e-9))
     allowed = candidate_intervals(persist_every, cap)
