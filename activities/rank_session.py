@@ -86,6 +86,8 @@ EXIT_BOUND_S = 60.0
 EXIT_CPU_ALIVE_S = 1.0
 # When each of the newest this many steps was reached (a drill's `at_step` is timed from it).
 STEP_WALL_KEPT = 10_000
+# S3 strides kept (the ranks re-agree every few steps; a snapshot lags its step by a few at most).
+STRIDES_KEPT = 8
 # rank, step, the rank's own clock (time.time()) per line, one file per attempt.
 STEP_TRAIL = "steps.tsv"
 
@@ -192,6 +194,7 @@ class RankSession:
         self.agent_cpu = CpuBeside(len(os.sched_getaffinity(0)))
         self._cpu_at_step = 0.0  # the agent's CPU time at its ranks' newest step record
         self.interval: protocol.Interval | None = None  # the snapshot interval the ranks agreed on
+        self._strides: list[tuple[int, int]] = []  # (from step, steps between S3 persists), oldest first
         self.unsent: list[ShardInfo] = []
         self.exits: dict[int, RankExit] = {}
         self.result: asyncio.Future[RunRanksResult] = asyncio.get_running_loop().create_future()
@@ -345,6 +348,7 @@ class RankSession:
             ckpt_budget=ckpt.overhead_budget if ckpt.memory_every_steps is None else 0.0,
             max_lost_s=ckpt.max_lost_s,
             persist_every=ckpt.every_steps,
+            persist_every_s=ckpt.persist_every_s,
             resume_step=self.inp.resume.step if self.inp.resume else None,
             code_version=self.spec.code_version,
             report_fd=report_fd,
@@ -487,7 +491,7 @@ class RankSession:
             if ranks >= set(self.inp.ranks):
                 del self.saved[step]
                 self.ckpt_block_s += self.save_s.pop(step)
-                if step % self.spec.checkpoint.every_steps == 0 or step == self.spec.target_steps:
+                if self._persists(step):
                     self.uploading.add(step)
                     # The ranks' own hashes of what they wrote: the upload need not read twice.
                     meta = self.saved_meta.get(step, {})
@@ -512,6 +516,9 @@ class RankSession:
             self.drills.consume(str(rec.get("id")))
         elif kind == "interval":
             self.interval = rec
+            stride = (int(rec["step"]), int(rec["persist"])) if "persist" in rec else None
+            if stride is not None and stride not in self._strides[-1:]:
+                self._strides = [*self._strides[-(STRIDES_KEPT - 1) :], stride]
             self._progress_dirty.set()
         elif kind == "restored":
             self.restored.add(rank)
@@ -528,6 +535,14 @@ class RankSession:
         elif kind == "final":
             self.monitor.on_alive(rank, time.monotonic(), finished=True)
             self.final_hashes[rank] = str(rec["param_hash"])
+
+    def _persists(self, step: int) -> bool:
+        """Whether this machine's snapshot of ``step`` goes to S3: at the stride the ranks agreed
+        with their interval (the same on every machine), else at the spec's ``every_steps``."""
+        # The stride in force at ``step``: a snapshot finishing late is judged as every machine
+        # judges it, whatever interval record came since.
+        stride = next((n for at, n in reversed(self._strides) if at <= step), None)
+        return step % (stride or self.spec.checkpoint.every_steps) == 0 or step == self.spec.target_steps
 
     def _note_step_wall(self, step: int, wall: datetime) -> None:
         """When a local rank first reported ``step``, for the newest STEP_WALL_KEPT steps: an
@@ -708,6 +723,7 @@ class RankSession:
             snapshot_every=self.interval["every"] if self.interval else None,
             snapshot_cost_s=self.interval["cost_s"] if self.interval else None,
             snapshot_settle_s=self.interval.get("settle_s") if self.interval else None,
+            snapshot_persist_every=self.interval.get("persist") if self.interval else None,
         )
 
     def _agent_cost(self) -> float:

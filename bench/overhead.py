@@ -1,11 +1,14 @@
 """What trainguard's protection costs the example job's throughput, fault-free.
 
 The example (``examples/gpt/train.py``: pp=2 x dp=2, 4 ranks, 2 machines) runs
-``--steps`` steps, ``--repeats`` times, interleaved in this order each round:
+``--steps`` steps, ``--repeats`` times, interleaved: each round runs every variant, the
+order rotated by one from round to round (:func:`round_order`), so no variant always runs
+right after another's teardown:
 
 - ``torchrun``: plain ``torchrun --standalone --nproc-per-node 4``, checkpoints off;
-- ``trainguard``: the example's ``job.yaml`` at its defaults (a memory snapshot every
-  step, peer backup, S3 every 20 steps, replica hashes every 50) on a private local
+- ``trainguard``: the example's ``job.yaml`` at its defaults (the memory-snapshot
+  interval chosen within the 2% budget, peer backup, S3 at multiples of 20 steps at
+  most every 30 s, replica hashes every 50) on a private local
   stack of 2 machines (no warm rank processes: they matter only for restarts);
 - one trainguard run per ``--parts`` ablation, the defaults less one part:
   ``hash`` (replica_check_every 0), ``backup`` (peer_backup off), ``s3`` (S3 only at
@@ -294,7 +297,7 @@ async def bench(
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     with StackSampler(pids) as sampler:
         for r in range(repeats):
-            for v in variants:
+            for v in round_order(variants, r):
                 out = work / f"r{r}-{v}"
                 t0 = time.monotonic()
                 status: dict[str, Any] | None = None
@@ -323,6 +326,14 @@ async def bench(
                 log(f"round {r + 1} {v}: {1e3 * res['step_s']:.1f} ms/step, wall {res['wall_s']} s")
     shutil.rmtree(work, ignore_errors=True)
     return summarize(spec, steps, repeats, runs)
+
+
+def round_order(variants: list[str], r: int) -> list[str]:
+    """Round ``r``'s order: ``variants`` rotated by ``r``. A fixed order put one variant after
+    another's end each round (a job's ranks still exiting, its agents uploading their logs):
+    measured, snapshots off, third in every round, ran slower than snapshots on."""
+    k = r % len(variants)
+    return [*variants[k:], *variants[:k]]
 
 
 def _med(runs: list[dict[str, Any]], get: Callable[[dict[str, Any]], float | None]) -> float | None:
@@ -417,6 +428,7 @@ def summarize(
         ],
         "snapshot_every": spec.checkpoint.memory_every_steps,  # None: chosen by the ranks (status.protection)
         "s3_every": spec.checkpoint.every_steps,
+        "persist_every_s": spec.checkpoint.persist_every_s,
         "components_ms": {k: _r(v, 2) for k, v in comp.items() if v is not None},
         "components_method": {k: v for k, v in method.items() if comp.get(k) is not None},
         # Each ablation against the full run of its own round, median over rounds (ms per step).

@@ -124,6 +124,7 @@ def launch(
     resume_step: int | None = None,
     ckpt_every: int = CKPT_EVERY,
     ckpt_budget: float = 0.0,
+    persist_every_s: float = 0.0,
     **knobs: str,
 ) -> Ranks:
     """Start the 4 ranks as the agent would: one process group, one report pipe per rank."""
@@ -149,6 +150,7 @@ def launch(
             ckpt_every=ckpt_every,
             ckpt_budget=ckpt_budget,
             persist_every=CKPT_EVERY,
+            persist_every_s=persist_every_s,
             resume_step=resume_step,
             report_fd=write_fd,
         )
@@ -264,18 +266,21 @@ def test_budget_interval_is_agreed_by_every_rank(uninterrupted: Ranks, tmp_path:
     """With a cost budget the ranks start with a snapshot every step, then vote on an interval
     and switch at the same step, so every step snapshotted is snapshotted by every rank; and
     the training itself is the same, bit for bit."""
-    ranks = launch(tmp_path / "ckpt", tmp_path / "logs", ckpt_every=1, ckpt_budget=0.02)
+    ranks = launch(tmp_path / "ckpt", tmp_path / "logs", ckpt_every=1, ckpt_budget=0.02, persist_every_s=1.0)
     try:
         ranks.wait()
     finally:
         ranks.kill()
     assert ranks.hashes() == uninterrupted.hashes()
-    votes: dict[int, set[tuple[int, int]]] = {}
+    votes: dict[int, set[tuple[int, int, int]]] = {}
     for r, rec in ranks.of("interval"):
-        votes.setdefault(r, set()).add((rec["step"], rec["every"]))
+        votes.setdefault(r, set()).add((rec["step"], rec["every"], rec["persist"]))
         assert rec["cost_s"] > 0 and rec["step_s"] > 0
+        # The S3 stride: snapshot steps the spec allows, a second of training apart at least.
+        assert rec["persist"] % rec["every"] == 0 and rec["persist"] % CKPT_EVERY == 0
+    # One stride on every rank (each derives it from the slowest rank's step time).
     assert len(votes) == TOPO.world_size and len({frozenset(v) for v in votes.values()}) == 1, votes
-    agreed = sorted(votes[0])
+    agreed = sorted((step, every) for step, every, _ in votes[0])
     assert agreed and agreed[0][0] == 12  # the first vote (step 10) applies two steps later
     saved: dict[int, set[int]] = {}
     for r, rec in ranks.of("ckpt"):

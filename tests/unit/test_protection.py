@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from datetime import UTC, datetime, timedelta
 
@@ -16,6 +17,7 @@ from trainguard.domain.protection import (
     candidate_intervals,
     choose_interval,
     contention,
+    persist_stride,
 )
 from trainguard.domain.spec import parse_spec
 
@@ -118,6 +120,13 @@ def test_status_shows_the_interval_and_the_protection_badput() -> None:
         )
     )
     assert status_json(fixed, T0)["protection"]["chosen_by"] == "spec"
+    # S3: each snapshot at a multiple of every_steps until the ranks send their stride; a fixed
+    # interval keeps that rule (no stride is derived without a vote).
+    assert st["protection"]["persist_every_steps"] == 20 and st["protection"]["persist_every_s"] == 30.0
+    state.snapshot_persist_every = 180
+    assert status_json(state, T0)["protection"]["persist_every_steps"] == 180
+    assert status_json(fixed, T0)["protection"]["persist_every_steps"] == 10
+    assert status_json(fixed, T0)["protection"]["persist_every_s"] is None
 
 
 def test_cpu_beside_training_counts_from_the_first_step_spread_over_the_cores() -> None:
@@ -177,3 +186,18 @@ def test_a_costly_interval_raises_the_vote_within_the_lost_work_cap() -> None:
     # The cap: 10 s of steps, less the step in flight and the snapshot's time to be stored.
     assert choose_interval(1.0, 0.05, 0.02, 10.0, 20, 10_000) == 180
     assert choose_interval(1.0, 0.05, 0.02, 10.0, 20, 10_000, settle_s=1.0) == 160
+
+
+def test_s3_persists_come_persist_every_s_apart_at_snapshot_steps_the_spec_allows() -> None:
+    # A 100-step interval at 35 ms a step (3.5 s): every 9th snapshot goes to S3, 31.5 s apart.
+    assert persist_stride(100, 20, 0.035, 30.0) == 900
+    # An interval that divides every_steps: multiples of every_steps, 43 x 20 steps = 30.1 s.
+    assert persist_stride(5, 20, 0.035, 30.0) == 860
+    # Long steps: the first allowed step is 30 s away already.
+    assert persist_stride(5, 20, 10.0, 30.0) == 20
+    # 0: every snapshot at a multiple of every_steps, as with a fixed interval.
+    assert persist_stride(100, 20, 0.035, 0.0) == 100 and persist_stride(5, 20, 0.035, 0.0) == 20
+    for every, step_s in [(1, 0.01), (40, 0.05), (140, 0.02), (7, 1.0), (3, 0.2)]:
+        n, unit = persist_stride(every, 20, step_s, 30.0), math.lcm(every, 20)
+        assert n % every == 0 and n % 20 == 0 and n * step_s >= 30.0 - 1e-9
+        assert n == unit or (n - unit) * step_s < 30.0  # the smallest such

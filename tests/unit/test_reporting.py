@@ -159,6 +159,32 @@ def test_an_agent_keeps_the_reach_time_of_its_newest_steps_only() -> None:
     assert min(session.step_wall) == 6 and set(session.step_wall.values()) == {t0}
 
 
+def test_an_agent_persists_at_the_stride_in_force_at_the_snapshots_step() -> None:
+    """Every machine uploads the same steps, or no manifest completes: the stride each ranks'
+    interval record carries applies from its step, also to a snapshot that finishes after the
+    next record came; ranks that send none (older runtimes) leave the spec's every_steps."""
+    session: Any = RankSession.__new__(RankSession)
+    session.spec = SimpleNamespace(checkpoint=SimpleNamespace(every_steps=20), target_steps=5000)
+    session.interval, session._strides, session._progress_dirty = None, [], asyncio.Event()
+
+    def interval(step: int, every: int, **persist: int) -> Any:
+        return {"t": "interval", "step": step, "every": every, "step_s": 0.035, "cost_s": 0.05, **persist}
+
+    assert [s for s in range(1, 101) if session._persists(s)] == [20, 40, 60, 80, 100]
+    session._on_report(0, interval(12, 100))  # an older runtime's record: no stride
+    assert session._persists(40) and session._strides == []
+    for rank in (0, 1):  # both local ranks send the agreed record
+        session._on_report(rank, interval(102, 100, persist=900))
+    assert session._strides == [(102, 900)]
+    assert not session._persists(200) and session._persists(900) and session._persists(5000)
+    assert session._persists(100)  # snapshotted before the stride applied
+    session._on_report(0, interval(1002, 80, persist=960))
+    assert session._persists(900) and not session._persists(1800) and session._persists(1920)
+    for step in range(1, 200):
+        session._on_report(0, interval(1002 + 10 * step, 80, persist=960 + 80 * (step % 2)))
+    assert len(session._strides) == rank_session.STRIDES_KEPT
+
+
 def test_the_step_trail_is_readable_at_once_and_reopened_after_the_result(tmp_path: Any) -> None:
     """steps.tsv (the chaos bench's overlap check) keeps one handle, and loses no line to a
     buffer: an agent killed mid-attempt leaves every step its ranks reported."""

@@ -7,6 +7,7 @@ the shape promised in CONTRACT.md; the CLI, the SDK and the UI all read it.
 from __future__ import annotations
 
 import hashlib
+import math
 from datetime import datetime
 from typing import Any, Literal
 
@@ -238,6 +239,7 @@ class JobState(BaseModel):
     snapshot_every: int | None = None
     snapshot_cost_s: float | None = None
     snapshot_settle_s: float | None = None  # a snapshot's hand-over to stored (median)
+    snapshot_persist_every: int | None = None  # steps between S3 persists, with that interval
     # Step and productive time over wall time, bounded (trainguard report draws it).
     progress_series: ProgressSeries = ProgressSeries()
 
@@ -296,7 +298,19 @@ def _protection(state: JobState) -> dict[str, Any]:
             if every and step_s
             else None
         ),
+        # S3 holds a checkpoint at most this many steps old (plus its upload): for the loss of a
+        # machine and its backup peer at once, or a restart of the whole job.
+        "persist_every_steps": _persist_every(state, every),
+        "persist_every_s": None if ckpt.memory_every_steps is not None else ckpt.persist_every_s,
     }
+
+
+def _persist_every(state: JobState, every: int | None) -> int:
+    """Steps between S3 persists: the ranks' stride, else each snapshot at a multiple of
+    ``every_steps`` (no interval agreed yet, a fixed one, or ranks that send no stride)."""
+    if state.snapshot_persist_every and state.spec.checkpoint.memory_every_steps is None:
+        return state.snapshot_persist_every
+    return math.lcm(every or 1, state.spec.checkpoint.every_steps)
 
 
 def _iso(t: datetime | None) -> str | None:

@@ -323,6 +323,8 @@ class ProgressReport(Msg):
     snapshot_cost_s: float | None = None
     # A snapshot's time from hand-over to stored: a failure within it loses the interval before.
     snapshot_settle_s: float | None = None
+    # Steps between S3 persists the ranks derived with the interval (a multiple of it).
+    snapshot_persist_every: int | None = None
 
 
 # -- drills and incidents ---------------------------------------------------------

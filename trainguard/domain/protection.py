@@ -8,6 +8,8 @@ and the tests. Three questions:
   failure loses at most ``checkpoint.max_lost_s`` of training, and consistent with the
   S3 interval (every persisted step is a snapshot: the interval divides ``every_steps``
   or is a multiple of it).
+- :func:`persist_stride`: how often one of those snapshots also goes to S3, so that persists
+  come ``checkpoint.persist_every_s`` of training apart, not with every snapshot.
 - :class:`SlowdownMeter`: how many seconds of step time the snapshots took, from the
   step times of the steps right after a snapshot against the steps far from one (an
   interval above 2 makes that measurable); otherwise from the measured cost.
@@ -39,6 +41,19 @@ def candidate_intervals(persist_every: int, up_to: int) -> list[int]:
     up_to = max(up_to, 1)
     divisors = [k for k in range(1, min(persist_every, up_to) + 1) if persist_every % k == 0]
     return [*divisors, *range(2 * persist_every, up_to + 1, persist_every)]
+
+
+def persist_stride(every: int, persist_every: int, step_s: float, persist_every_s: float) -> int:
+    """Steps between S3 persists with a snapshot every ``every`` steps: a multiple of ``every``
+    (a persisted step is a snapshot) and of ``persist_every`` (``every_steps``: the steps the spec
+    allows), the smallest such that persists come at least ``persist_every_s`` of training apart
+    at ``step_s`` a step. Each persist costs the agents' uploads, the store's intake and a commit,
+    whose CPU a snapshot interval's step times see only in part; memory snapshots and peer backups
+    keep what a failure loses short, the S3 copy is for the rarer loss of both."""
+    unit = math.lcm(max(1, every), max(1, persist_every))
+    if persist_every_s <= 0 or step_s <= 0:
+        return unit
+    return unit * max(1, math.ceil(persist_every_s / (unit * step_s) - 1e-9))
 
 
 def worst_loss_s(every: int, step_s: float, settle_s: float = 0.0) -> float:

@@ -128,7 +128,13 @@ class Topology(_Frozen):
 
 
 class CheckpointSpec(_Frozen):
-    every_steps: int = Field(10, ge=1, le=1_000_000, description="persist a checkpoint to S3 every N steps")
+    every_steps: int = Field(
+        10,
+        ge=1,
+        le=1_000_000,
+        description="persist a checkpoint to S3 at steps that are multiples of N (and at the last); "
+        "every N steps where memory_every_steps is set, else at most every persist_every_s",
+    )
     memory_every_steps: int | None = Field(
         None,
         ge=1,
@@ -148,6 +154,14 @@ class CheckpointSpec(_Frozen):
         gt=0,
         le=86400,
         description="a failure loses at most this much training: caps the chosen snapshot interval",
+    )
+    persist_every_s: float = Field(
+        30.0,
+        ge=0,
+        le=86400,
+        description="when the ranks choose the snapshot interval (memory_every_steps unset): S3 "
+        "persists at least this much training apart, memory snapshots and peer backups in between "
+        "(0: every snapshot at a multiple of every_steps is persisted)",
     )
     peer_backup: bool = Field(
         True, description="copy each snapshot to a machine outside the rank's TP, PP and DP groups"

@@ -462,7 +462,9 @@ def _cost_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
         why = "fixed by the spec" if p["chosen_by"] == "spec" else f"for a {p['overhead_budget']:.0%} budget"
         lost_s = p.get("lost_s_per_failure")
         loses = f", a failure loses up to {lost_s:.1f} s" if lost_s else ""
-        rows.append(("protection", f"memory snapshot every {p['memory_every_steps']} steps ({why}){loses}"))
+        s3 = f"; S3 every {n} steps" if (n := p.get("persist_every_steps")) else ""
+        every = p["memory_every_steps"]
+        rows.append(("protection", f"memory snapshot every {every} steps ({why}){loses}{s3}"))
     return rows
 
 

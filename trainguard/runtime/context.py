@@ -107,6 +107,7 @@ class Context:
         self._ctl_group: dist.ProcessGroup | None = None
         self._vote: tuple[int, torch.Tensor, Any] | None = None  # (apply at step, value, work)
         self._announced = False
+        self._persist: int | None = None  # steps between S3 persists, agreed with the interval
         self._last_cost = 0.0
         self._last_settle = 0.0  # a snapshot's hand-over to stored, median, at the last vote
         self._cpu_mark = (time.process_time(), time.monotonic())
@@ -307,16 +308,18 @@ class Context:
     def _agree_interval(self, step: int) -> None:
         """Every VOTE_EVERY steps each rank proposes an interval; the largest wins (the costliest
         rank sets the pace), from VOTE_LAG steps later, on every rank at the same step: peer
-        backups are paired exchanges and a memory restore needs a step every machine holds."""
+        backups are paired exchanges and a memory restore needs a step every machine holds. The
+        slowest rank's step time comes with it, so that every rank derives the same S3 stride."""
         env = self.env
         if self._vote is not None and self._vote[0] == step:
             _, value, work = self._vote
             self._vote = None
             if work is not None:
                 work.wait()
-            agreed = int(value.item())
-            if agreed > 0 and (agreed != self._every or not self._announced):
-                self._every, self._announced = agreed, True
+            agreed, step_us = (int(v) for v in value.tolist())
+            persist = protection.persist_stride(agreed, env.persist_every, step_us / 1e6, env.persist_every_s)
+            if agreed > 0 and ((agreed, persist) != (self._every, self._persist) or not self._announced):
+                self._every, self._persist, self._announced = agreed, persist, True
                 self._send(
                     protocol.Interval(
                         t="interval",
@@ -325,6 +328,7 @@ class Context:
                         step_s=round(self._median_step_s(), 6),
                         cost_s=round(self._last_cost, 6),
                         settle_s=round(self._last_settle, 6),
+                        persist=persist,
                     )
                 )
         if (
@@ -349,7 +353,7 @@ class Context:
                 env.target_steps,
                 settle_s=self._last_settle,
             )
-        value = torch.tensor([proposal], dtype=torch.int64)
+        value = torch.tensor([proposal, round(self._median_step_s() * 1e6)], dtype=torch.int64)
         work = None
         if self._ctl_group is not None:
             # Waited for VOTE_LAG steps later: by then every rank has sent its proposal.

@@ -46,10 +46,12 @@ class RankEnv(BaseModel):
     ckpt_every: int
     # Above 0: ckpt_every is only the first interval; the ranks agree on one that costs at most
     # this share of step time (trainguard.domain.protection), at most ``max_lost_s`` of training,
-    # and divides (or is a multiple of) the S3 interval ``persist_every``.
+    # and divides (or is a multiple of) the S3 interval ``persist_every``; of those snapshots, S3
+    # gets one each ``persist_every_s`` of training (trainguard.domain.protection.persist_stride).
     ckpt_budget: float = 0.0
     max_lost_s: float = 10.0
     persist_every: int = 1
+    persist_every_s: float = 0.0
     resume_step: int | None = None
     code_version: str = "v1"
     report_fd: int | None = None
@@ -99,6 +101,7 @@ class RankEnv(BaseModel):
             ckpt_budget=float(e.get("TG_CKPT_BUDGET", "0")),
             max_lost_s=float(e.get("TG_MAX_LOST_S", "10")),
             persist_every=int(e.get("TG_PERSIST_EVERY", "1")),
+            persist_every_s=float(e.get("TG_PERSIST_EVERY_S", "0")),
             resume_step=int(resume) if resume else None,
             code_version=e.get("TG_CODE_VERSION", "v1"),
             report_fd=int(fd) if fd else None,
@@ -158,6 +161,7 @@ class RankEnv(BaseModel):
             out["TG_CKPT_BUDGET"] = str(self.ckpt_budget)
             out["TG_MAX_LOST_S"] = str(self.max_lost_s)
             out["TG_PERSIST_EVERY"] = str(self.persist_every)
+            out["TG_PERSIST_EVERY_S"] = str(self.persist_every_s)
         if self.hash_every:
             out["TG_HASH_EVERY"] = str(self.hash_every)
         if self.backup:

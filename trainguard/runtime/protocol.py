@@ -67,6 +67,9 @@ class Interval(_Sent):
     step_s: float  # median step time it was chosen for
     cost_s: float  # what a snapshot costs training, as this rank measured it
     settle_s: NotRequired[float]  # a snapshot's median time from hand-over to stored
+    # Steps between S3 persists from ``step`` on (a multiple of ``every``); absent from ranks of
+    # before it: every snapshot at a multiple of ``checkpoint.every_steps``.
+    persist: NotRequired[int]
 
 
 class Ckpt(_Sent):

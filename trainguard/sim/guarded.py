@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from trainguard.domain import protection
 from trainguard.domain.analysis.replay import replay_grid
 from trainguard.domain.analysis.stacks import localize_hang
 from trainguard.domain.policy import (
@@ -306,7 +307,14 @@ class TrainguardJob(JobSim):
             self.history = apply_code_version(self.history, self._new_version(), note="fixed by hand")
         else:
             self.history = start_over(self.history)
-        every = cfg.checkpoint.every_steps
+        ck = cfg.checkpoint
+        # The newest S3 checkpoint: the runtime's stride where the ranks choose the interval.
+        every = protection.persist_stride(
+            ck.memory_every_steps or 1,
+            ck.every_steps,
+            cfg.step_time_s,
+            ck.persist_every_s if ck.memory_every_steps is None else 0.0,
+        )
         self._resume("startup", cfg.cold_start_s, self.tl.step // every * every)
 
     def _result_extra(self) -> dict[str, object]:

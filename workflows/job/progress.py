@@ -141,6 +141,7 @@ class Progress:
             self.s.snapshot_every = r.snapshot_every
             self.s.snapshot_cost_s = r.snapshot_cost_s
             self.s.snapshot_settle_s = r.snapshot_settle_s
+            self.s.snapshot_persist_every = r.snapshot_persist_every
 
     def note_memory(self, r: ProgressReport | RunRanksResult) -> None:
         if r.memory:
