@@ -12,7 +12,9 @@ right after another's teardown:
   stack of 2 machines (no warm rank processes: they matter only for restarts);
 - one trainguard run per ``--parts`` ablation, the defaults less one part:
   ``hash`` (replica_check_every 0), ``backup`` (peer_backup off), ``s3`` (S3 only at
-  the last step), ``snapshot`` (no memory snapshots, hence no backups or S3 either).
+  the last step), ``snapshot`` (no memory snapshots, hence no backups or S3 either);
+  and, asked for by name, ``s3-each``: the defaults with ``persist_every_s: 0``, S3
+  taking every snapshot at a multiple of ``every_steps`` (the rule before that setting).
 
 Both systems run the ranks through ``bench/overhead_rank.py`` at nice 19 (the local
 stack's rank priority), which times the step ends and each part of the protection
@@ -75,7 +77,8 @@ SCRIPT = "examples/gpt/train.py"
 JOB_YAML = REPO / "examples" / "gpt" / "job.yaml"
 NODES = 2
 RANK_NICE = 19  # the local stack's agents run ranks at this priority (infra/local.py)
-PARTS = ("hash", "backup", "s3", "snapshot")
+PARTS = ("hash", "backup", "s3", "snapshot", "s3-each")
+DEFAULT_PARTS = PARTS[:4]  # the ablations; s3-each is the rule before persist_every_s
 NEVER = 1_000_000  # the largest interval a spec takes: past the last step
 MIN_STEPS = 20
 SAMPLE_S = 0.25
@@ -109,6 +112,8 @@ def ablated(spec: JobSpec, part: str | None, name: str, out: Path) -> JobSpec:
         ck = ck.model_copy(update={"every_steps": NEVER})
     elif part == "snapshot":
         ck = ck.model_copy(update={"every_steps": NEVER, "memory_every_steps": NEVER})
+    elif part == "s3-each":
+        ck = ck.model_copy(update={"persist_every_s": 0.0})
     data = spec.model_dump()
     data.update(
         name=name,
@@ -447,6 +452,12 @@ def summarize(
             for p in runs
             if p not in ("torchrun", "trainguard")
         },
+        # torchrun's step time over each variant's, from the medians (throughput_ratio's measure).
+        "ablation_throughput_ratio": {
+            p: _r(tr / s, 3)
+            for p in runs
+            if p not in ("torchrun", "trainguard") and (s := _med(runs[p], lambda r: r["step_s"]))
+        },
         # CPU per step, which a loaded machine disturbs far less than step times: on a machine
         # whose cores the ranks fill, throughput follows it.
         "cpu_ms_per_step": {"torchrun": _r(cpu_tr, 1), "trainguard": _r(cpu_tg, 1)},
@@ -501,7 +512,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", default="400")
     ap.add_argument("--repeats", default="3")
-    ap.add_argument("--parts", default=",".join(PARTS), help="ablations, comma-separated ('' for none)")
+    ap.add_argument(
+        "--parts", default=",".join(DEFAULT_PARTS), help="ablations, comma-separated ('' for none)"
+    )
     ap.add_argument(
         "--env",
         action="append",
