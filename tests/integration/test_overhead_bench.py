@@ -33,6 +33,12 @@ def test_overhead_bench_prints_ratio_and_breakdown() -> None:
     step_s = out["status"]["step_time_s"][0]
     assert chosen["lost_s_per_failure"] > (chosen["memory_every_steps"] + 1) * step_s, (chosen, step_s)
     assert out["status"]["protection_badput_s"][0] >= 0, out
+    # S3: snapshot steps at multiples of every_steps, persist_every_s of training apart (the
+    # stride the ranks derived with their interval, longer than this whole run).
+    every = chosen["memory_every_steps"]
+    assert chosen["persist_every_s"] == out["persist_every_s"] == 30.0, chosen
+    assert chosen["persist_every_steps"] % every == 0 and chosen["persist_every_steps"] % 20 == 0, chosen
+    assert chosen["persist_every_steps"] * step_s >= 30.0 * 0.5, (chosen, step_s)
     comp = out["components_ms"]
     # Measured inside the ranks: every step reports and checks its gradients, every step
     # snapshots (copy, serialize, hash, write) and backs up; the agents read the reports.

@@ -1,7 +1,7 @@
 """What protection costs, and how often a job can afford a memory snapshot.
 
 Pure arithmetic shared by the in-rank runtime (which measures and proposes an interval)
-and the tests. Three questions:
+and the tests. Four questions:
 
 - :func:`choose_interval`: the snapshot interval that keeps the cost of snapshots and
   peer backups inside ``checkpoint.overhead_budget`` of step time, capped so that a
