@@ -86,6 +86,8 @@ EXIT_BOUND_S = 60.0
 EXIT_CPU_ALIVE_S = 1.0
 # When each of the newest this many steps was reached (a drill's `at_step` is timed from it).
 STEP_WALL_KEPT = 10_000
+# Bytes read from a rank's pipe at once (its records come in batches, trainguard.runtime.context).
+READ_CHUNK = 1 << 20
 # S3 strides kept (the ranks re-agree every few steps; a snapshot lags its step by a few at most).
 STRIDES_KEPT = 8
 # rank, step, the rank's own clock (time.time()) per line, one file per attempt.
@@ -193,6 +195,7 @@ class RankSession:
         # This agent's own CPU while its ranks train is protection too: it shares their cores.
         self.agent_cpu = CpuBeside(len(os.sched_getaffinity(0)))
         self._cpu_at_step = 0.0  # the agent's CPU time at its ranks' newest step record
+        self._stepped = False  # a step record came in the batch being read
         self.interval: protocol.Interval | None = None  # the snapshot interval the ranks agreed on
         self._strides: list[tuple[int, int]] = []  # (from step, steps between S3 persists), oldest first
         self.unsent: list[ShardInfo] = []
@@ -439,11 +442,31 @@ class RankSession:
             lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
         )
         try:
-            while line := await reader.readline():
-                if (rec := protocol.decode(line)) is not None:
-                    self._on_report(rank, rec)
+            # Whatever the pipe holds at once (a rank flushes its records together): one wake-up,
+            # one trail write and one CPU reading per batch, not per line.
+            rest = b""
+            while chunk := await reader.read(READ_CHUNK):
+                *lines, rest = (rest + chunk).split(b"\n")
+                if len(rest) > READ_CHUNK:
+                    rest = b""  # no record is this long: a stray line, dropped
+                for line in lines:
+                    if (rec := protocol.decode(line)) is not None:
+                        self._on_report(rank, rec)
+                self._reports_read()
+            if rest and (rec := protocol.decode(rest)) is not None:  # a last line without its newline
+                self._on_report(rank, rec)
+                self._reports_read()
         finally:
             transport.close()
+
+    def _reports_read(self) -> None:
+        """A batch of records is handled: the step trail reaches its file, and the agent's CPU
+        is read as of its ranks' newest step."""
+        if self._trail_file is not None:
+            self._trail_file.flush()
+        if self._stepped:
+            self._stepped = False
+            self._cpu_at_step = time.process_time()
 
     def _on_report(self, rank: int, rec: protocol.Message) -> None:
         # Read by key with .get where the rank may leave a field out (trainguard.runtime.protocol).
@@ -452,11 +475,12 @@ class RankSession:
             step = int(rec["step"])
             self.last_step[rank] = step
             now = datetime.now(UTC)
-            # The agent's CPU counts up to the last step, not the uploads after training; the
-            # machine's load is read when a report is built, not on every step record.
-            self._cpu_at_step = time.process_time()
+            # The agent's CPU counts up to the last step, not the uploads after training (read
+            # once per batch, _reports_read); the machine's load when a report is built.
+            self._stepped = True
             if self.first_step_at is None:
                 self.first_step_at = now
+                self._cpu_at_step = time.process_time()
                 self.agent_cpu.restart(self._cpu_at_step)
             # The rank's own clock: a step record may wait in its buffer (FLUSH_S) before it comes.
             ts = rec.get("ts")
@@ -556,9 +580,10 @@ class RankSession:
         """Each step as its rank timed it, in the attempt's log dir: what proves afterwards that
         two attempts never trained at the same time (bench/chaos.py reads it)."""
         if self._trail_file is None:
-            # Line-buffered: one write a line, none lost if the agent is killed; kept open, as
-            # opening the file for each line cost more of the agent's CPU than reading the step.
-            self._trail_file = (self.log_dir / STEP_TRAIL).open("a", buffering=1)
+            # Kept open (opening it per line cost more of the agent's CPU than reading the step),
+            # flushed after each batch of records (_reports_read): a killed agent loses none of
+            # the steps it had read before its last batch.
+            self._trail_file = (self.log_dir / STEP_TRAIL).open("a")
         self._trail_file.write(f"{rank}\t{step}\t{ts if ts is not None else time.time():.3f}\n")
 
     @property

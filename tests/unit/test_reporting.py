@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
 from activities import rank_session
 from activities.rank_session import RankSession
+from trainguard.domain.detection import TrainingMonitor
+from trainguard.domain.protection import CpuBeside
 from trainguard.domain.report_interval import report_interval
 from trainguard.domain.spec import DetectionSpec
+from trainguard.runtime import protocol
 
 
 def test_without_a_peer_interval_the_others_report_every_5_s_at_most() -> None:
@@ -185,20 +190,52 @@ def test_an_agent_persists_at_the_stride_in_force_at_the_snapshots_step() -> Non
     assert len(session._strides) == rank_session.STRIDES_KEPT
 
 
-def test_the_step_trail_is_readable_at_once_and_reopened_after_the_result(tmp_path: Any) -> None:
-    """steps.tsv (the chaos bench's overlap check) keeps one handle, and loses no line to a
-    buffer: an agent killed mid-attempt leaves every step its ranks reported."""
+def _reading_session(tmp_path: Any) -> Any:
+    """A RankSession with what reading step records needs, two local ranks."""
     session: Any = RankSession.__new__(RankSession)
-    session.log_dir, session._trail_file = tmp_path, None
-    session.result = SimpleNamespace(done=lambda: True)  # a frozen session answered already
+    session.inp = SimpleNamespace(ranks=[0, 1], resume=None)
+    session.spec = SimpleNamespace(detection=DetectionSpec(), target_steps=100)
+    session.last_step, session.first_step_at, session.step_wall = {}, None, {}
+    session.agent_cpu, session._cpu_at_step, session._stepped = CpuBeside(2), 0.0, False
+    session.log_dir, session._trail_file, session.loss, session.step_times = tmp_path, None, None, []
+    session.compute_s, session.protection_s, session.hashes = {}, {}, {}
+    session.monitor = TrainingMonitor(DetectionSpec(), [0, 1], time.monotonic())
+    session._progress_dirty = asyncio.Event()
+    return session
+
+
+def _step(rank: int, step: int) -> bytes:
+    return protocol.encode(
+        {"t": "step", "step": step, "step_time_s": 0.1, "rank": rank, "ts": 100.0 + step}
+    ).encode()
+
+
+async def test_the_step_trail_is_written_per_batch_and_reopened_after_the_result(tmp_path: Any) -> None:
+    """steps.tsv (the chaos bench's overlap check) keeps one handle and reaches its file after
+    each batch a rank's pipe holds (a killed agent leaves every step it had read), a line split
+    across two writes included; the agent's CPU is read once per batch, not per record."""
+    session = _reading_session(tmp_path)
     trail = tmp_path / rank_session.STEP_TRAIL
-    session._trail(0, 1, 100.0)
-    session._trail(1, 1, 100.5)
-    assert trail.read_text() == "0\t1\t100.000\n1\t1\t100.500\n"  # no flush, no close yet
+    batches: asyncio.Queue[None] = asyncio.Queue()
+    read = session._reports_read
+    session._reports_read = lambda: (read(), batches.put_nowait(None))
+    r, w = os.pipe()
+    reader = asyncio.create_task(session._read_reports(0, r))
+    one = _step(0, 1) + _step(0, 2)
+    os.write(w, one + _step(0, 3)[:10])
+    await batches.get()
+    assert trail.read_text() == "0\t1\t101.000\n0\t2\t102.000\n"  # flushed, the file still open
     kept = session._trail_file
-    session._trail(0, 2, 101.0)
-    assert session._trail_file is kept  # not opened again per line
+    assert session._cpu_at_step > 0 and not session._stepped
+    os.write(w, _step(0, 3)[10:] + _step(0, 4).rstrip(b"\n"))  # the last line without its newline
+    os.close(w)
+    await reader
+    assert session._trail_file is kept  # not opened again per line or batch
+    assert [line.split("\t")[1] for line in trail.read_text().splitlines()] == ["1", "2", "3", "4"]
+    assert session.last_step == {0: 4}
+    session.result = SimpleNamespace(done=lambda: True)  # a frozen session answered already
     session._set_result(True)
     assert session._trail_file is None and kept.closed
-    session._trail(1, 2, 101.5)
-    assert trail.read_text().splitlines()[-2:] == ["0\t2\t101.000", "1\t2\t101.500"]
+    session._trail(1, 5, 105.5)  # a frozen session's late line opens it again
+    session._reports_read()
+    assert trail.read_text().splitlines()[-1] == "1\t5\t105.500"

@@ -193,11 +193,10 @@ class TrainingMonitor:
         return ratio
 
     def _spike(self, rank: int, name: str, value: float | None, step: int) -> Anomaly | None:
-        hist = self.history.get((rank, name))
-        med = statistics.median(hist) if hist else None
         ratio = self._ratio(rank, name, value, step)
-        if ratio is None or ratio < self.spec.spike_factor or value is None or med is None:
+        if ratio is None or ratio < self.spec.spike_factor or value is None:
             return None
+        med = value / ratio  # the median it was measured against (one median per value, not two)
         return Anomaly(
             kind="loss-spike",
             ranks=[rank],
