@@ -132,3 +132,6 @@ def test_status_text_shows_the_badput_and_the_protection_chosen(capsys: pytest.C
     spec = {**st["protection"], "chosen_by": "spec", "overhead_budget": None, "lost_s_per_failure": None}
     fixed = "memory snapshot every 180 steps (fixed by the spec)"
     assert cli._cost_rows({"protection": spec}) == [("protection", fixed)]
+    # The S3 stride, where status has it.
+    s3 = {**st["protection"], "persist_every_steps": 900}
+    assert cli._cost_rows({"protection": s3})[-1][1].endswith("up to 9.5 s; S3 every 900 steps")
