@@ -692,6 +692,18 @@ class RankSession:
         self._progress_dirty.set()
         self._prune_local()
 
+    async def persist_newest(self) -> None:
+        """A user's stop: the newest memory snapshots not in S3 yet go there, then a last report
+        names their shards. Both kept steps: the machines may be a snapshot apart, and the
+        workflow commits the newest step every machine sent."""
+        for step in sorted(self.memory)[-MEMORY_STEPS_REPORTED:]:
+            if step in self.shards:
+                continue
+            # An upload the stopped session had begun is done again (the same bytes, the same key).
+            self.upload_hashes[step] = {s.rank: s.sha256 for s in self.memory[step]}
+            await self._upload_step(step)
+        await self.flush()
+
     def _prune_local(self) -> None:
         """Keep the newest snapshots, the newest uploaded steps and anything still uploading."""
         for step in sorted(self.shards)[:-LOCAL_STEPS_KEPT]:

@@ -109,6 +109,8 @@ class StackActivities:
         if sess is None or not sess.live_pids():
             return False
         await sess.kill()
+        if req.persist:
+            await sess.persist_newest()
         return True
 
     @activity.defn(name=calls.localize_stacks.name)

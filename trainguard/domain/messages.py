@@ -393,6 +393,10 @@ class StopRanksInput(Msg):
     # The job run (RunRanksInput.chain): a stop that arrives before its attempt's ranks is kept
     # for them, and must not stop a later run's attempt of the same number.
     chain: str = ""
+    # A user's stop: the machine's newest memory snapshots not in S3 yet go there before the
+    # answer, and a last progress report names their shards (the job's last checkpoint is then
+    # the newest step every machine held, not the last periodic persist).
+    persist: bool = False
 
 
 # A stop-time check process must say it is ready (Python started, torch imported) within this;

@@ -232,7 +232,8 @@ class Attempt:
             progress.drain()
             if self.stopping():
                 at_once = self.cancelled() and workflow.patched(patches.CANCEL_AT_ONCE)
-                await self.stop_ranks_now(handles, wait_commits=not at_once)
+                persist = not at_once and workflow.patched(patches.PERSIST_AT_STOP)
+                await self.stop_ranks_now(handles, wait_commits=not at_once, persist=persist)
                 return AttemptOutcome(kind="stopped")
             if self.update_due() and not any(failed(h) for h in handles.values()):
                 return await self._stop_for_update(handles)
@@ -270,12 +271,17 @@ class Attempt:
         self.s.running = None
         return AttemptOutcome(kind="update")
 
-    async def stop_ranks_now(self, handles: Handles, wait_commits: bool = True) -> None:
-        """Stop the attempt's ranks on purpose (user stop, code update), keeping what they saved."""
+    async def stop_ranks_now(
+        self, handles: Handles, wait_commits: bool = True, persist: bool = False
+    ) -> None:
+        """Stop the attempt's ranks on purpose (user stop, code update), keeping what they saved;
+        ``persist``: their newest memory snapshots go to S3 first (a user's stop)."""
         run = self.s.running
         assert run is not None
         # Directly: a cancellation reaches the agents only with their next heartbeat, seconds later.
-        await calls.on_machines(calls.stop_ranks, stop_request(self.s, run.attempt), self.s.nodes)
+        req = stop_request(self.s, run.attempt, persist=persist)
+        bound = {"start_to_close": calls.PERSIST_AT_STOP_LIMIT} if persist else {}
+        await calls.on_machines(calls.stop_ranks, req, self.s.nodes, **bound)
         await cancel_all(handles)
         for h in handles.values():
             # Machines whose ranks stop_ranks ended returned a result: it names their snapshots.

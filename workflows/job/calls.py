@@ -173,6 +173,9 @@ run_ranks: Activity[RunRanksInput, RunRanksResult] = Activity(
     "run_ranks", RunRanksInput, RunRanksResult, Options(start_to_close=timedelta(days=30))
 )
 stop_ranks: Activity[StopRanksInput, bool] = Activity("stop_ranks", StopRanksInput, bool, ON_MACHINE)
+# A user's stop that persists the newest snapshots waits this long for a machine's uploads; past
+# it, S3 keeps the last periodic persist.
+PERSIST_AT_STOP_LIMIT = timedelta(minutes=10)
 dump_stacks: Activity[StackInput, StackDump] = Activity("dump_stacks", StackInput, StackDump, ON_MACHINE)
 self_test: Activity[DiagnosticInput, CheckResult] = Activity(
     "self_test", DiagnosticInput, CheckResult, ON_MACHINE_CHECK
@@ -251,19 +254,19 @@ ALL: tuple[Activity[Any, Any], ...] = (
 
 
 async def on_machines(
-    activity: Activity[I, R], arg: I, nodes: list[NodeInfo], only: list[str] | None = None
+    activity: Activity[I, R], arg: I, nodes: list[NodeInfo], only: list[str] | None = None, **over: Any
 ) -> list[R]:
     """Run one short activity on every machine of ``nodes`` (or ``only`` these) at once;
-    machines that cannot answer are skipped."""
-    answers = await by_machine(activity, arg, nodes, only)
+    machines that cannot answer are skipped. ``over``: options for these calls."""
+    answers = await by_machine(activity, arg, nodes, only, **over)
     return [r for r in answers.values() if not isinstance(r, BaseException)]
 
 
 async def by_machine(
-    activity: Activity[I, R], arg: I, nodes: list[NodeInfo], only: list[str] | None = None
+    activity: Activity[I, R], arg: I, nodes: list[NodeInfo], only: list[str] | None = None, **over: Any
 ) -> dict[str, R | BaseException]:
     """As :func:`on_machines`, each machine's answer by its name, or the error it gave."""
     chosen = [n for n in nodes if only is None or n.name in only]
-    runs = [activity(arg, task_queue=n.task_queue) for n in chosen]
+    runs = [activity(arg, task_queue=n.task_queue, **over) for n in chosen]
     results = await asyncio.gather(*runs, return_exceptions=True)
     return {n.name: r for n, r in zip(chosen, results, strict=True)}

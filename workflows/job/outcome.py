@@ -51,10 +51,15 @@ class AttemptOutcome(BaseModel):
     evict: list[str] = []
 
 
-def stop_request(s: JobState, attempt: int, job_id: str | None = None) -> StopRanksInput:
+def stop_request(
+    s: JobState, attempt: int, job_id: str | None = None, persist: bool = False
+) -> StopRanksInput:
     # The run's chain: a machine that gets the stop before the attempt's run_ranks refuses it then.
     return StopRanksInput(
-        job_id=job_id or s.spec.name, attempt=attempt, chain=workflow.info().first_execution_run_id
+        job_id=job_id or s.spec.name,
+        attempt=attempt,
+        chain=workflow.info().first_execution_run_id,
+        persist=persist,
     )
 
 

@@ -60,3 +60,7 @@ LINK_CHECKS = "link-checks"
 # are stopped: a machine whose ranks died first was cancelled while its agent was still finishing
 # (checkpoint upload, hardware probe), its report lost, and a peer's `comm` became the incident.
 CAUSE_GRACE = "cause-grace"
+# A user's stop persists the machines' newest memory snapshots (stop_ranks with ``persist``, a
+# longer bound) and commits the newest step every machine sent: S3 otherwise holds the last
+# periodic persist, up to `checkpoint.persist_every_s` old.
+PERSIST_AT_STOP = "persist-at-stop"
