@@ -88,6 +88,10 @@ EXIT_CPU_ALIVE_S = 1.0
 STEP_WALL_KEPT = 10_000
 # Bytes read from a rank's pipe at once (its records come in batches, trainguard.runtime.context).
 READ_CHUNK = 1 << 20
+# A failed upload is tried again after this, doubling up to 10 s.
+UPLOAD_RETRY_S = 0.5
+# A stop's own uploads (RankSession.persist_newest) give up after this many failed tries.
+STOP_UPLOAD_TRIES = 3
 # S3 strides kept (the ranks re-agree every few steps; a snapshot lags its step by a few at most).
 STRIDES_KEPT = 8
 # rank, step, the rank's own clock (time.time()) per line, one file per attempt.
@@ -660,8 +664,9 @@ class RankSession:
     def backup_shards(self) -> list[ShardInfo]:
         return [s for step in sorted(self.backups) for s in self.backups[step].values()]
 
-    async def _upload_step(self, step: int) -> None:
-        """Upload every local shard of ``step``; retried until it succeeds or the session ends.
+    async def _upload_step(self, step: int, tries: int | None = None) -> None:
+        """Upload every local shard of ``step``; retried until it succeeds or the session ends
+        (or ``tries`` attempts failed: a stop does not wait out a storage outage).
 
         Nothing reaches the workflow until all of this machine's shards are stored, and
         the manifest is written by the controller only after every machine's are. A
@@ -672,7 +677,7 @@ class RankSession:
             return
         if self.inp.dry_run:
             return  # a replay's state is thrown away
-        delay = 0.5
+        delay = UPLOAD_RETRY_S
         while True:
             try:
                 shards = []
@@ -683,6 +688,11 @@ class RankSession:
                     shards.append(ShardInfo(rank=rank, step=step, key=key, size=size, sha256=digest))
                 break
             except Exception as exc:  # storage outage: keep training, keep trying
+                if tries is not None:
+                    tries -= 1
+                    if tries <= 0:
+                        log.warning("upload of step %d failed (%s); given up", step, exc)
+                        return
                 log.warning("upload of step %d failed (%s); retrying in %.1fs", step, exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
@@ -701,7 +711,7 @@ class RankSession:
                 continue
             # An upload the stopped session had begun is done again (the same bytes, the same key).
             self.upload_hashes[step] = {s.rank: s.sha256 for s in self.memory[step]}
-            await self._upload_step(step)
+            await self._upload_step(step, tries=STOP_UPLOAD_TRIES)
         await self.flush()
 
     def _prune_local(self) -> None:

@@ -9,9 +9,12 @@ from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from activities import rank_session
 from activities.rank_session import RankSession
 from trainguard.domain.detection import TrainingMonitor
+from trainguard.domain.messages import ShardInfo
 from trainguard.domain.protection import CpuBeside
 from trainguard.domain.report_interval import report_interval
 from trainguard.domain.spec import DetectionSpec
@@ -239,3 +242,30 @@ async def test_the_step_trail_is_written_per_batch_and_reopened_after_the_result
     session._trail(1, 5, 105.5)  # a frozen session's late line opens it again
     session._reports_read()
     assert trail.read_text().splitlines()[-1] == "1\t5\t105.500"
+
+
+async def test_a_stop_gives_up_its_own_uploads_in_a_storage_outage(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snapshots a stop persists are tried STOP_UPLOAD_TRIES times each, then the stop goes
+    on (S3 keeps the last periodic persist), with its last report sent all the same."""
+    monkeypatch.setattr(rank_session, "UPLOAD_RETRY_S", 0.0)
+    tries: list[str] = []
+
+    def put_file(key: str, path: Any, sha256: str | None = None) -> tuple[int, str]:
+        tries.append(key)
+        raise ConnectionError("storage out of reach")
+
+    session: Any = RankSession.__new__(RankSession)
+    session.inp = SimpleNamespace(ranks=[0], ckpt_prefix="checkpoints/j", attempt=1, dry_run=False)
+    session.store, session.ckpt_dir, session.incident = SimpleNamespace(put_file=put_file), tmp_path, None
+    session.memory = {s: [ShardInfo(rank=0, step=s, key="", size=1, sha256="ab")] for s in (10, 15)}
+    session.shards, session.upload_hashes, session.uploading, session.unsent = {}, {}, set(), []
+    flushed: list[bool] = []
+
+    async def flush() -> None:
+        flushed.append(True)
+
+    session.flush = flush
+    await asyncio.wait_for(session.persist_newest(), timeout=5.0)
+    assert len(tries) == 2 * rank_session.STOP_UPLOAD_TRIES and session.shards == {} and flushed == [True]
