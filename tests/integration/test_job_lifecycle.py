@@ -68,7 +68,8 @@ async def test_stop_then_resubmit_resumes_to_same_hash(
     assert stopped["step"] < 80
     assert stopped["checkpoint"] is not None and stopped["checkpoint"]["tier"] == "s3", stopped
     saved = stopped["checkpoint"]["step"]
-    assert saved % 5 == 0 and st["step"] - 5 <= saved <= stopped["step"], (saved, st["step"], stopped["step"])
+    # A memory snapshot's step (every 5), not the last one's (80): the stop's own persist.
+    assert saved % 5 == 0 and 0 < saved <= stopped["step"] < 80, (saved, st["step"], stopped["step"])
 
     job2 = await tg.submit(spec)
     final = await run_to_end(job2)
