@@ -17,6 +17,8 @@ budget, peer backups, S3 every 20):
 - ``lost_steps_max``: the most steps any of those recoveries computed again.
 - ``protection``: the recovery job's snapshot interval at the end (``status``'s): lost
   steps stay within one interval, the step in flight and a snapshot's time to be stored.
+- ``intervals_at_fault``: each crash's interval in force just before it (``status``'s), which
+  its lost steps are to be read against (the interval changes as the ranks re-measure).
 - ``ckpt_blocking_pct``: in a fault-free run, the time training was blocked by
   snapshots per step, as a share of the step time.
 - ``s3_mb_s`` / ``disk_mb_s``: write throughput of one 64 MiB shard to the
@@ -107,11 +109,20 @@ async def _ready(job: JobHandle, settle_s: float, warm_dir: Path | None) -> dict
 
 
 async def _incident(
-    tg: TrainguardClient, job: JobHandle, state_dir: Path, count: int | None, settle_s: float, warm: bool
+    tg: TrainguardClient,
+    job: JobHandle,
+    state_dir: Path,
+    count: int | None,
+    settle_s: float,
+    warm: bool,
+    intervals: list[int | None] | None = None,
 ) -> tuple[float, int, str]:
     """Crash rank 1 (``count`` times: the machine is evicted after its first-reattempt); returns
-    fault to the first step of the attempt that stuck, the steps lost, and the restore tier."""
+    fault to the first step of the attempt that stuck, the steps lost, and the restore tier;
+    appends the snapshot interval in force before the crash to ``intervals``."""
     st = await _ready(job, settle_s, state_dir if warm else None)
+    if intervals is not None:
+        intervals.append((st.get("protection") or {}).get("memory_every_steps"))
     before = len(st["incidents"])
     await tg.inject(st["nodes"]["0"], "crash", rank=1, count=count)
 
@@ -193,20 +204,25 @@ async def run_warm(state_dir: Path, trials: int, log: Any) -> dict[str, Any]:
     log(f"fault-free: {steps} steps, {st['step_time_s']:.3f} s/step, blocked {ms:.1f} ms/step")
     job = await tg.submit(_spec("bench-recovery", target_steps=1_000_000))
     crash, evict, update, lost = [], [], [], []
+    intervals: list[int | None] = []
     for i in range(trials):
-        down, lost_c, tier = await _incident(tg, job, state_dir, count=None, settle_s=SETTLE_S, warm=True)
+        down, lost_c, tier = await _incident(
+            tg, job, state_dir, count=None, settle_s=SETTLE_S, warm=True, intervals=intervals
+        )
         crash.append(down)
         lost.append(lost_c)
-        log(f"crash, same machines, warm ({tier}): {down} s, lost {lost_c}")
+        log(f"crash, same machines, warm ({tier}): {down} s, lost {lost_c} (interval {intervals[-1]})")
         secs, lost_u = await _hot_update(job, f"v{i + 2}", SETTLE_S, state_dir)
         update.append(secs)
         lost.append(lost_u)
         log(f"urgent hot update: {secs:.2f} s, lost {lost_u}")
     for _ in range(max(1, trials // 2)):
-        down, lost_c, tier = await _incident(tg, job, state_dir, count=5, settle_s=SETTLE_S, warm=True)
+        down, lost_c, tier = await _incident(
+            tg, job, state_dir, count=5, settle_s=SETTLE_S, warm=True, intervals=intervals
+        )
         evict.append(down)
         lost.append(lost_c)
-        log(f"crash that recurs, evicted ({tier}): {down} s, lost {lost_c}")
+        log(f"crash that recurs, evicted ({tier}): {down} s, lost {lost_c} (interval {intervals[-1]})")
     # The snapshot interval the ranks chose (within the cost budget), which bounds the lost steps.
     protection = (await job.status()).get("protection")
     await job.stop("benchmark done")
@@ -217,6 +233,7 @@ async def run_warm(state_dir: Path, trials: int, log: Any) -> dict[str, Any]:
         "crash_evict_s": round(statistics.median(evict), 2),
         "hot_update_s": round(statistics.median(update), 2),
         "lost_steps": lost,
+        "intervals_at_fault": intervals,
         "ckpt_blocking_pct": round(blocking_pct, 2),
         "ckpt_blocked_ms_per_step": round(1e3 * blocked_per_step, 2),
         "step_time_s": st["step_time_s"],
