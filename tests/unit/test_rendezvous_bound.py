@@ -27,7 +27,10 @@ _join_group(RankEnv.from_environ(), "gloo", 600.0)
 time.sleep(hold)
 x = torch.ones(1)
 dist.all_reduce(x)
-print(f"ok {x.item():g} {time.monotonic() - t:.1f}")
+print(f"ok {x.item():g} {time.monotonic() - t:.1f}", flush=True)
+# Torn down before the interpreter exits: gloo's threads left to its static destructors abort
+# the process now and then ("terminate called without an active exception").
+dist.destroy_process_group()
 """
 
 
