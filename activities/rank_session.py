@@ -355,7 +355,7 @@ class RankSession:
             ckpt_budget=ckpt.overhead_budget if ckpt.memory_every_steps is None else 0.0,
             max_lost_s=ckpt.max_lost_s,
             persist_every=ckpt.every_steps,
-            persist_every_s=ckpt.persist_every_s,
+            persist_every_s=ckpt.persist_floor_s or 0.0,
             resume_step=self.inp.resume.step if self.inp.resume else None,
             code_version=self.spec.code_version,
             report_fd=report_fd,

@@ -7,7 +7,6 @@ the shape promised in CONTRACT.md; the CLI, the SDK and the UI all read it.
 from __future__ import annotations
 
 import hashlib
-import math
 from datetime import datetime
 from typing import Any, Literal
 
@@ -301,7 +300,7 @@ def _protection(state: JobState) -> dict[str, Any]:
         # S3 holds a checkpoint at most this many steps old (plus its upload): for the loss of a
         # machine and its backup peer at once, or a restart of the whole job.
         "persist_every_steps": _persist_every(state, every),
-        "persist_every_s": None if ckpt.memory_every_steps is not None else ckpt.persist_every_s,
+        "persist_every_s": ckpt.persist_floor_s,
     }
 
 
@@ -310,7 +309,7 @@ def _persist_every(state: JobState, every: int | None) -> int:
     ``every_steps`` (no interval agreed yet, a fixed one, or ranks that send no stride)."""
     if state.snapshot_persist_every and state.spec.checkpoint.memory_every_steps is None:
         return state.snapshot_persist_every
-    return math.lcm(every or 1, state.spec.checkpoint.every_steps)
+    return protection.persist_stride(every or 1, state.spec.checkpoint.every_steps, 0.0, 0.0)
 
 
 def _iso(t: datetime | None) -> str | None:

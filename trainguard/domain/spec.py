@@ -169,6 +169,12 @@ class CheckpointSpec(_Frozen):
     s3_prefix: str = Field("checkpoints", description="key prefix in the bucket; the job name is appended")
     keep: int = Field(2, ge=1, le=1000, description="complete checkpoints kept in S3")
 
+    @property
+    def persist_floor_s(self) -> float | None:
+        """``persist_every_s`` where it applies: only the ranks' vote derives a stride from it,
+        so a fixed ``memory_every_steps`` persists every ``every_steps`` (None)."""
+        return self.persist_every_s if self.memory_every_steps is None else None
+
     @model_validator(mode="after")
     def _prefix_is_safe(self) -> CheckpointSpec:
         if self.memory_every_steps is not None and self.every_steps % self.memory_every_steps:

@@ -310,10 +310,7 @@ class TrainguardJob(JobSim):
         ck = cfg.checkpoint
         # The newest S3 checkpoint: the runtime's stride where the ranks choose the interval.
         every = protection.persist_stride(
-            ck.memory_every_steps or 1,
-            ck.every_steps,
-            cfg.step_time_s,
-            ck.persist_every_s if ck.memory_every_steps is None else 0.0,
+            ck.memory_every_steps or 1, ck.every_steps, cfg.step_time_s, ck.persist_floor_s or 0.0
         )
         self._resume("startup", cfg.cold_start_s, self.tl.step // every * every)
 
