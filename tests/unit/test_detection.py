@@ -49,6 +49,20 @@ def test_spike_after_warmup_with_local_attribution() -> None:
     assert "700" in a.evidence
 
 
+def test_own_norms_that_ride_on_step_records_make_the_baseline_of_a_local_spike() -> None:
+    """A rank sends its own-gradient norm in the step's record unless it is news; the urgent one
+    that follows is measured against those, and the step's spike is traced to it. Without the
+    baseline (the folded norms ignored) the local spike would not count."""
+    mon = TrainingMonitor(SPEC, [0, 1], 0.0)
+    for step in range(1, 21):
+        assert mon.on_step(0, {"step": step, "loss": 2.0, "grad_norm": 1.0}, step * 0.1) is None
+        rec = {"step": step, "loss": 2.0, "grad_norm": 1.0, "local_grad_norm": 1.0}
+        assert mon.on_step(1, rec, step * 0.1) is None
+    assert mon.on_local(1, {"step": 21, "local_grad_norm": 1000.0}) is None
+    a = mon.on_step(0, {"step": 21, "loss": 2.0, "grad_norm": 700.0}, 2.2)
+    assert a is not None and a.kind == "loss-spike" and a.origin and a.ranks == [1]
+
+
 def test_spike_elsewhere_is_not_the_origin() -> None:
     mon = TrainingMonitor(SPEC, [2, 3], 0.0)
     for step in range(1, 21):

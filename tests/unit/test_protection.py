@@ -20,6 +20,7 @@ from trainguard.domain.protection import (
     persist_stride,
 )
 from trainguard.domain.spec import parse_spec
+from trainguard.runtime.context import vote_gap
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -201,3 +202,9 @@ def test_s3_persists_come_persist_every_s_apart_at_snapshot_steps_the_spec_allow
         n, unit = persist_stride(every, 20, step_s, 30.0), math.lcm(every, 20)
         assert n % every == 0 and n % 20 == 0 and n * step_s >= 30.0 - 1e-9
         assert n == unit or (n - unit) * step_s < 30.0  # the smallest such
+
+
+def test_the_ranks_vote_every_two_seconds_of_training_on_a_grid_of_ten_steps() -> None:
+    """Votes cost each rank a collective: steps of 33 ms vote every 70 steps (2.3 s), not every 10;
+    long steps still every 10, and a rank without a step time yet soon again."""
+    assert [vote_gap(s) for s in (0.033, 0.15, 0.2, 1.0, 0.0)] == [70, 20, 10, 10, 10]

@@ -226,6 +226,8 @@ class TrainingMonitor:
 
     def on_step(self, rank: int, rec: dict[str, Any], now: float) -> Anomaly | None:
         step = int(rec["step"])
+        if rec.get("local_grad_norm") is not None:  # this step's own-gradient norm, first
+            self.on_local(rank, rec)
         self.last_step[rank] = step
         self.last_step_at[rank] = now
         if rec.get("step_time_s") is not None:

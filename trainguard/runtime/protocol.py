@@ -51,6 +51,9 @@ class Step(_Sent, total=False):
     grad_norm: float
     # Forward/backward time, the dp all-reduce excluded (fail-slow compares machines on it).
     compute_s: float
+    # The rank's own gradient norm before the all-reduce, where nothing about it was urgent
+    # (a NaN or a local spike goes at once as its own ``local`` record).
+    local_grad_norm: float
     # Parameters after ``hash_step`` (data-parallel replicas must agree on it).
     param_hash: str
     hash_step: int
