@@ -24,18 +24,18 @@ def _context(tmp_path: Path, fd: int) -> Context:
     return single_rank_context(tmp_path, target_steps=20, ckpt_every=1000, report_fd=fd)
 
 
-def _received(fd: int) -> list[tuple[str, int]]:
+def _records(fd: int) -> list[dict[str, object]]:
+    """The records waiting in the pipe, less what every step record carries besides."""
     try:
         data = os.read(fd, 1 << 20)
     except BlockingIOError:
         return []
-    return [(r["t"], r["step"]) for r in map(json.loads, data.decode().splitlines())]
-
-
-def _records(fd: int) -> list[dict[str, object]]:
-    """The records waiting in the pipe, less what every step record carries besides."""
-    recs = [json.loads(line) for line in os.read(fd, 1 << 20).decode().splitlines()]
+    recs = map(json.loads, data.decode().splitlines())
     return [{k: v for k, v in rec.items() if k in ("t", "step", "local_grad_norm")} for rec in recs]
+
+
+def _received(fd: int) -> list[tuple[object, object]]:
+    return [(r["t"], r["step"]) for r in _records(fd)]
 
 
 def _model(grad: float) -> torch.nn.Module:
