@@ -176,7 +176,10 @@ while time.time() - t0 < 3.0:  # evaluation: Python runs, no optimizer step
 t1 = time.time()
 time.sleep(3.0)  # blocked in one C call, as in a collective that never returns
 t2 = time.time()
-print(t0, t1, t2)
+print(t0, t1, t2, flush=True)
+# Torn down before the interpreter exits: gloo's threads left to its static destructors abort
+# the process now and then ("terminate called without an active exception", exit -6).
+dist.destroy_process_group()
 """
 
 
