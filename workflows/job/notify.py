@@ -1,9 +1,15 @@
 """Notifications from the job workflow: each event handed to the ``notify`` activity (on a
-controller, which holds the webhook URLs), without waiting; the job's end waits for them."""
+controller, which holds the webhook URLs), without waiting; the job's end waits for them.
+
+A job's messages go one after another, each once the one before was delivered or given up: a
+hook hears an incident before the eviction it caused and the job's end last, even when a post
+is retried."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable
 from typing import Any
 
 from temporalio import workflow
@@ -19,7 +25,7 @@ with workflow.unsafe.imports_passed_through():
 class Notifier:
     def __init__(self, s: JobState) -> None:
         self.s = s
-        self.pending: list[workflow.ActivityHandle[int]] = []
+        self.pending: list[Awaitable[int]] = []
 
     def send(self, event: NotifyEvent, text: str, **fields: Any) -> None:
         if not workflow.patched(patches.NOTIFY):
@@ -34,7 +40,18 @@ class Notifier:
             fields={k: spec.redact(v) if isinstance(v, str) else v for k, v in fields.items()},
             target=spec.notify,
         )
-        self.pending.append(calls.notify.start(inp, summary=f"notify: {event}"))
+        if not workflow.patched(patches.NOTIFY_IN_ORDER):
+            self.pending.append(calls.notify.start(inp, summary=f"notify: {event}"))
+            return
+        before = self.pending[-1] if self.pending else None
+        self.pending.append(asyncio.ensure_future(self._after(before, inp)))
+
+    @staticmethod
+    async def _after(before: Awaitable[int] | None, inp: NotifyInput) -> int:
+        if before is not None:
+            with contextlib.suppress(Exception):  # given up: its own outcome, not this one's
+                await before
+        return await calls.notify.start(inp, summary=f"notify: {inp.event}")
 
     def incident(self, inc: Incident) -> None:
         """The incident as decided, and the machines it evicted."""

@@ -43,6 +43,9 @@ CANCEL_AT_ONCE = "cancel-at-once"
 SCRIPT_COMPLETION = "script-completion"
 # Webhook notifications (incident, eviction, the job's end) through the `notify` activity.
 NOTIFY = "notify"
+# A job's notifications are posted one after another (each once the one before was delivered or
+# given up), not all at once: the incident reached a hook after the eviction it caused.
+NOTIFY_IN_ORDER = "notify-in-order"
 # A step's shards are committed only together with shards of the same attempt: a step uploaded in
 # part by a failed attempt and again by the next no longer mixes the two (shard keys name the attempt).
 SHARDS_OF_ONE_ATTEMPT = "shards-of-one-attempt"
