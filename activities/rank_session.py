@@ -84,6 +84,9 @@ EXIT_BOUND_S = 60.0
 # ... unless its processes (the rank's and its children's) used this much CPU since the last look:
 # a final upload or a logger's flush in a thread or a child leaves the Python stack still.
 EXIT_CPU_ALIVE_S = 1.0
+# A rank that died of SIGABRT: how long its last records may take to be read (its `exiting`: did
+# its script end first?). Its pipe ends with it, unless a child of it holds the pipe open.
+READ_TO_THE_END_S = 2.0
 # When each of the newest this many steps was reached (a drill's `at_step` is timed from it).
 STEP_WALL_KEPT = 10_000
 # Bytes read from a rank's pipe at once (its records come in batches, trainguard.runtime.context).
@@ -978,7 +981,26 @@ class RankSession:
         self._tasks.append(asyncio.create_task(_stop_groups(procs), name="stuck-exits"))
 
     def _failed_exit(self, rank: int) -> bool:
-        return self.procs[rank].returncode != 0 and rank not in self._stuck_in_exit
+        return (
+            self.procs[rank].returncode != 0
+            and rank not in self._stuck_in_exit
+            and not self._aborted_in_teardown(rank)
+        )
+
+    async def _read_to_the_end(self, rank: int) -> None:
+        """Wait (briefly: a child may hold the pipe) until ``rank``'s records are all read."""
+        readers = [t for t in self._tasks if t.get_name() == f"reports-{rank}"]
+        if readers:
+            await asyncio.wait(readers, timeout=READ_TO_THE_END_S)
+
+    def _aborted_in_teardown(self, rank: int) -> bool:
+        """Its script over (the launcher said ``exiting``), the rank died of SIGABRT in the
+        interpreter's teardown: counted done, as a rank stuck in its exit is. PyTorch's gloo does
+        so now and then when its threads meet the static destructors ("terminate called without
+        an active exception": 1 to 5 runs in 30 of a 2-rank DDP script under plain torchrun, with
+        or without destroy_process_group); restarting a finished job for it would redo the end.
+        A script that raised sent ``error`` first, an incident of its own."""
+        return rank in self._exiting and self.procs[rank].returncode == -signal.SIGABRT
 
     def live_pids(self) -> dict[int, int]:
         return {r: p.pid for r, p in self.procs.items() if p.returncode is None}
@@ -993,10 +1015,14 @@ class RankSession:
             for t in done:
                 rank = waits[t]
                 self._record_exit(rank)
+                if self.procs[rank].returncode == -signal.SIGABRT:
+                    await self._read_to_the_end(rank)  # did it say `exiting` first?
                 if self._failed_exit(rank):
                     failed = True
                     self._own_death(rank)
                 else:
+                    if self._aborted_in_teardown(rank):
+                        log.warning("rank %d aborted in its exit after its script ended: counted done", rank)
                     # Done (torchrun waits for the others too); the ranks still running must
                     # keep making progress.
                     self.monitor.on_alive(rank, time.monotonic(), finished=True)
@@ -1102,7 +1128,7 @@ class RankSession:
         errors its peers die of; ranks we stopped ourselves say nothing."""
         best: tuple[int, IncidentReport] | None = None
         for e in self.exits.values():
-            if e.exit_code == 0 or e.rank in self._we_killed or e.rank in self._stuck_in_exit:
+            if e.exit_code == 0 or e.rank in self._we_killed or not self._failed_exit(e.rank):
                 continue
             info = classify_exit(e.exit_code, e.signal, e.stderr_tail, self.workdir)
             report = self._exit_report(e.rank, info, "exited")

@@ -7,12 +7,15 @@ It reads RANK/WORLD_SIZE/LOCAL_RANK from the environment, joins over gloo, `torc
 checkpoint every ``--ckpt-every`` steps into ``--ckpt-dir`` and loads it at start if present.
 For drills it can misbehave, each fault once, in the start whose TORCHELASTIC_RESTART_COUNT is
 given (default 0, the first): ``--crash-at S`` dies of SIGSEGV, ``--hang-at S`` blocks, ``--nan-at S``
-makes the loss NaN, each on ``--fault-rank``.
+makes the loss NaN, each on ``--fault-rank``; ``--abort-at-exit`` makes that rank die of SIGABRT
+after the script has ended, in every start, as gloo's threads now and then do in their static
+destructors.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import threading
@@ -37,6 +40,7 @@ def main() -> None:
     p.add_argument("--hang-restart", type=int, default=0)
     p.add_argument("--nan-restart", type=int, default=0)
     p.add_argument("--crash-every-start", action="store_true", help="the crash acts in every start")
+    p.add_argument("--abort-at-exit", action="store_true", help="the fault rank aborts after its end")
     p.add_argument("--log-steps", action="store_true", help="rank 0 prints each step's end time")
     a = p.parse_args()
 
@@ -82,6 +86,11 @@ def main() -> None:
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank} done at step {a.steps}", flush=True)
+    if faulty and a.abort_at_exit:
+        # Runs after the interpreter's own exit handlers ("terminate called without an active
+        # exception" from gloo ends a process there).
+        libc = ctypes.CDLL(None)
+        libc.__cxa_atexit(ctypes.cast(libc.abort, ctypes.c_void_p), None, None)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,14 @@ import asyncio
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from activities import rank_session
 from activities.rank_session import EXIT_BOUND_S, RankSession
+from tests.unit.test_launch import run_launched
 from trainguard.domain.detection import TrainingMonitor
 from trainguard.domain.spec import DetectionSpec
 
@@ -121,3 +125,30 @@ async def test_a_finished_rank_whose_child_still_works_is_not_killed(monkeypatch
             if p.returncode is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 await p.wait()
+
+
+# A script that trained and returned, then died in the C runtime's exit handlers: as gloo's
+# threads abort in its static destructors ("terminate called without an active exception").
+_ABORTS_IN_TEARDOWN = """
+import ctypes
+libc = ctypes.CDLL(None)
+libc.__cxa_atexit(ctypes.cast(libc.abort, ctypes.c_void_p), None, None)
+{before}
+print("trained", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("before", "counted_done"), [("", True), ("import os; os.abort()", False)])
+def test_a_rank_that_aborts_after_its_script_ended_is_done(
+    tmp_path: Path, before: str, counted_done: bool
+) -> None:
+    """Through the launcher, as the agent runs a script: SIGABRT after the launcher said
+    `exiting` is no crash of the job (restarting it would redo its end); before it, it is."""
+    script = tmp_path / "train.py"
+    script.write_text(_ABORTS_IN_TEARDOWN.format(before=before))
+    proc, records = run_launched(script)
+    assert proc.returncode == -signal.SIGABRT, proc.stderr
+    assert ("trained" in proc.stdout) is counted_done
+    said_exiting = [r["rank"] for r in records if r["t"] == "exiting"]
+    session = _session({0: proc}, exiting=set(said_exiting))  # type: ignore[dict-item]
+    assert session._failed_exit(0) is not counted_done
