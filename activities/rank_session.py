@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -987,11 +987,13 @@ class RankSession:
             and not self._aborted_in_teardown(rank)
         )
 
-    async def _read_to_the_end(self, rank: int) -> None:
-        """Wait (briefly: a child may hold the pipe) until ``rank``'s records are all read."""
-        readers = [t for t in self._tasks if t.get_name() == f"reports-{rank}"]
+    async def _read_to_the_end(self, ranks: Iterable[int], timeout_s: float) -> None:
+        """Wait until what ``ranks`` wrote before they exited is read; bounded, as a child of a
+        rank may hold its pipe open."""
+        names = {f"reports-{r}" for r in ranks}
+        readers = [t for t in self._tasks if t.get_name() in names]
         if readers:
-            await asyncio.wait(readers, timeout=READ_TO_THE_END_S)
+            await asyncio.wait(readers, timeout=timeout_s)
 
     def _aborted_in_teardown(self, rank: int) -> bool:
         """Its script over (the launcher said ``exiting``), the rank died of SIGABRT in the
@@ -1015,8 +1017,8 @@ class RankSession:
             for t in done:
                 rank = waits[t]
                 self._record_exit(rank)
-                if self.procs[rank].returncode == -signal.SIGABRT:
-                    await self._read_to_the_end(rank)  # did it say `exiting` first?
+                if self.procs[rank].returncode == -signal.SIGABRT and rank not in self._exiting:
+                    await self._read_to_the_end([rank], READ_TO_THE_END_S)  # did it say `exiting`?
                 if self._failed_exit(rank):
                     failed = True
                     self._own_death(rank)
@@ -1031,9 +1033,7 @@ class RankSession:
                 for t in pending:
                     self._record_exit(waits[t])
                 break
-        # Let the report readers drain what the ranks wrote before they exited.
-        readers = [t for t in self._tasks if t.get_name().startswith("reports-")]
-        await asyncio.wait(readers, timeout=5.0)
+        await self._read_to_the_end(self.procs, 5.0)
         missing = [r for r in self.inp.ranks if r in self.runtime_ranks and r not in self.final_hashes]
         ok = not failed and not missing and not self._killed and self.incident is None
         if ok:
@@ -1128,7 +1128,7 @@ class RankSession:
         errors its peers die of; ranks we stopped ourselves say nothing."""
         best: tuple[int, IncidentReport] | None = None
         for e in self.exits.values():
-            if e.exit_code == 0 or e.rank in self._we_killed or not self._failed_exit(e.rank):
+            if e.rank in self._we_killed or not self._failed_exit(e.rank):
                 continue
             info = classify_exit(e.exit_code, e.signal, e.stderr_tail, self.workdir)
             report = self._exit_report(e.rank, info, "exited")

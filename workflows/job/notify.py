@@ -41,17 +41,10 @@ class Notifier:
             target=spec.notify,
         )
         if not workflow.patched(patches.NOTIFY_IN_ORDER):
-            self.pending.append(calls.notify.start(inp, summary=f"notify: {event}"))
+            self.pending.append(_post(inp))
             return
         before = self.pending[-1] if self.pending else None
-        self.pending.append(asyncio.ensure_future(self._after(before, inp)))
-
-    @staticmethod
-    async def _after(before: Awaitable[int] | None, inp: NotifyInput) -> int:
-        if before is not None:
-            with contextlib.suppress(Exception):  # given up: its own outcome, not this one's
-                await before
-        return await calls.notify.start(inp, summary=f"notify: {inp.event}")
+        self.pending.append(asyncio.ensure_future(_post_after(before, inp)))
 
     def incident(self, inc: Incident) -> None:
         """The incident as decided, and the machines it evicted."""
@@ -92,3 +85,14 @@ class Notifier:
         pending, self.pending = self.pending, []
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _post(inp: NotifyInput) -> workflow.ActivityHandle[int]:
+    return calls.notify.start(inp, summary=f"notify: {inp.event}")
+
+
+async def _post_after(before: Awaitable[int] | None, inp: NotifyInput) -> int:
+    if before is not None:
+        with contextlib.suppress(Exception):  # given up: its own outcome, not this one's
+            await before
+    return await _post(inp)
