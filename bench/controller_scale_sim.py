@@ -70,8 +70,7 @@ from trainguard.services.settings import Settings
 from trainguard.services.temporal import connect
 from workers.common import run_until_signalled, setup_logging
 from workflows.job import calls
-from workflows.job.workflow import TrainingJobWorkflow
-from workflows.node_pool import NodePoolWorkflow
+from workflows.registry import WORKFLOWS
 
 log = logging.getLogger("controller_scale")
 
@@ -416,7 +415,7 @@ async def run_controller() -> None:
     worker = Worker(
         client,
         task_queue=CONTROLLER_QUEUE,
-        workflows=[TrainingJobWorkflow, NodePoolWorkflow],
+        workflows=list(WORKFLOWS),
         activities=SimController().activities(client),
         identity="sim-controller",
         graceful_shutdown_timeout=timedelta(seconds=1),

@@ -7,7 +7,7 @@ Payloads stay small: checkpoint shards are referenced by S3 key, never inlined.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -397,6 +397,28 @@ class StopRanksInput(Msg):
     # answer, and a last progress report names their shards (the job's last checkpoint is then
     # the newest step every machine held, not the last periodic persist).
     persist: bool = False
+
+
+# -- fan-out of one activity over many machines (workflows.job.fanout) ------------
+
+
+class FanOutCall(Msg):
+    node: NodeInfo
+    arg: Any  # the activity's input, as JSON
+
+
+class FanOutInput(Msg):
+    activity: str  # its name in the activity contract
+    calls: list[FanOutCall]
+    # Options passed to every call (schedule_to_start, start_to_close, heartbeat), in seconds.
+    timeouts_s: dict[str, float] = {}
+
+
+class FanOutResult(Msg):
+    """Each machine's answer (as JSON), or the error it gave."""
+
+    answers: dict[str, Any] = {}
+    errors: dict[str, str] = {}
 
 
 # A stop-time check process must say it is ready (Python started, torch imported) within this;

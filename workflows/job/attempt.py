@@ -11,7 +11,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, CancelledError, TimeoutType
 from temporalio.exceptions import TimeoutError as ActivityTimeout
 
-from workflows.job import calls, patches
+from workflows.job import calls, fanout, patches
 from workflows.job.outcome import (
     AttemptOutcome,
     Handles,
@@ -281,7 +281,7 @@ class Attempt:
         # Directly: a cancellation reaches the agents only with their next heartbeat, seconds later.
         req = stop_request(self.s, run.attempt, persist=persist)
         bound = {"start_to_close": calls.PERSIST_AT_STOP_LIMIT} if persist else {}
-        await calls.on_machines(calls.stop_ranks, req, self.s.nodes, **bound)
+        await fanout.on_machines(calls.stop_ranks, req, self.s.nodes, **bound)
         await cancel_all(handles)
         for h in handles.values():
             # Machines whose ranks stop_ranks ended returned a result: it names their snapshots.

@@ -11,7 +11,7 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
-from workflows.job import calls, patches
+from workflows.job import calls, fanout, patches
 from workflows.job.attempt import latest_checkpoint
 from workflows.job.outcome import AttemptOutcome, stop_request
 
@@ -77,7 +77,7 @@ class Diagnosis:
             machines = outcome.evict or ([primary.node] if primary.kind == "slow" else [])
             return outcome_after_stacks(machines, primary.evidence[-300:])
         if decision.action == "alignment-test":
-            results = await calls.on_machines(calls.alignment_test, req, self.s.nodes)
+            results = await fanout.on_machines(calls.alignment_test, req, self.s.nodes)
             hashes: dict[str, str | None] = {r.node: r.digest for r in results}
             reference = next((r.reference for r in results if r.reference), None)
             if reference is not None:
@@ -123,11 +123,11 @@ class Diagnosis:
         """The checks a machine passes or fails by itself: the compute self-test, then the
         intra-machine collective (where it has more than one rank). Failed machines, details."""
         nodes = self.s.nodes
-        results = await calls.on_machines(calls.self_test, req, nodes, only=only)
+        results = await fanout.on_machines(calls.self_test, req, nodes, only=only)
         failed = [r.node for r in results if not r.passed]
         details = ["self-test: " + "; ".join(f"{r.node}: {r.evidence}" for r in results)]
         if not failed and req.local_world > 1:
-            results = await calls.on_machines(calls.collective_test, req, nodes, only=only)
+            results = await fanout.on_machines(calls.collective_test, req, nodes, only=only)
             failed = [r.node for r in results if not r.passed]
             details.append(
                 "intra-machine collective: " + "; ".join(f"{r.node}: {r.evidence}" for r in results)
@@ -254,7 +254,7 @@ class Diagnosis:
         ]
         results: list[RunRanksResult | BaseException] = await asyncio.gather(*runs, return_exceptions=True)
         # Ranks kept alive after a hang (for their stacks) are not needed here.
-        await calls.on_machines(
+        await fanout.on_machines(
             calls.stop_ranks, stop_request(self.s, tag, job_id), self.s.nodes, only=machines
         )
         bad = []

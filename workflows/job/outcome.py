@@ -10,7 +10,7 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, CancelledError
 
-from workflows.job import calls, patches
+from workflows.job import calls, fanout, patches
 from workflows.job.progress import Progress
 from workflows.job.visibility import Visibility
 
@@ -135,7 +135,7 @@ async def localize_hang(s: JobState, vis: Visibility) -> StackFinding:
     run = s.running
     assert run is not None
     prefix = checkpoints.job_prefix(spec.checkpoint.s3_prefix, spec.name)
-    dumps = await calls.on_machines(
+    dumps = await fanout.on_machines(
         calls.dump_stacks, StackInput(job_id=spec.name, attempt=run.attempt, prefix=prefix), s.nodes
     )
     return await calls.localize_stacks(
@@ -150,7 +150,7 @@ async def localize_hang(s: JobState, vis: Visibility) -> StackFinding:
 
 async def stop_silent(s: JobState, attempt: int, only: list[str]) -> set[str]:
     """``stop_ranks`` on the machines ``only`` names; returns those that did not answer."""
-    answers = await calls.by_machine(calls.stop_ranks, stop_request(s, attempt), s.nodes, only)
+    answers = await fanout.by_machine(calls.stop_ranks, stop_request(s, attempt), s.nodes, only)
     return {name for name, r in answers.items() if isinstance(r, BaseException)}
 
 
@@ -207,7 +207,7 @@ async def collect_failure(
         # Ranks kept for their stacks are stopped now.
         run = s.running
         assert run is not None
-        await calls.on_machines(calls.stop_ranks, stop_request(s, run.attempt), s.nodes)
+        await fanout.on_machines(calls.stop_ranks, stop_request(s, run.attempt), s.nodes)
     reports: list[IncidentReport] = [progress.found] if progress.found else []
     progress.found = None
     if lost and workflow.patched(patches.FENCE_BOUND):
