@@ -797,7 +797,7 @@ class RankSession:
             # News goes at the fast rate from every machine; the rest waits for the machine's
             # routine interval (trainguard.domain.report_interval), re-checked at the fast rate.
             news = self._news()
-            due = report_interval(detection, self.inp.node_index, news)
+            due = report_interval(detection, self.inp.node_index, news, self.spec.nodes)
             wait = due - (time.monotonic() - last_sent)
             if wait > 0:
                 await asyncio.sleep(min(wait, detection.progress_interval_s))

@@ -44,6 +44,7 @@ from trainguard.domain.messages import (
     CheckResult,
     ClearFaultsInput,
     CommitCheckpointInput,
+    CommitPartInput,
     DiagnosticInput,
     Endpoint,
     IncidentReport,
@@ -53,6 +54,7 @@ from trainguard.domain.messages import (
     LocalizeStacksInput,
     NodeInfo,
     PairTestInput,
+    PartRef,
     PortInput,
     ProgressReport,
     RunRanksInput,
@@ -154,7 +156,8 @@ class Session:
                 self.end(self._failure())
                 return
             # When to report: the agent's own rule (the first step is news for every machine).
-            if now - last_sent >= report_interval(spec.detection, inp.node_index, news=not first_sent):
+            due = report_interval(spec.detection, inp.node_index, news=not first_sent, nodes=spec.nodes)
+            if now - last_sent >= due:
                 first_sent = await self._report() or first_sent
                 last_sent = time.monotonic()
             await asyncio.sleep(max(0.0, min(fast, fail_at - time.monotonic())))
@@ -382,6 +385,7 @@ class SimController:
             pool.evict_nodes,
             self.latest_checkpoint,
             self.commit_checkpoint,
+            self.commit_checkpoint_part,
             self.localize_stacks,
             self.record_incident,
             NotifyActivities({}).notify,  # no webhook in a simulation
@@ -400,6 +404,11 @@ class SimController:
         kept = [r for r in self.committed.get(inp.job_id, []) if r.step < inp.step][-(inp.keep - 1) :]
         self.committed[inp.job_id] = [*kept, ref] if inp.keep > 1 else [ref]
         return ref
+
+    @activity.defn(name=calls.commit_checkpoint_part.name)
+    async def commit_checkpoint_part(self, inp: CommitPartInput) -> PartRef:
+        key = f"sim/{inp.job_id}/{inp.step}/part-{inp.group:04d}"
+        return PartRef(group=inp.group, step=inp.step, key=key, first_rank=inp.first_rank, ranks=inp.ranks)
 
     @activity.defn(name=calls.localize_stacks.name)
     async def localize_stacks(self, inp: LocalizeStacksInput) -> StackFinding:

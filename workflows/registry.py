@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from workflows.job.fanout import FanOutWorkflow
+from workflows.job.group import RanksGroupWorkflow
 from workflows.job.workflow import TrainingJobWorkflow
 from workflows.node_pool import NodePoolWorkflow
 
-WORKFLOWS: tuple[type, ...] = (TrainingJobWorkflow, NodePoolWorkflow, FanOutWorkflow)
+WORKFLOWS: tuple[type, ...] = (TrainingJobWorkflow, NodePoolWorkflow, FanOutWorkflow, RanksGroupWorkflow)

@@ -16,7 +16,7 @@ from activities.rank_session import RankSession
 from trainguard.domain.detection import TrainingMonitor
 from trainguard.domain.messages import ShardInfo
 from trainguard.domain.protection import CpuBeside
-from trainguard.domain.report_interval import report_interval
+from trainguard.domain.report_interval import JOB_ROUTINE_PER_S, report_interval
 from trainguard.domain.spec import DetectionSpec
 from trainguard.runtime import protocol
 
@@ -69,7 +69,7 @@ async def _send_times(
     monkeypatch.setattr(rank_session, "asyncio", SimpleNamespace(sleep=sleep))
     session: Any = RankSession.__new__(RankSession)
     session.spec = SimpleNamespace(
-        detection=DetectionSpec(progress_interval_s=60.0, peer_report_interval_s=600.0)
+        detection=DetectionSpec(progress_interval_s=60.0, peer_report_interval_s=600.0), nodes=8
     )
     session.inp = SimpleNamespace(node_index=node_index, ranks=[0, 1])
     session.first_step_at = datetime.now(UTC)
@@ -97,6 +97,18 @@ async def _send_times(
     await done.wait()
     loop.cancel()
     return sent
+
+
+def test_a_large_jobs_routine_reports_stay_within_the_jobs_rate() -> None:
+    det = DetectionSpec(progress_interval_s=5.0)
+    assert report_interval(det, 3, news=False, nodes=8) == 5.0  # small jobs: as before
+    for nodes in (1200, 4096):
+        # Every machine's routine report once per nodes / JOB_ROUTINE_PER_S seconds: the job's
+        # routine signals per second do not grow with its machines.
+        assert nodes / report_interval(det, 3, news=False, nodes=nodes) == JOB_ROUTINE_PER_S
+    # News and the job's first machine keep the progress rate whatever the size.
+    assert report_interval(det, 3, news=True, nodes=4096) == 5.0
+    assert report_interval(det, 0, news=False, nodes=4096) == 5.0
 
 
 async def test_an_agent_reports_at_its_machines_interval(monkeypatch: Any) -> None:

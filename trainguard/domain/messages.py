@@ -209,6 +209,27 @@ class JobGauges(Msg):
     ettr_window_1h: float
 
 
+class PartRef(Msg):
+    """One group's part of a checkpoint step: its ranks' shards, listed under ``key``."""
+
+    group: int
+    step: int
+    key: str
+    first_rank: int
+    ranks: int
+
+
+class CommitPartInput(Msg):
+    job_id: str
+    prefix: str
+    step: int
+    attempt: int | None = None
+    group: int
+    first_rank: int
+    ranks: int
+    shards: list[ShardInfo]
+
+
 class CommitCheckpointInput(Msg):
     job_id: str
     prefix: str
@@ -222,6 +243,8 @@ class CommitCheckpointInput(Msg):
     gauges: JobGauges | None = None
     # The attempt whose shards these are: refused when the job is on a newer one (None: unchecked).
     attempt: int | None = None
+    # A large job's checkpoint: its groups' parts (``shards`` then empty).
+    parts: list[PartRef] = []
 
 
 class LatestCheckpointInput(Msg):
@@ -325,6 +348,81 @@ class ProgressReport(Msg):
     snapshot_settle_s: float | None = None
     # Steps between S3 persists the ranks derived with the interval (a multiple of it).
     snapshot_persist_every: int | None = None
+
+
+# -- groups of a large job's machines (workflows.job.group) ------------------------
+
+
+class GroupInput(Msg):
+    """One group of a large job's machines, for one attempt: start (or, ``attach``, wait for)
+    their ranks, keep what each machine reports, and tell the job what it must know."""
+
+    parent: str  # the job's workflow id: where the group's news goes (any run of it)
+    group: int
+    first_index: int  # node_index of nodes[0]
+    nodes: list[NodeInfo]
+    # The run_ranks input of every machine but its own parts (node, node_index, ranks, resume
+    # shards and peers are filled in per machine); ``resume.shards`` holds the group's ranks'.
+    ranks_input: RunRanksInput
+    schedule_to_start_s: float
+    heartbeat_timeout_s: float
+    # A machine asked to re-attach after missing heartbeats must pick it up within this.
+    pickup_s: float
+    # Routine summaries to the job at most this often (news goes at once).
+    summary_every_s: float
+    # A group that continued as new (its history grew long): its machines' ranks run on, to be
+    # re-attached; and what it knew of them.
+    attach: bool = False
+    first_step_sent: bool = False
+    compute: dict[str, float] = {}
+    block: dict[str, tuple[float, float]] = {}
+
+
+class GroupStop(Msg):
+    """The job stops the group's ranks (a failure elsewhere, a user's stop, a code update)."""
+
+    persist: bool = False
+    # A user's stop waits this long for the uploads of the persist (seconds).
+    limit_s: float | None = None
+
+
+class ReplicaRun(Msg):
+    """Consecutive data-parallel replicas (``first_dp``..``last_dp``) of one model position whose
+    parameters hash alike: a group's replica hashes without one entry per rank."""
+
+    position: int
+    first_dp: int
+    last_dp: int
+    hash: str
+
+
+class GroupNews(Msg):
+    """What a group tells the job: its progress (a summary), a machine that failed, a complete
+    part of a checkpoint, and, once every machine ended, every machine's result."""
+
+    group: int
+    attempt: int
+    at: datetime
+    # The group's summary: step, loss and step time of its most advanced report, its first step,
+    # checkpoint blocking and protection (its slowest machine's), the agreed snapshot interval.
+    progress: ProgressReport | None = None
+    # The fastest and slowest machine's compute time per step (fail-slow) and how many machines
+    # of the group reported one.
+    compute: dict[str, float] = {}
+    computed: int = 0
+    hash_step: int | None = None
+    replicas: list[ReplicaRun] = []
+    parts: list[PartRef] = []
+    # Machines that ended with a failure since the group's last news, and those whose run_ranks
+    # failed (lost, with the error); machines still running and heard from.
+    failed: list[RunRanksResult] = []
+    lost: dict[str, str] = {}
+    running: int = 0
+    # Every machine ended: each one's result (their memory snapshots and backups name the
+    # restore point), and those cut off (missed heartbeats, answered neither re-attach nor stop).
+    done: bool = False
+    results: list[RunRanksResult] = []
+    cut_off: list[str] = []
 
 
 # -- drills and incidents ---------------------------------------------------------
@@ -485,3 +583,4 @@ class IncidentReport(Msg):
 
 
 RunRanksResult.model_rebuild()
+GroupNews.model_rebuild()

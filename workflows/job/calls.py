@@ -29,6 +29,7 @@ with workflow.unsafe.imports_passed_through():
         CheckResult,
         ClearFaultsInput,
         CommitCheckpointInput,
+        CommitPartInput,
         DiagnosticInput,
         Endpoint,
         EvictInput,
@@ -38,6 +39,7 @@ with workflow.unsafe.imports_passed_through():
         LatestCheckpointInput,
         LocalizeStacksInput,
         PairTestInput,
+        PartRef,
         PortInput,
         ReleaseInput,
         ReserveInput,
@@ -139,6 +141,10 @@ latest_checkpoint: Activity[LatestCheckpointInput, CheckpointRef | None] = Activ
 commit_checkpoint: Activity[CommitCheckpointInput, CheckpointRef] = Activity(
     "commit_checkpoint", CommitCheckpointInput, CheckpointRef, ON_CONTROLLER
 )
+# One group's ranks' shards of a step, verified and listed as a part (a large job's checkpoint).
+commit_checkpoint_part: Activity[CommitPartInput, PartRef] = Activity(
+    "commit_checkpoint_part", CommitPartInput, PartRef, ON_CONTROLLER
+)
 localize_stacks: Activity[LocalizeStacksInput, StackFinding] = Activity(
     "localize_stacks", LocalizeStacksInput, StackFinding, ON_CONTROLLER
 )
@@ -232,6 +238,7 @@ ALL: tuple[Activity[Any, Any], ...] = (
     evict_nodes,
     latest_checkpoint,
     commit_checkpoint,
+    commit_checkpoint_part,
     localize_stacks,
     record_incident,
     notify,

@@ -22,15 +22,16 @@ from workflows.job import calls, patches
 with workflow.unsafe.imports_passed_through():
     from pydantic import TypeAdapter
 
+    from trainguard.domain import groups
     from trainguard.domain.messages import CONTROLLER_QUEUE, FanOutCall, FanOutInput, FanOutResult, NodeInfo
 
 I = TypeVar("I")  # noqa: E741 - the input, beside R the result
 R = TypeVar("R")
 
-# Up to this many machines a call runs directly from the calling workflow (every recorded history
-# has fewer); a job keeps at most as many machines' run_ranks pending beside it (GROUP_SIZE).
-FANOUT_DIRECT = 200
-FANOUT_CHUNK = 200
+# Up to FANOUT_DIRECT machines a call runs directly from the calling workflow (every recorded
+# history has fewer); a job keeps at most GROUP_SIZE machines' run_ranks pending beside it.
+FANOUT_DIRECT = groups.FANOUT_DIRECT
+FANOUT_CHUNK = groups.FANOUT_CHUNK
 # The options a fan-out passes to its children (timedeltas travel as seconds).
 _TIMEOUTS = ("schedule_to_start", "start_to_close", "heartbeat")
 _BY_NAME: dict[str, calls.Activity[Any, Any]] = {a.name: a for a in calls.ALL}
