@@ -79,7 +79,7 @@ __all__ = [
 ]
 
 
-# -- the status document of CONTRACT.md, typed (the JSON itself is unchanged) ----------------
+# -- the status document of docs/reference.md, typed (the JSON itself is unchanged) ----------
 
 
 class CheckpointDoc(TypedDict):
@@ -94,24 +94,46 @@ class IncidentDoc(TypedDict, total=False):
     detected_at: str
     fault_at: str | None
     detection_s: float | None
+    decision_s: float | None
+    decided_at: str | None
     suspects: list[str]
     evicted: list[str]
+    evicted_at: str | None
     action: str
     evidence: str
+    relaunched_at: str | None
     recovered_at: str | None
     recovery_s: float | None
     lost_steps: int
+    restored_from: str | None
     # The uploaded stderr of the rank the incident came from (`trainguard logs` reads it).
     log_uri: str | None
 
 
 class ResultDoc(TypedDict):
     final_step: int
-    param_hash: str
+    param_hash: str | None
+
+
+class ProtectionDoc(TypedDict):
+    memory_every_steps: int | None
+    chosen_by: Literal["spec", "budget"]
+    overhead_budget: float | None
+    max_lost_s: float
+    snapshot_cost_s: float | None
+    lost_s_per_failure: float | None
+    persist_every_steps: int
+    persist_every_s: float | None
+
+
+class PendingCodeDoc(TypedDict):
+    version: str
+    how: str
+    deadline: str
 
 
 class JobStatus(TypedDict, total=False):
-    """``JobHandle.status()``: the keys CONTRACT.md names always come; the rest are extras."""
+    """``JobHandle.status()``: ``trainguard status --json``, every key of docs/reference.md."""
 
     job_id: str
     phase: Phase
@@ -120,10 +142,11 @@ class JobStatus(TypedDict, total=False):
     attempt: int
     code_version: str
     code_history: list[dict[str, Any]]
-    pending_code_version: str | None
+    pending_code_version: PendingCodeDoc | None
     ettr: float
     ettr_window_1h: float
     badput_s: dict[str, float]
+    protection: ProtectionDoc
     nodes: dict[str, str]
     world_size: int
     pool: str
@@ -250,7 +273,7 @@ class JobHandle:
             raise
 
     async def status(self) -> JobStatus:
-        """The status document of CONTRACT.md (phase, step, ETTR, incidents, result)."""
+        """The status document of docs/reference.md (phase, step, ETTR, incidents, result)."""
         try:
             return JobStatus(await self._wf.query("status", result_type=dict))  # type: ignore[typeddict-item]
         except RPCError as exc:
@@ -457,7 +480,7 @@ class TrainguardClient:
         duration_s: float | None = None,
         evades_checks: bool = False,
     ) -> InjectResult:
-        """A fault drill on ``node`` (see CONTRACT.md for the faults); persists until cleared.
+        """A fault drill on ``node`` (``ALL_FAULTS``; docs/reference.md); persists until cleared.
 
         ``duration_s`` matters on machines with a real NIC (``trainguard up --netns``): how
         long nic-down keeps the link down (default 20 s; the agent restores it itself, as
