@@ -3,15 +3,17 @@
 Every inline code span outside fenced blocks is one name, resolved by its shape:
 
 - a path (``workflows/job/attempt.py``, ``analysis/stacks.py``, ``tests/chaos/``): a file or
-  folder of the checkout, given whole or as its trailing part; ``.py`` and ``.md`` files must
-  exist. A name of data the code writes (``manifest.json``, ``<job>/attempt.json``,
-  ``step-0000000020/attempt-0003/rank-00001.pt``): each literal piece (placeholders ``<...>``,
-  ``*`` and runs of digits left out) is in a string of the code;
+  folder of the checkout, given whole or as its trailing part; ``.py`` and ``.md`` files, and
+  paths from a top folder of the checkout, must exist. A name of data the code writes
+  (``manifest.json``, ``<job>/attempt.json``, ``step-0000000020/attempt-0003/rank-00001.pt``):
+  each literal piece (placeholders ``<...>``, ``*`` and runs of digits left out) is in a string
+  of the code;
 - ``path: name``, ``path:name``, ``path::name``: the file exists and defines ``name``;
 - a command line: ``trainguard ...`` (the command and every ``--option`` exist in the CLI;
   a leading CLI command alone, ``status --json``, reads the same), ``python -m MODULE``
-  (the module is the checkout's), ``make TARGET`` (the Makefile's), any other program (its
-  name is a string in the code, as the code runs it, or it sits beside this Python);
+  (the module is the checkout's), ``make TARGET`` (the Makefile's), any other program (the
+  code runs it by name: the first of a list of strings or of a call's string arguments, as
+  ``["sbatch", "-N1"]``; or it sits beside this Python);
 - ``--flag``: an option of the CLI, or a string of the code (an argparse flag);
 - Python (``Attempt.begin()``, ``policy.decide``, ``stop_ranks(persist=True)``): parsed;
   a dotted name resolves from its head: ``tg`` (the runtime module) and ``ctx`` (the object
@@ -31,7 +33,9 @@ Every inline code span outside fenced blocks is one name, resolved by its shape:
   the code; a phrase matches the source with ``...`` and upper-case words (``HOST:PORT``) as
   wildcards.
 
-Fenced code blocks are not read: diagrams, examples, and listings of how the code once was.
+"The code" is the checkout's Python outside tests/ (a test's strings name what must not exist
+too); definitions are read from tests as well (``test_byos.py::test_...``). Fenced code blocks
+are not read: diagrams, examples, and listings of how the code once was.
 """
 
 from __future__ import annotations
@@ -49,7 +53,6 @@ SKIP_DIRS = {".venv", ".git", "__pycache__", "node_modules", "build", "dist"}
 # Names the runtime's own example (trainguard/runtime/__init__.py) gives its objects.
 ALIASES = {"tg": ("trainguard.runtime",), "ctx": ("trainguard.runtime.context", "Context")}
 _PLACEHOLDER_RE = re.compile(r"<[^<>]*>|\*|\d{2,}")
-_IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DOTTED_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_*][A-Za-z0-9_*]*)*\*?")
 
 
