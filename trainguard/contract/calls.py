@@ -154,9 +154,13 @@ clear_faults: Activity[ClearFaultsInput, int] = Activity(
     Options(schedule_to_start=timedelta(seconds=30), start_to_close=timedelta(seconds=10)),
 )
 # The live output of the job's ranks on the machine. Not called by a workflow: `trainguard logs
-# --follow` runs it as a standalone activity on the machine's queue (no history grows).
+# --follow` runs it as a standalone activity on the machine's queue (no history grows), and
+# asks again when an answer does not come within seconds (hence not retried).
 tail_logs: Activity[TailLogsInput, TailLogsResult] = Activity(
-    "tail_logs", TailLogsInput, TailLogsResult, dataclasses.replace(ON_MACHINE, start_to_close=SHORT)
+    "tail_logs",
+    TailLogsInput,
+    TailLogsResult,
+    dataclasses.replace(ON_MACHINE, start_to_close=timedelta(seconds=10)),
 )
 
 # -- Slurm (the pool's Slurm worker, on its own queue given per call) --------------------------

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import gzip
 import uuid
-from datetime import timedelta
 
 from temporalio.client import Client
 
 from trainguard.contract import calls
 from trainguard.domain.rank_logs import LogObject, TailLogsInput, TailLogsResult, job_logs_prefix, parse_key
 from trainguard.services.storage import S3Store
-
-TAIL_TIMEOUT = timedelta(seconds=10)
 
 
 def uploaded(
@@ -39,12 +36,6 @@ def read(store: S3Store, obj: LogObject) -> str:
 
 async def tail(client: Client, task_queue: str, req: TailLogsInput) -> TailLogsResult:
     """New output of the job's ranks on one machine, from its agent (standalone activity)."""
-    # Not retried (the contract's default for machine activities): the caller asks again anyway.
     return await calls.tail_logs.standalone(
-        client,
-        req,
-        id=f"tail-logs-{req.job_id}-{uuid.uuid4().hex[:12]}",
-        task_queue=task_queue,
-        schedule_to_start=TAIL_TIMEOUT,
-        start_to_close=TAIL_TIMEOUT,
+        client, req, id=f"tail-logs-{req.job_id}-{uuid.uuid4().hex[:12]}", task_queue=task_queue
     )
