@@ -31,6 +31,7 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from trainguard import contract
 from trainguard.domain.code_versions import CodeUpdate
 from trainguard.domain.job_state import JobInput, Phase
 from trainguard.domain.messages import (
@@ -275,7 +276,7 @@ class JobHandle:
     async def status(self) -> JobStatus:
         """The status document of docs/reference.md (phase, step, ETTR, incidents, result)."""
         try:
-            return JobStatus(await self._wf.query("status", result_type=dict))  # type: ignore[typeddict-item]
+            return JobStatus(await contract.job.status.query(self._wf))  # type: ignore[typeddict-item]
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 raise UnknownJob(self.job_id) from None
@@ -356,7 +357,7 @@ class JobHandle:
         if await self._describe_status() != ExecStatus.RUNNING:
             raise BadUpdate(f"job: {self.job_id} is not running; submit it with code_version: {version}")
         try:
-            return await self._wf.execute_update("update_code", req, result_type=dict)
+            return await contract.job.update_code.execute(self._wf, req)
         except WorkflowUpdateFailedError as exc:
             cause = exc.cause
             if isinstance(cause, ApplicationError) and cause.type == "BadInput":
@@ -367,7 +368,7 @@ class JobHandle:
         """Ask the job to stop; its ranks are stopped and its last checkpoint stays."""
         if await self._describe_status() != ExecStatus.RUNNING:
             return
-        await self._wf.signal("stop", reason)
+        await contract.job.stop.signal(self._wf, reason)
 
     async def cancel(self, reason: str | None = None) -> None:
         """End the job now: its ranks are stopped without waiting for uploads in flight, its
@@ -375,7 +376,7 @@ class JobHandle:
         It ends ``stopped`` with the verdict naming the cancel."""
         if await self._describe_status() != ExecStatus.RUNNING:
             return
-        await self._wf.signal("cancel", reason or f"cancelled by {_whoami()}")
+        await contract.job.cancel.signal(self._wf, reason or f"cancelled by {_whoami()}")
 
 
 def _whoami() -> str:
@@ -413,7 +414,7 @@ class TrainguardClient:
         inp = JobInput(spec=spec, **options)
         try:
             await self.temporal.start_workflow(
-                "TrainingJobWorkflow",
+                contract.job.WORKFLOW.name,
                 inp,
                 id=spec.name,
                 task_queue=CONTROLLER_QUEUE,
@@ -433,7 +434,9 @@ class TrainguardClient:
             raise SpecError("phase", f"'{shown(phase)}' is not a phase (one of {', '.join(PHASES)})")
         if limit is not None and limit < 1:
             raise SpecError("limit", f"{limit} is not a positive number")
-        query = "WorkflowType = 'TrainingJobWorkflow'" + (f" AND TgPhase = '{phase}'" if phase else "")
+        query = f"WorkflowType = '{contract.job.WORKFLOW.name}'"
+        if phase:
+            query += f" AND TgPhase = '{phase}'"
         out: list[JobSummary] = []
         seen: set[str] = set()
         page = min(limit * 2, 1000) if limit else 1000  # a few older runs of resubmitted jobs
