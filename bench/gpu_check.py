@@ -863,13 +863,15 @@ def ckpt_script(args: argparse.Namespace) -> None:
          "done_at": time.time(), "order": (d / ".metadata").stat().st_mtime_ns,
          "bytes": sum(f.stat().st_size for f in d.rglob("*") if f.is_file())}
     )  # fmt: skip
+    record = Path(args.marks)
+    record.write_text("".join(json.dumps(m) + "\n" for m in marks))
     store = Path(args.until_stored)
     hold_until = time.monotonic() + HOLD_S
     while time.monotonic() < hold_until and len(list(store.rglob("manifest.json"))) < len(marks):
         step_once()
         step += 1
-    marks.append({"end_at": time.time(), "steps": step})
-    Path(args.marks).write_text("".join(json.dumps(m) + "\n" for m in marks))
+    with record.open("a") as f:  # the last line: when the script stopped training
+        f.write(json.dumps({"end_at": time.time(), "steps": step}) + "\n")
     dist.destroy_process_group()
 
 
@@ -920,7 +922,9 @@ async def _discovery(args: argparse.Namespace, cuda: bool, timeout_s: float) -> 
                 **out,
             }
         lines = [json.loads(line) for line in marks.read_text().splitlines()]
-        saves, end = lines[:-1], lines[-1]
+        saves, end = [m for m in lines if "name" in m], next((m for m in lines if "end_at" in m), None)
+        if end is None:
+            return {"status": "failed", "error": "the script did not finish training", "saves": saves, **out}
         local = session.script_ckpt_dir
         out["saves"] = [_found(store, session.inp.ckpt_prefix, local, s, end["end_at"]) for s in saves]
         out["script_steps"] = end["steps"]
