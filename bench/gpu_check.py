@@ -493,7 +493,7 @@ def fault_rank(simulate: bool) -> None:
 async def _run_fault_session(simulate: bool, probes: list[Any]) -> dict[str, Any]:
     from activities.drills import DrillState
     from activities.health import HealthMonitor
-    from activities.rank_session import RankSession
+    from activities.session import RankSession
     from trainguard.agent.ports import free_port
     from trainguard.domain.messages import Endpoint, NodeInfo, RunRanksInput
     from trainguard.domain.spec import JobSpec
