@@ -21,13 +21,13 @@ from activities.drills import DrillState
 from activities.health import HealthMonitor
 from activities.rank_logs import LogActivities
 from activities.session import RankSession, RestoreUnavailable, Sessions, SetupProblem
+from activities.session.progress import discard, to_workflow
 from activities.warm_pool import WarmPool
 from trainguard.agent.ports import free_port
 from trainguard.domain.messages import (
     Endpoint,
     IncidentReport,
     PortInput,
-    ProgressReport,
     RunRanksInput,
     RunRanksResult,
     StopRanksInput,
@@ -85,9 +85,6 @@ class RankActivities:
     def _stopped_result(self, inp: RunRanksInput) -> RunRanksResult:
         return RunRanksResult(node=inp.node.name, attempt=inp.attempt, ok=False, message="ranks stopped")
 
-    async def _signal(self, workflow_id: str, report: ProgressReport) -> None:
-        await self.client.get_workflow_handle(workflow_id).signal("progress", report)
-
     @activity.defn(name=calls.pick_master_port.name)
     async def pick_master_port(self, req: PortInput) -> Endpoint:
         """A free port on this machine for rank 0's rendezvous store."""
@@ -110,11 +107,7 @@ class RankActivities:
             if (inp.job_id, inp.attempt, inp.chain) in self.stopped:
                 return self._stopped_result(inp)
             await self.sessions.stop_older(inp.job_id, inp.attempt, inp.chain)
-
-            async def send(report: ProgressReport) -> None:
-                if not inp.dry_run:
-                    await self._signal(inp.workflow_id, report)
-
+            send = discard if inp.dry_run else to_workflow(self.client, inp.workflow_id)
             sess = RankSession(
                 inp,
                 self.workdir,

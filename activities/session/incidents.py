@@ -31,7 +31,7 @@ from trainguard.domain.messages import IncidentReport
 
 log = logging.getLogger(__name__)
 
-# Health kinds whose evidence is the machine itself: recent health notes would only blur it.
+# Incidents that are a machine fault themselves: their evidence is the probe's, no health notes added.
 _MACHINE_KINDS = ("gpu-lost", "gpu-xid", "ecc")
 
 

@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import TextIO
 
+from temporalio.client import Client
+
 from activities.session.snapshots import Snapshots
 from activities.session.state import SessionState
 from trainguard.domain.messages import ProgressReport
@@ -38,6 +40,20 @@ STEP_WALL_KEPT = 10_000
 STEP_TRAIL = "steps.tsv"
 
 SignalFn = Callable[[ProgressReport], Awaitable[None]]
+
+
+def to_workflow(client: Client, workflow_id: str) -> SignalFn:
+    """How the reports reach the job: a ``progress`` signal to its workflow, whichever run of it
+    is current (continue-as-new keeps the id)."""
+
+    async def send(report: ProgressReport) -> None:
+        await client.get_workflow_handle(workflow_id).signal("progress", report)
+
+    return send
+
+
+async def discard(report: ProgressReport) -> None:
+    """A dry run's reports: its state is thrown away, no workflow hears of it."""
 
 
 class ProgressReporter:
