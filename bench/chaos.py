@@ -80,7 +80,7 @@ from temporalio.client import WorkflowQueryFailedError, WorkflowUpdateFailedErro
 from temporalio.service import RPCError  # noqa: E402
 from temporalio.worker import Replayer  # noqa: E402
 
-from activities.rank_session import STEP_TRAIL  # noqa: E402
+from activities.session.progress import STEP_TRAIL  # noqa: E402
 from infra import chaos, netns, partition  # noqa: E402
 from infra.local import node_names, restore_pool  # noqa: E402
 from infra.private_stack import choose, connect, log, run_bench  # noqa: E402

@@ -666,7 +666,7 @@ async def _agent_session(
     killed; seconds taken; the session; its health monitor)."""
     from activities.drills import DrillState
     from activities.health import HealthMonitor
-    from activities.rank_session import RankSession
+    from activities.session import RankSession
     from trainguard.agent.ports import free_port
     from trainguard.domain.messages import Endpoint, NodeInfo, RunRanksInput
 
