@@ -48,14 +48,14 @@ class Fence:
     def __init__(
         self,
         probe: Probe,
-        ranks: Fenceable,
+        sessions: Fenceable,
         fence_after_s: float = fencing.FENCE_AFTER_S,
         every_s: float = fencing.FENCE_PROBE_EVERY_S,
         timeout_s: float = fencing.FENCE_PROBE_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.probe = probe
-        self.ranks = ranks
+        self.sessions = sessions
         self.fence_after_s = fence_after_s
         self.every_s = every_s
         self.timeout_s = timeout_s
@@ -77,7 +77,7 @@ class Fence:
             return
         if not fencing.fenced(self.last_ok, self.clock(), self.fence_after_s):
             return
-        stopped = await self.ranks.fence()  # nothing when nothing runs (hung ranks count)
+        stopped = await self.sessions.fence()  # nothing when nothing runs (hung ranks count)
         if stopped:
             self.fenced.extend(stopped)
             log.warning(

@@ -2,7 +2,7 @@
 
 Probes run in worker threads with a timeout, so a probe stuck in a driver call
 cannot stall the agent. Each running rank session subscribes and turns the
-events into incidents (see ``activities.rank_session``); events are also kept
+events into incidents (see ``activities.session.watch``); events are also kept
 in a short history for evidence.
 """
 

@@ -15,12 +15,12 @@ import logging
 import os
 import tempfile
 import weakref
-from collections.abc import Callable
 from pathlib import Path
 
 from temporalio import activity
 
-from activities.rank_session import RankSession
+from activities.session import RankSession, Sessions
+from trainguard.contract import calls
 from trainguard.domain.messages import RunRanksResult
 from trainguard.domain.rank_logs import (
     MAX_CHUNK_BYTES,
@@ -39,7 +39,6 @@ from trainguard.domain.rank_logs import (
     parse_key,
 )
 from trainguard.services.storage import S3Store
-from workflows.job import calls
 
 log = logging.getLogger(__name__)
 # A slow bucket must not hold up the recovery: what is not up by then is left (and logged).
@@ -110,9 +109,7 @@ def read_chunk(path: Path, rank: int, stream: Stream, start: int | None, final: 
 class LogActivities:
     """Rank output of this machine: uploaded at each attempt's end; ``tail_logs`` serves it live."""
 
-    def __init__(
-        self, node_name: str, store: S3Store, sessions: Callable[[], dict[tuple[str, int], RankSession]]
-    ) -> None:
+    def __init__(self, node_name: str, store: S3Store, sessions: Sessions) -> None:
         self.node_name = node_name
         self.store = store
         self.sessions = sessions
@@ -153,7 +150,7 @@ class LogActivities:
 
     @activity.defn(name=calls.tail_logs.name)
     async def tail_logs(self, req: TailLogsInput) -> TailLogsResult:
-        mine = {a: s for (job, a), s in self.sessions().items() if job == req.job_id}
+        mine = self.sessions.of_job(req.job_id)
         attempt = req.attempt if req.attempt is not None else max(mine, default=None)
         sess = mine.get(attempt) if attempt is not None else None
         if sess is None:

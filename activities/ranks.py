@@ -3,7 +3,8 @@
 ``run_ranks`` runs for as long as the ranks do: it heartbeats, and returns how
 each rank ended. Cancellation by the workflow stops the ranks; cancellation
 because the workflow run is gone (continue-as-new) only detaches, see
-``activities.rank_session``.
+``activities.session.session``. ``stop_ranks`` stops them on purpose (a failure
+elsewhere, a hang after its stacks were taken, a user's stop).
 """
 
 from __future__ import annotations
@@ -19,20 +20,21 @@ from temporalio.client import Client
 from activities.drills import DrillState
 from activities.health import HealthMonitor
 from activities.rank_logs import LogActivities
-from activities.rank_session import RankSession, RestoreUnavailable, SetupProblem
+from activities.session import RankSession, RestoreUnavailable, Sessions, SetupProblem
+from activities.session.progress import discard, to_workflow
 from activities.warm_pool import WarmPool
 from trainguard.agent.ports import free_port
+from trainguard.contract import calls
 from trainguard.domain.messages import (
     Endpoint,
     IncidentReport,
     PortInput,
-    ProgressReport,
     RunRanksInput,
     RunRanksResult,
+    StopRanksInput,
 )
 from trainguard.domain.policy import SETUP_KIND
 from trainguard.services.storage import S3Store
-from workflows.job import calls
 
 HEARTBEAT_EVERY = timedelta(seconds=2)
 # How long ranks keep running with no activity attached (covers continue-as-new).
@@ -50,6 +52,8 @@ class RankActivities:
         host: str,
         health: HealthMonitor,
         drills: DrillState,
+        sessions: Sessions,
+        logs: LogActivities | None = None,
         rank_nice: int = 0,
         node_name: str = "",
         memory_dir: Path | None = None,
@@ -66,34 +70,10 @@ class RankActivities:
         self.workdir = workdir
         self.code_dir = code_dir
         self.host = host
-        self.sessions: dict[tuple[str, int], RankSession] = {}
-        self.logs: LogActivities | None = None  # uploads each attempt's rank output when it ends
+        self.sessions = sessions
+        self.logs = logs  # uploads each attempt's rank output when it ends
         # Attempts told to stop before (or while) their ranks started here: (job, attempt, chain).
         self.stopped: OrderedDict[tuple[str, int, str], None] = OrderedDict()
-
-    def rank_pids(self) -> dict[int, int]:
-        """Rank -> pid of every rank this agent runs now (for the host probe)."""
-        return {
-            rank: proc.pid
-            for sess in self.sessions.values()
-            if not sess.done
-            for rank, proc in sess.procs.items()
-            if proc.returncode is None
-        }
-
-    def running(self) -> str | None:
-        """What ranks run here now (a graceful shutdown waits for them), or None."""
-        jobs = sorted(
-            {f"{job} attempt {attempt}" for (job, attempt), s in self.sessions.items() if not s.done}
-        )
-        return f"ranks of {', '.join(jobs)} still run" if jobs else None
-
-    async def fence(self) -> list[tuple[str, int]]:
-        """Temporal is out of reach for too long (``activities.fence``): stop every rank here, hung
-        ones kept for their stacks included; the workflow is about to start their replacement."""
-        live = [s for s in self.sessions.values() if not s.done or s.frozen]
-        await asyncio.gather(*(s.kill() for s in live))
-        return [s.key for s in live]
 
     def mark_stopped(self, job_id: str, attempt: int, chain: str) -> None:
         """A stop came for an attempt whose ranks are not (yet) running here: a run_ranks that
@@ -105,17 +85,6 @@ class RankActivities:
     def _stopped_result(self, inp: RunRanksInput) -> RunRanksResult:
         return RunRanksResult(node=inp.node.name, attempt=inp.attempt, ok=False, message="ranks stopped")
 
-    async def _signal(self, workflow_id: str, report: ProgressReport) -> None:
-        await self.client.get_workflow_handle(workflow_id).signal("progress", report)
-
-    async def _stop_older_attempts(self, job_id: str, attempt: int, chain: str) -> None:
-        """One attempt per job per machine: ranks of an older attempt (or run) must not linger."""
-        for key, sess in list(self.sessions.items()):
-            if key[0] == job_id and (key[1] < attempt or sess.inp.chain != chain):
-                if not sess.done:
-                    await sess.kill()
-                del self.sessions[key]
-
     @activity.defn(name=calls.pick_master_port.name)
     async def pick_master_port(self, req: PortInput) -> Endpoint:
         """A free port on this machine for rank 0's rendezvous store."""
@@ -123,8 +92,7 @@ class RankActivities:
 
     @activity.defn(name=calls.run_ranks.name)
     async def run_ranks(self, inp: RunRanksInput) -> RunRanksResult:
-        key = (inp.job_id, inp.attempt)
-        sess = self.sessions.get(key)
+        sess = self.sessions.get(inp.job_id, inp.attempt)
         if sess is not None and sess.inp.chain != inp.chain:
             sess = None  # the same attempt number of an earlier run of this job: replaced below
         if sess is None:
@@ -138,12 +106,8 @@ class RankActivities:
                 )
             if (inp.job_id, inp.attempt, inp.chain) in self.stopped:
                 return self._stopped_result(inp)
-            await self._stop_older_attempts(inp.job_id, inp.attempt, inp.chain)
-
-            async def send(report: ProgressReport) -> None:
-                if not inp.dry_run:
-                    await self._signal(inp.workflow_id, report)
-
+            await self.sessions.stop_older(inp.job_id, inp.attempt, inp.chain)
+            send = discard if inp.dry_run else to_workflow(self.client, inp.workflow_id)
             sess = RankSession(
                 inp,
                 self.workdir,
@@ -156,7 +120,7 @@ class RankActivities:
                 self.memory_dir,
                 self.warm,
             )
-            self.sessions[key] = sess
+            self.sessions.add(sess)
             try:
                 await sess.start()
             except RestoreUnavailable as exc:
@@ -180,7 +144,7 @@ class RankActivities:
             finally:
                 if not sess.started:
                     # Whatever stopped the start, a session that never ran must not linger.
-                    del self.sessions[key]
+                    self.sessions.drop(sess)
                     await sess.kill()
             if (inp.job_id, inp.attempt, inp.chain) in self.stopped:
                 await sess.kill()  # told to stop while its ranks were starting
@@ -201,7 +165,6 @@ class RankActivities:
                     # The workflow run that started us is gone (continue-as-new or
                     # termination), or the server gave up on our heartbeats (while it was
                     # down, say): leave the ranks to whoever attaches next.
-                    sess.owner = None
                     sess.orphan(ORPHAN_TIMEOUT_S)
                 else:
                     await sess.kill()
@@ -210,3 +173,16 @@ class RankActivities:
                     if self.logs is not None:
                         await self.logs.attempt_ended(sess, None)
             raise
+
+    @activity.defn(name=calls.stop_ranks.name)
+    async def stop_ranks(self, req: StopRanksInput) -> bool:
+        """Stop what is left of an attempt's ranks here (after their stacks were taken)."""
+        sess = self.sessions.get(req.job_id, req.attempt)
+        if sess is None or not sess.started:
+            self.mark_stopped(req.job_id, req.attempt, req.chain)
+        if sess is None or not sess.live_pids():
+            return False
+        await sess.kill()
+        if req.persist:
+            await sess.persist_newest()
+        return True

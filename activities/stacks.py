@@ -20,18 +20,12 @@ from typing import Any
 
 from temporalio import activity
 
-from activities.ranks import RankActivities
+from activities.session import Sessions
+from trainguard.contract import calls
 from trainguard.domain.analysis.stacks import localize_hang
-from trainguard.domain.messages import (
-    LocalizeStacksInput,
-    StackDump,
-    StackFinding,
-    StackInput,
-    StopRanksInput,
-)
+from trainguard.domain.messages import LocalizeStacksInput, StackDump, StackFinding, StackInput
 from trainguard.domain.topology import place_ranks
 from trainguard.services.storage import S3Store
-from workflows.job import calls
 
 log = logging.getLogger(__name__)
 PY_SPY_TIMEOUT_S = 20.0
@@ -74,17 +68,17 @@ async def dump_pid(pid: int) -> list[str]:
 
 
 class StackActivities:
-    def __init__(self, store: S3Store, ranks: RankActivities | None = None) -> None:
+    def __init__(self, store: S3Store, node_name: str = "", sessions: Sessions | None = None) -> None:
         self.store = store
-        self.ranks = ranks
+        self.node_name = node_name
+        self.sessions = sessions  # on a machine only: its rank sessions
 
     @activity.defn(name=calls.dump_stacks.name)
     async def dump_stacks(self, req: StackInput) -> StackDump:
         """Dump the stacks of this machine's ranks of one attempt to S3."""
-        assert self.ranks is not None
-        node = self.ranks.node_name
-        sess = self.ranks.sessions.get((req.job_id, req.attempt))
-        pids = sess.live_pids() if sess is not None else {}
+        assert self.sessions is not None
+        node = self.node_name
+        pids = self.sessions.live_pids(req.job_id, req.attempt)
         if not pids:
             return StackDump(node=node, error="no live ranks of this attempt here")
         stacks: dict[int, list[str]] = {}
@@ -98,20 +92,6 @@ class StackActivities:
         key = f"{req.prefix}/stacks/attempt-{req.attempt:04d}/{node}.json"
         await asyncio.to_thread(self.store.put_json, key, {"node": node, "stacks": stacks})
         return StackDump(node=node, uri=self.store.uri(key), ranks=sorted(stacks), error="; ".join(errors))
-
-    @activity.defn(name=calls.stop_ranks.name)
-    async def stop_ranks(self, req: StopRanksInput) -> bool:
-        """Stop what is left of an attempt's ranks here (after their stacks were taken)."""
-        assert self.ranks is not None
-        sess = self.ranks.sessions.get((req.job_id, req.attempt))
-        if sess is None or not sess.started:
-            self.ranks.mark_stopped(req.job_id, req.attempt, req.chain)
-        if sess is None or not sess.live_pids():
-            return False
-        await sess.kill()
-        if req.persist:
-            await sess.persist_newest()
-        return True
 
     @activity.defn(name=calls.localize_stacks.name)
     async def localize_stacks(self, inp: LocalizeStacksInput) -> StackFinding:

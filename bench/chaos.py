@@ -80,7 +80,7 @@ from temporalio.client import WorkflowQueryFailedError, WorkflowUpdateFailedErro
 from temporalio.service import RPCError  # noqa: E402
 from temporalio.worker import Replayer  # noqa: E402
 
-from activities.rank_session import STEP_TRAIL  # noqa: E402
+from activities.session.progress import STEP_TRAIL  # noqa: E402
 from infra import chaos, netns, partition  # noqa: E402
 from infra.local import node_names, restore_pool  # noqa: E402
 from infra.private_stack import choose, connect, log, run_bench  # noqa: E402
@@ -88,11 +88,11 @@ from infra.stack import SEAWEEDFS, TEMPORAL, Stack  # noqa: E402
 from tests.integration.helpers import example_spec  # noqa: E402
 from tests.replay.record import export_histories  # noqa: E402
 from trainguard.client import ControllerUnavailable, JobHandle, TrainguardClient  # noqa: E402
+from trainguard.contract import calls  # noqa: E402
 from trainguard.domain import checkpoints  # noqa: E402
 from trainguard.domain.job_state import TERMINAL  # noqa: E402
 from trainguard.domain.spec import JobSpec  # noqa: E402
 from trainguard.services.storage import S3Store  # noqa: E402
-from workflows.job import calls  # noqa: E402
 from workflows.job.workflow import TrainingJobWorkflow  # noqa: E402
 
 # The activity each mid-action kill waits for, and the drill that makes the job run it

@@ -34,8 +34,9 @@ from activities.drills import DrillActivities, DrillProbe, DrillState, LinkContr
 from activities.fence import Fence, temporal_probe
 from activities.health import HealthMonitor
 from activities.rank_logs import LogActivities
-from activities.rank_session import rank_preexec
 from activities.ranks import RankActivities
+from activities.session import Sessions
+from activities.session.process import rank_preexec
 from activities.stacks import StackActivities
 from activities.warm_pool import WarmPool
 from trainguard.agent.health.events import Probe
@@ -108,23 +109,21 @@ async def main(
     client = await connect(settings, endpoint.runtime if endpoint else None)
     pool = pool or settings.pool
     info = NodeInfo(name=name, task_queue=node_queue(name, pool), host=host, gpus=gpus)
-    sessions: list[RankActivities] = []
-
-    def rank_pids() -> dict[int, int]:
-        return sessions[0].rank_pids() if sessions else {}
-
-    health = HealthMonitor(probes(name, [workdir, memory_dir], drills, gpus, rank_pids, nic))
+    # The agent's parts, each built on those before it: the sessions first, which the host
+    # probe, the rank output, the stack dumps, the fence and the shutdown all read.
+    sessions = Sessions()
+    health = HealthMonitor(probes(name, [workdir, memory_dir], drills, gpus, sessions.rank_pids, nic))
     health.start()
     store = S3Store(settings)
     warm = WarmPool(warm_ranks, workdir / "warm", functools.partial(rank_preexec, rank_nice))
     warm.start()
+    logs = LogActivities(name, store, sessions)
     ranks = RankActivities(
-        client, store, workdir, code_dir, host, health, drills, rank_nice, name, memory_dir, warm
-    )
-    stacks = StackActivities(store, ranks)
-    ranks.logs = LogActivities(name, store, lambda: ranks.sessions)
+        client, store, workdir, code_dir, host, health, drills, sessions, logs,
+        rank_nice=rank_nice, node_name=name, memory_dir=memory_dir, warm=warm,
+    )  # fmt: skip
+    stacks = StackActivities(store, name, sessions)
     diagnostics = DiagnosticActivities(name, health, drills)
-    sessions.append(ranks)
     worker = Worker(
         client,
         task_queue=info.task_queue,
@@ -133,9 +132,9 @@ async def main(
             ranks.pick_master_port,
             drill.inject_fault,
             drill.clear_faults,
+            ranks.stop_ranks,
             stacks.dump_stacks,
-            stacks.stop_ranks,
-            ranks.logs.tail_logs,
+            logs.tail_logs,
             diagnostics.self_test,
             diagnostics.alignment_test,
             diagnostics.collective_test,
@@ -146,7 +145,7 @@ async def main(
         graceful_shutdown_timeout=timedelta(seconds=5),
         max_heartbeat_throttle_interval=HEARTBEAT_THROTTLE,
     )
-    fence = asyncio.create_task(Fence(temporal_probe(client), ranks).run(), name="fence")
+    fence = asyncio.create_task(Fence(temporal_probe(client), sessions).run(), name="fence")
 
     # Poll first, then register: once the pool lists this machine, work sent to its
     # queue is picked up at once.
@@ -157,7 +156,7 @@ async def main(
         except Exception as exc:  # no controller answering: the pool notices the silence later
             log.warning("could not leave the pool: %s", exc)
 
-    running = asyncio.create_task(run_until_signalled(worker, ranks.running, leave))
+    running = asyncio.create_task(run_until_signalled(worker, sessions.running, leave))
     try:
         await pool_client.register(client, info, pool=pool)
         await running

@@ -179,10 +179,12 @@ def test_rank_env_is_torchruns() -> None:
     )
 
 
-def _session(tmp_path: Path, env: dict[str, str], attempt: int) -> Any:
+def _processes(tmp_path: Path, env: dict[str, str], attempt: int) -> Any:
+    """The rank processes part of an agent's session, on a machine that runs ranks 2 and 3."""
     from types import SimpleNamespace
 
-    from activities.rank_session import RankSession
+    from activities.session.process import RankProcesses
+    from activities.session.state import SessionState
     from trainguard.domain.messages import Endpoint, NodeInfo, RunRanksInput
 
     spec = cli.run_spec(
@@ -206,24 +208,24 @@ def _session(tmp_path: Path, env: dict[str, str], attempt: int) -> Any:
         master=Endpoint(host="127.0.0.1", port=29500),
         ckpt_prefix="checkpoints/byo",
     )
-    session: Any = RankSession.__new__(RankSession)
-    session.inp, session.spec, session.ckpt_dir = inp, spec, tmp_path / "snap"
-    session.job_dir = tmp_path / "agent" / "jobs" / "byo"
-    session.code_dir = tmp_path / "code"
-    session.drills = SimpleNamespace(path=tmp_path / "faults.json")
-    return session
+    state: Any = SessionState.__new__(SessionState)
+    state.inp, state.spec, state.ckpt_dir = inp, spec, tmp_path / "snap"
+    state.job_dir = tmp_path / "agent" / "jobs" / "byo"
+    state.code_dir = tmp_path / "code"
+    drills: Any = SimpleNamespace(path=tmp_path / "faults.json")
+    return RankProcesses(state, drills)
 
 
 def test_the_agent_builds_torchruns_rank_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    session = _session(tmp_path, {}, attempt=3)
-    env = session._rank_env(1, 3, 7)
+    process = _processes(tmp_path, {}, attempt=3)
+    env = process.rank_env(1, 3, 7)
     assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"], env["NODE_RANK"]) == ("3", "1", "1", "1")
     assert env["TORCHELASTIC_RESTART_COUNT"] == "2"  # attempt 3: the job's second restart
-    assert env["TORCHELASTIC_MAX_RESTARTS"] == str(session.spec.detection.max_attempts)
+    assert env["TORCHELASTIC_MAX_RESTARTS"] == str(process.s.spec.detection.max_attempts)
     assert env["OMP_NUM_THREADS"] == "1"  # several ranks per machine, as torchrun sets it
     # A relative checkpoint dir is per machine; ranks start in the workdir.
     assert env["TG_CHECKPOINT_DIR"] == str(tmp_path / "agent" / "jobs" / "byo" / "ckpt")
-    assert session.workdir == tmp_path
-    mine = _session(tmp_path, {"OMP_NUM_THREADS": "8"}, attempt=1)._rank_env(0, 2, 7)
+    assert process.s.workdir == tmp_path
+    mine = _processes(tmp_path, {"OMP_NUM_THREADS": "8"}, attempt=1).rank_env(0, 2, 7)
     assert mine["OMP_NUM_THREADS"] == "8" and mine["TORCHELASTIC_RESTART_COUNT"] == "0"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from activities.rank_session import STEP_TRAIL
+from activities.session.progress import STEP_TRAIL
 from bench.chaos import attempt_windows, overlap
 
 

@@ -7,12 +7,13 @@ import os
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from activities import rank_session
-from activities.rank_session import EXIT_BOUND_S, RankSession
+from activities.session import process as rank_process
+from activities.session.process import EXIT_BOUND_S, RankProcesses
 from tests.unit.test_launch import run_launched
 from trainguard.domain.detection import TrainingMonitor
 from trainguard.domain.spec import DetectionSpec
@@ -43,38 +44,42 @@ async def _sleeper() -> asyncio.subprocess.Process:
     )
 
 
-def _session(procs: dict[int, asyncio.subprocess.Process], exiting: set[int]) -> Any:
-    """An agent's session with what the exit bound reads: its ranks' processes and monitor."""
-    session: Any = RankSession.__new__(RankSession)
-    session.monitor = _monitor()
-    session.procs = procs
-    session._exiting = exiting
-    session._stuck_in_exit = set()
-    session._exit_cpu = {}
-    session._tasks = []
-    return session
+def _processes(procs: dict[int, asyncio.subprocess.Process], exiting: set[int]) -> Any:
+    """An agent's session's rank processes with what the exit bound reads: the processes, the
+    ranks' monitor and the session's tasks."""
+    tasks: list[asyncio.Task[Any]] = []
+
+    def spawn(coro: Any, name: str) -> asyncio.Task[Any]:
+        tasks.append(task := asyncio.create_task(coro, name=name))
+        return task
+
+    state: Any = SimpleNamespace(monitor=_monitor(), tasks=tasks, spawn=spawn)
+    process = RankProcesses(state, None)  # type: ignore[arg-type]
+    process.procs = procs
+    process.exiting = exiting
+    return process
 
 
 async def test_the_agent_kills_a_rank_stuck_in_its_exit_and_counts_it_done(monkeypatch: Any) -> None:
-    monkeypatch.setattr(rank_session, "KILL_GRACE_S", 0.5)
-    session = _session({0: await _sleeper(), 1: await _sleeper()}, exiting=set())
+    monkeypatch.setattr(rank_process, "KILL_GRACE_S", 0.5)
+    process = _processes({0: await _sleeper(), 1: await _sleeper()}, exiting=set())
     try:
-        session.monitor.on_alive(0, 10.0, finished=True)  # a runtime rank's `final`: its pipe closed
-        session._end_stuck_exits(11.0 + EXIT_BOUND_S)
-        assert session._tasks == []  # work after `final` sends no sign of life: not bounded
-        session._exiting.add(0)  # the launcher's `exiting`: it still watches the stack
-        session._end_stuck_exits(10.0 + EXIT_BOUND_S / 2)
-        assert session._tasks == []  # within its bound: left alone
-        session._end_stuck_exits(11.0 + EXIT_BOUND_S)
-        await asyncio.gather(*session._tasks)
-        assert session.procs[0].returncode == -signal.SIGTERM
-        assert session.procs[1].returncode is None  # still training: not the exit bound's business
-        assert not session._failed_exit(0)
-        session.procs[1].kill()
-        await session.procs[1].wait()
-        assert session._failed_exit(1)  # a rank killed by anything else failed
+        process.s.monitor.on_alive(0, 10.0, finished=True)  # a runtime rank's `final`: its pipe closed
+        process.end_stuck_exits(11.0 + EXIT_BOUND_S)
+        assert process.s.tasks == []  # work after `final` sends no sign of life: not bounded
+        process.exiting.add(0)  # the launcher's `exiting`: it still watches the stack
+        process.end_stuck_exits(10.0 + EXIT_BOUND_S / 2)
+        assert process.s.tasks == []  # within its bound: left alone
+        process.end_stuck_exits(11.0 + EXIT_BOUND_S)
+        await asyncio.gather(*process.s.tasks)
+        assert process.procs[0].returncode == -signal.SIGTERM
+        assert process.procs[1].returncode is None  # still training: not the exit bound's business
+        assert not process.failed_exit(0)
+        process.procs[1].kill()
+        await process.procs[1].wait()
+        assert process.failed_exit(1)  # a rank killed by anything else failed
     finally:
-        for p in session.procs.values():
+        for p in process.procs.values():
             if p.returncode is None:
                 p.kill()
                 await p.wait()
@@ -101,27 +106,27 @@ time.sleep(600)
 async def test_a_finished_rank_whose_child_still_works_is_not_killed(monkeypatch: Any) -> None:
     """A final upload or a logger's flush in a child (or a thread) keeps the main thread's stack
     still: the CPU its process tree uses is its sign of life."""
-    monkeypatch.setattr(rank_session, "KILL_GRACE_S", 0.5)
+    monkeypatch.setattr(rank_process, "KILL_GRACE_S", 0.5)
     working = await asyncio.create_subprocess_exec(
         sys.executable, "-c", _WORKING_CHILD, start_new_session=True, stdout=asyncio.subprocess.PIPE
     )
-    session = _session({0: working, 1: await _sleeper()}, exiting={0, 1})
-    session._exit_cpu[1] = rank_session.tree_cpu_s(session.procs[1].pid)
+    process = _processes({0: working, 1: await _sleeper()}, exiting={0, 1})
+    process.exit_cpu[1] = rank_process.tree_cpu_s(process.procs[1].pid)
     try:
-        assert session.procs[0].stdout is not None
-        assert (await session.procs[0].stdout.readline()).strip() == b"started"
-        session._exit_cpu[0] = rank_session.tree_cpu_s(session.procs[0].pid)
+        assert process.procs[0].stdout is not None
+        assert (await process.procs[0].stdout.readline()).strip() == b"started"
+        process.exit_cpu[0] = rank_process.tree_cpu_s(process.procs[0].pid)
         for r in (0, 1):
-            session.monitor.on_alive(r, 10.0, finished=True)
+            process.s.monitor.on_alive(r, 10.0, finished=True)
         # The child has used more than EXIT_CPU_ALIVE_S of CPU since (by its own clock).
-        assert (await session.procs[0].stdout.readline()).strip() == b"burned"
-        session._end_stuck_exits(11.0 + EXIT_BOUND_S)
-        await asyncio.gather(*session._tasks)
-        assert session.procs[0].returncode is None  # its child works: alive, timed again from now
-        assert session.monitor.last_step_at[0] == 11.0 + EXIT_BOUND_S
-        assert session.procs[1].returncode == -signal.SIGTERM and session._stuck_in_exit == {1}
+        assert (await process.procs[0].stdout.readline()).strip() == b"burned"
+        process.end_stuck_exits(11.0 + EXIT_BOUND_S)
+        await asyncio.gather(*process.s.tasks)
+        assert process.procs[0].returncode is None  # its child works: alive, timed again from now
+        assert process.s.monitor.last_step_at[0] == 11.0 + EXIT_BOUND_S
+        assert process.procs[1].returncode == -signal.SIGTERM and process.stuck_in_exit == {1}
     finally:
-        for p in session.procs.values():
+        for p in process.procs.values():
             if p.returncode is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 await p.wait()
@@ -150,5 +155,5 @@ def test_a_rank_that_aborts_after_its_script_ended_is_done(
     assert proc.returncode == -signal.SIGABRT, proc.stderr
     assert ("trained" in proc.stdout) is counted_done
     said_exiting = [r["rank"] for r in records if r["t"] == "exiting"]
-    session = _session({0: proc}, exiting=set(said_exiting))  # type: ignore[dict-item]
-    assert session._failed_exit(0) is not counted_done
+    process = _processes({0: proc}, exiting=set(said_exiting))  # type: ignore[dict-item]
+    assert process.failed_exit(0) is not counted_done

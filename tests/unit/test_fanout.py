@@ -15,9 +15,10 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from infra.stack import find_binary
+from trainguard.contract import calls
 from trainguard.domain.messages import CONTROLLER_QUEUE, NodeInfo, StopRanksInput
 from trainguard.services.temporal import wire_data_converter
-from workflows.job import calls, fanout
+from workflows.job import fanout
 
 NODES = [NodeInfo(name=f"node-{i}", task_queue=f"q-node-{i}") for i in range(1, 8)]
 BAD = "node-5"

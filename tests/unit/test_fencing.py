@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from activities.fence import Fence
-from activities.rank_session import KILL_GRACE_S
+from activities.session.process import KILL_GRACE_S
 from trainguard.domain import fencing
 from trainguard.domain.job_state import JobInput
 from workers.node_agent import HEARTBEAT_THROTTLE

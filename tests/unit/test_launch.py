@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from activities.rank_session import LAUNCHER, through_launcher
+from activities.session.process import LAUNCHER, through_launcher
 from trainguard.runtime import launch, protocol
 
 

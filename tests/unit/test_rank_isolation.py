@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from activities.rank_session import RankSession, resolve_argv
+from activities.session.process import RankProcesses, resolve_argv
+from activities.session.state import SessionState
 from activities.warm_pool import WarmPool
 from trainguard.domain.messages import Endpoint, NodeInfo, RunRanksInput
 from trainguard.domain.spec import parse_spec
@@ -98,11 +99,12 @@ def test_a_rank_error_tail_reaches_the_workflow_with_secrets_redacted(tmp_path: 
         }
     )
     (tmp_path / "rank-00000.err").write_text(f"Traceback ...\nHTTPError: 401 for token {token} (SEQ=32)\n")
-    session: Any = RankSession.__new__(RankSession)
-    session.spec, session.log_dir, session.exits = spec, tmp_path, {}
-    session.procs = {0: SimpleNamespace(returncode=1)}
-    session._record_exit(0)
-    tail = session.exits[0].stderr_tail
+    state: Any = SessionState.__new__(SessionState)
+    state.spec, state.log_dir = spec, tmp_path
+    process = RankProcesses(state, SimpleNamespace(path=tmp_path / "faults.json"))  # type: ignore[arg-type]
+    process.procs = {0: SimpleNamespace(returncode=1)}  # type: ignore[dict-item]
+    process.record_exit(0)
+    tail = process.exits[0].stderr_tail
     assert token not in tail
     assert "401 for token *** (SEQ=32)" in tail
 
@@ -133,10 +135,10 @@ def test_a_rank_gets_the_spec_env_and_none_of_the_agents_credentials(
         master=Endpoint(host="127.0.0.1", port=29500),
         ckpt_prefix="checkpoints/job",
     )
-    session: Any = RankSession.__new__(RankSession)
-    session.inp, session.spec, session.ckpt_dir = inp, spec, tmp_path
-    session.drills = SimpleNamespace(path=tmp_path / "faults.json")
-    env = session._rank_env(0, 0, 5)
+    state: Any = SessionState.__new__(SessionState)
+    state.inp, state.spec, state.ckpt_dir = inp, spec, tmp_path
+    process = RankProcesses(state, SimpleNamespace(path=tmp_path / "faults.json"))  # type: ignore[arg-type]
+    env = process.rank_env(0, 0, 5)
     assert not set(CREDENTIALS) & set(env)
     assert env["HF_TOKEN"] == "tok" and env["AWS_PROFILE"] == "data-reader"  # the job's own, as given
     assert env["RANK"] == "0" and env["TG_REPORT_FD"] == "5"

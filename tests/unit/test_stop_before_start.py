@@ -7,14 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from activities.ranks import STOPPED_KEPT, RankActivities
-from activities.stacks import StackActivities
+from activities.session import Sessions
 from trainguard.domain.messages import Endpoint, NodeInfo, RunRanksInput, StopRanksInput
 from trainguard.domain.spec import parse_spec
 
 
 def _agent(tmp_path: Path) -> RankActivities:
     none: Any = None  # nothing below reaches the client, the store or the health monitor
-    return RankActivities(none, none, tmp_path, tmp_path, "127.0.0.1", none, none)
+    return RankActivities(none, none, tmp_path, tmp_path, "127.0.0.1", none, none, Sessions())
 
 
 def _inp(attempt: int, chain: str) -> RunRanksInput:
@@ -35,11 +35,10 @@ def _inp(attempt: int, chain: str) -> RunRanksInput:
 
 async def test_a_stop_before_the_ranks_start_makes_their_run_end_at_once(tmp_path: Path) -> None:
     agent = _agent(tmp_path)
-    stacks = StackActivities(agent.store, agent)
-    assert await stacks.stop_ranks(StopRanksInput(job_id="job", attempt=2, chain="run-a")) is False
+    assert await agent.stop_ranks(StopRanksInput(job_id="job", attempt=2, chain="run-a")) is False
     result = await agent.run_ranks(_inp(2, "run-a"))
     assert (result.ok, result.message) == (False, "ranks stopped")  # what the workflow reads as stopped
-    assert agent.sessions == {}  # nothing was started
+    assert len(agent.sessions) == 0  # nothing was started
     # The same attempt number of a later run of the job is not stopped by it.
     assert ("job", 2, "run-b") not in agent.stopped
 

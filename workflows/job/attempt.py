@@ -10,7 +10,8 @@ from datetime import datetime, timedelta
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, CancelledError
 
-from workflows.job import calls, fanout, patches
+from trainguard.contract import calls
+from workflows.job import fanout, patches
 from workflows.job.grouped import Groups, is_large
 from workflows.job.outcome import (
     AttemptOutcome,

@@ -17,7 +17,9 @@ from typing import Any, TypeVar
 from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
-from workflows.job import calls, patches
+from trainguard import contract
+from trainguard.contract import calls
+from workflows.job import patches
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import TypeAdapter
@@ -85,7 +87,7 @@ async def _through_children(
     tag = workflow.uuid4().hex[:12]
     runs = [
         workflow.execute_child_workflow(
-            "FanOutWorkflow",
+            contract.fanout.WORKFLOW.name,
             FanOutInput(
                 activity=activity.name,
                 calls=[
@@ -115,7 +117,7 @@ async def _through_children(
     return out
 
 
-@workflow.defn
+@workflow.defn(name=contract.fanout.WORKFLOW.name)
 class FanOutWorkflow:
     """A chunk of a job's fan-out: one activity on each of its machines, every answer returned."""
 

@@ -21,7 +21,9 @@ from datetime import datetime, timedelta
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, CancelledError
 
-from workflows.job import calls, fanout
+from trainguard import contract
+from trainguard.contract import calls
+from workflows.job import fanout
 from workflows.job.outcome import Handles, cancel_all, failed, heartbeat_lost, what_failed
 
 with workflow.unsafe.imports_passed_through():
@@ -45,7 +47,7 @@ GROUP_MAX_HISTORY = 8000
 MAX_REATTACH = 3
 
 
-@workflow.defn
+@workflow.defn(name=contract.group.WORKFLOW.name)
 class RanksGroupWorkflow:
     @workflow.init
     def __init__(self, inp: GroupInput) -> None:
@@ -79,11 +81,11 @@ class RanksGroupWorkflow:
         self.cut_off: list[str] = []
 
     # -- signals ---------------------------------------------------------------------------
-    @workflow.signal(name="progress")
+    @workflow.signal(name=contract.group.progress.name)
     def progress(self, report: ProgressReport) -> None:
         self.inbox.append(report)
 
-    @workflow.signal
+    @workflow.signal(name=contract.group.stop.name)
     def stop(self, req: GroupStop) -> None:
         if self.stop_req is None or req.persist:
             self.stop_req = req
@@ -123,7 +125,7 @@ class RanksGroupWorkflow:
         await workflow.wait_condition(lambda: not self.commits)
         done = self._done()
         with contextlib.suppress(Exception):  # a job that ended first needs no answer
-            await workflow.get_external_workflow_handle(inp.parent).signal("group", done)
+            await contract.job.group.signal(workflow.get_external_workflow_handle(inp.parent), done)
         return done
 
     def _start(self, i: int, attach: bool) -> workflow.ActivityHandle[RunRanksResult]:
@@ -290,7 +292,7 @@ class RanksGroupWorkflow:
             return True
         news = self._news()
         try:
-            await workflow.get_external_workflow_handle(self.inp.parent).signal("group", news)
+            await contract.job.group.signal(workflow.get_external_workflow_handle(self.inp.parent), news)
         except Exception as err:  # the job ended or was terminated
             workflow.logger.warning("group %s: the job did not take its news: %s", self.inp.group, err)
             return False

@@ -23,6 +23,7 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.workflow import ParentClosePolicy
 
+from trainguard import contract
 from workflows.job.outcome import (
     CAUSE_GRACE_S,
     AttemptOutcome,
@@ -100,7 +101,7 @@ class Groups:
             every = self.s.spec.detection.progress_interval_s
             summary = every if g == 0 else max(every, len(ranges) / SUMMARIES_PER_S)
             child = workflow.start_child_workflow(
-                "RanksGroupWorkflow",
+                contract.group.WORKFLOW.name,
                 GroupInput(
                     parent=workflow.info().workflow_id,
                     group=g,
@@ -190,7 +191,7 @@ class Groups:
         groups = [g for g in range(len(self.ranges())) if g not in self.done]
         handles = [workflow.get_external_workflow_handle(self.group_id(self.attempt, g)) for g in groups]
         # A group that already ended sent its results: its refusal is no news.
-        await asyncio.gather(*(h.signal("stop", req) for h in handles), return_exceptions=True)
+        await asyncio.gather(*(contract.group.stop.signal(h, req) for h in handles), return_exceptions=True)
 
     async def _all_done(self) -> None:
         while not self.all_done():

@@ -12,7 +12,8 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, CancelledError, TimeoutType
 from temporalio.exceptions import TimeoutError as ActivityTimeout
 
-from workflows.job import calls, fanout, patches
+from trainguard.contract import calls
+from workflows.job import fanout, patches
 from workflows.job.progress import Progress
 from workflows.job.visibility import Visibility
 

@@ -12,7 +12,8 @@ from datetime import datetime
 
 from temporalio import workflow
 
-from workflows.job import calls, patches
+from trainguard.contract import calls
+from workflows.job import patches
 from workflows.job.diagnosis import Diagnosis
 from workflows.job.outcome import AttemptOutcome, Settle
 from workflows.job.progress import Progress, apply_version
