@@ -96,7 +96,7 @@ async def _through_children(
                 ],
                 timeouts_s=timeouts,
             ),
-            id=f"{parent}/{activity.name}-{tag}-{i}",
+            id=f"{parent}.{activity.name}-{tag}-{i}",
             task_queue=CONTROLLER_QUEUE,
             result_type=FanOutResult,
             static_summary=f"{activity.name} on {len(chunk)} machines ({chunk[0][0].name}...)",
