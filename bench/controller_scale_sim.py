@@ -45,7 +45,7 @@ from trainguard.domain.messages import (
     CheckResult,
     ClearFaultsInput,
     CommitCheckpointInput,
-    CommitPartInput,
+    CommitCheckpointPartInput,
     DiagnosticInput,
     Endpoint,
     IncidentReport,
@@ -406,7 +406,7 @@ class SimController:
         return ref
 
     @activity.defn(name=calls.commit_checkpoint_part.name)
-    async def commit_checkpoint_part(self, inp: CommitPartInput) -> PartRef:
+    async def commit_checkpoint_part(self, inp: CommitCheckpointPartInput) -> PartRef:
         key = f"sim/{inp.job_id}/{inp.step}/part-{inp.group:04d}"
         return PartRef(group=inp.group, step=inp.step, key=key, first_rank=inp.first_rank, ranks=inp.ranks)
 

@@ -199,18 +199,14 @@ class CheckpointRef(Msg):
     step: int
     uri: str
     shards: list[ShardInfo]
-
-
-class JobGauges(Msg):
-    """A job's progress as metrics: handed to controller activities that run anyway."""
-
-    step: int
-    ettr: float
-    ettr_window_1h: float
+    # How many parts hold the shards (a large job's checkpoint: ``shards`` is then empty, and
+    # ``checkpoint_shards`` gives a range of ranks theirs); 0: ``shards`` lists them all.
+    parts: int = 0
 
 
 class PartRef(Msg):
-    """One group's part of a checkpoint step: its ranks' shards, listed under ``key``."""
+    """One group's part of a checkpoint step: the shards of ranks ``first_rank`` to
+    ``first_rank + ranks - 1``, listed in the object at ``key``."""
 
     group: int
     step: int
@@ -219,15 +215,12 @@ class PartRef(Msg):
     ranks: int
 
 
-class CommitPartInput(Msg):
-    job_id: str
-    prefix: str
+class JobGauges(Msg):
+    """A job's progress as metrics: handed to controller activities that run anyway."""
+
     step: int
-    attempt: int | None = None
-    group: int
-    first_rank: int
-    ranks: int
-    shards: list[ShardInfo]
+    ettr: float
+    ettr_window_1h: float
 
 
 class CommitCheckpointInput(Msg):
@@ -243,8 +236,30 @@ class CommitCheckpointInput(Msg):
     gauges: JobGauges | None = None
     # The attempt whose shards these are: refused when the job is on a newer one (None: unchecked).
     attempt: int | None = None
-    # A large job's checkpoint: its groups' parts (``shards`` then empty).
+    # The parts (``commit_checkpoint_part``) that together list every rank's shard once: a large
+    # job's commit, whose shard list would not fit one payload. Needs ``attempt``.
     parts: list[PartRef] = []
+
+
+class CommitCheckpointPartInput(Msg):
+    """One group's shards of a step: ranks ``first_rank`` to ``first_rank + ranks - 1``."""
+
+    job_id: str
+    prefix: str
+    step: int
+    attempt: int
+    group: int
+    first_rank: int
+    ranks: int
+    shards: list[ShardInfo]
+
+
+class CheckpointShardsInput(Msg):
+    """The shards of ranks ``first_rank`` to ``first_rank + ranks - 1`` of a committed checkpoint."""
+
+    uri: str  # its CheckpointRef's
+    first_rank: int
+    ranks: int
 
 
 class LatestCheckpointInput(Msg):

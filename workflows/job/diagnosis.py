@@ -181,6 +181,13 @@ class Diagnosis:
         failing row and column cross at the faulty machine."""
         spec = self.s.spec
         per_replica, rpn = spec.topology.tp * spec.topology.pp, spec.ranks_per_node
+        if len(self.s.nodes) > self.inp.group_size:
+            # Every machine at once from here, and a checkpoint by parts lists no shard to restore.
+            return Decision(
+                action="reattempt",
+                rung="replay-clean",
+                evidence=f"replay: not run on a job of more than {self.inp.group_size} machines",
+            )
         if per_replica % rpn and rpn % per_replica:
             return Decision(
                 action="reattempt",

@@ -29,7 +29,8 @@ from workflows.job.outcome import Handles, cancel_all, failed, heartbeat_lost, w
 with workflow.unsafe.imports_passed_through():
     from trainguard.domain.groups import replica_runs
     from trainguard.domain.messages import (
-        CommitPartInput,
+        CheckpointShardsInput,
+        CommitCheckpointPartInput,
         GroupInput,
         GroupNews,
         GroupStop,
@@ -78,6 +79,8 @@ class RanksGroupWorkflow:
         self.commits: set[int] = set()
         self.summary_at: float | None = None
         self._reported: set[str] = set()  # machines whose end was looked at
+        # The resume checkpoint's shards of this group's ranks (the ref's, or its parts').
+        self.resume_shards: list[ShardInfo] = inp.ranks_input.resume.shards if inp.ranks_input.resume else []
         self.cut_off: list[str] = []
 
     # -- signals ---------------------------------------------------------------------------
@@ -93,6 +96,13 @@ class RanksGroupWorkflow:
     # -- the run -----------------------------------------------------------------------------
     @workflow.run
     async def run(self, inp: GroupInput) -> GroupNews:
+        resume = inp.ranks_input.resume
+        if resume is not None and resume.parts and not inp.attach:
+            # A checkpoint by parts: its ref lists no shard; this group's ranks' come from S3.
+            self.resume_shards = await calls.checkpoint_shards(
+                CheckpointShardsInput(uri=resume.uri, first_rank=min(self.ranks), ranks=len(self.ranks)),
+                summary=f"group {inp.group}: shards of step {resume.step}",
+            )
         self.handles = {n.name: self._start(i, attach=inp.attach) for i, n in enumerate(inp.nodes)}
         seen_done = 0
         while True:
@@ -135,7 +145,7 @@ class RanksGroupWorkflow:
         ranks = ranks_on(index, self.rpn)
         resume = base.resume
         if resume is not None:
-            resume = resume.model_copy(update={"shards": [s for s in resume.shards if s.rank in ranks]})
+            resume = resume.model_copy(update={"shards": [s for s in self.resume_shards if s.rank in ranks]})
         run_input = base.model_copy(
             update={
                 "workflow_id": workflow.info().workflow_id,
@@ -214,7 +224,7 @@ class RanksGroupWorkflow:
             self.parts.add(step)
             self.commits.add(step)
             handle = calls.commit_checkpoint_part.start(
-                CommitPartInput(
+                CommitCheckpointPartInput(
                     job_id=base.job_id,
                     prefix=base.spec.checkpoint.s3_prefix,
                     step=step,
