@@ -925,7 +925,7 @@ async def _discovery(args: argparse.Namespace, cuda: bool, timeout_s: float) -> 
         saves, end = [m for m in lines if "name" in m], next((m for m in lines if "end_at" in m), None)
         if end is None:
             return {"status": "failed", "error": "the script did not finish training", "saves": saves, **out}
-        local = session.script_ckpt_dir
+        local = session.state.script_ckpt_dir
         out["saves"] = [_found(store, session.inp.ckpt_prefix, local, s, end["end_at"]) for s in saves]
         out["script_steps"] = end["steps"]
         out["restore"] = _restore(store, session, work / "restored", saves)
@@ -993,7 +993,7 @@ def _restore(store: DirStore, session: Any, into: Path, saves: list[dict[str, An
     t0 = time.perf_counter()
     restored = watch.restore(into.parent / RESTORE_RECORD)
     restore_s = time.perf_counter() - t0
-    local = session.script_ckpt_dir
+    local = session.state.script_ckpt_dir
     files = [f.path for m in restored for f in m.files]
     identical = bool(files) and all(filecmp.cmp(into / p, local / p, shallow=False) for p in files)
     out: dict[str, Any] = {
