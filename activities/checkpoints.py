@@ -8,11 +8,11 @@ import asyncio
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from trainguard.contract import calls
 from trainguard.domain import checkpoints
 from trainguard.domain.messages import CheckpointRef, CommitCheckpointInput, LatestCheckpointInput
 from trainguard.services import telemetry
 from trainguard.services.storage import S3Store
-from workflows.job import calls
 
 
 class CheckpointActivities:

@@ -30,6 +30,7 @@ from temporalio import activity
 
 from activities.drills import DrillState
 from activities.health import HealthMonitor
+from trainguard.contract import calls
 from trainguard.domain.messages import (
     CHECK_MARGIN_S,
     CHECK_PEER_GRACE_MAX_S,
@@ -38,7 +39,6 @@ from trainguard.domain.messages import (
     DiagnosticInput,
     PairTestInput,
 )
-from workflows.job import calls
 
 # Standing drill faults that mean "this unit computes wrongly".
 _DAMAGING = {"sdc", "gpu-lost", "gpu-xid", "ecc"}

@@ -35,8 +35,8 @@ from temporalio import activity
 
 from trainguard.agent.health.events import HealthEvent, Probe, Severity
 from trainguard.agent.standing_faults import DrillState
+from trainguard.contract import calls
 from trainguard.domain.messages import MACHINE_FAULTS, ClearFaultsInput, InjectInput, InjectResult
-from workflows.job import calls
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from pathlib import Path
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from trainguard.contract import calls
 from trainguard.domain.notify import NotifyInput, payload
 from trainguard.domain.spec import NotifyFormat, NotifySpec
-from workflows.job import calls
 
 log = logging.getLogger(__name__)
 POST_TIMEOUT_S = 10.0

@@ -11,9 +11,9 @@ from __future__ import annotations
 from temporalio import activity
 from temporalio.client import Client
 
+from trainguard.contract import calls
 from trainguard.domain.messages import EvictInput, EvictResult, ReleaseInput, ReserveInput, ReserveResult
 from trainguard.services import pool_client, telemetry
-from workflows.job import calls
 
 
 class PoolActivities:

@@ -21,6 +21,7 @@ from pathlib import Path
 from temporalio import activity
 
 from activities.rank_session import RankSession
+from trainguard.contract import calls
 from trainguard.domain.messages import RunRanksResult
 from trainguard.domain.rank_logs import (
     MAX_CHUNK_BYTES,
@@ -39,7 +40,6 @@ from trainguard.domain.rank_logs import (
     parse_key,
 )
 from trainguard.services.storage import S3Store
-from workflows.job import calls
 
 log = logging.getLogger(__name__)
 # A slow bucket must not hold up the recovery: what is not up by then is left (and logged).

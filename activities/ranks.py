@@ -22,6 +22,7 @@ from activities.rank_logs import LogActivities
 from activities.rank_session import RankSession, RestoreUnavailable, SetupProblem
 from activities.warm_pool import WarmPool
 from trainguard.agent.ports import free_port
+from trainguard.contract import calls, job
 from trainguard.domain.messages import (
     Endpoint,
     IncidentReport,
@@ -32,7 +33,6 @@ from trainguard.domain.messages import (
 )
 from trainguard.domain.policy import SETUP_KIND
 from trainguard.services.storage import S3Store
-from workflows.job import calls
 
 HEARTBEAT_EVERY = timedelta(seconds=2)
 # How long ranks keep running with no activity attached (covers continue-as-new).
@@ -106,7 +106,7 @@ class RankActivities:
         return RunRanksResult(node=inp.node.name, attempt=inp.attempt, ok=False, message="ranks stopped")
 
     async def _signal(self, workflow_id: str, report: ProgressReport) -> None:
-        await self.client.get_workflow_handle(workflow_id).signal("progress", report)
+        await job.progress.signal(self.client.get_workflow_handle(workflow_id), report)
 
     async def _stop_older_attempts(self, job_id: str, attempt: int, chain: str) -> None:
         """One attempt per job per machine: ranks of an older attempt (or run) must not linger."""

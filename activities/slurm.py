@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from trainguard.contract import calls
 from trainguard.domain.messages import SlurmNodeInput, SlurmReplacementInput
-from workflows.job import calls
 
 SLURM_TIMEOUT_S = 20.0
 

@@ -21,6 +21,7 @@ from typing import Any
 from temporalio import activity
 
 from activities.ranks import RankActivities
+from trainguard.contract import calls
 from trainguard.domain.analysis.stacks import localize_hang
 from trainguard.domain.messages import (
     LocalizeStacksInput,
@@ -31,7 +32,6 @@ from trainguard.domain.messages import (
 )
 from trainguard.domain.topology import place_ranks
 from trainguard.services.storage import S3Store
-from workflows.job import calls
 
 log = logging.getLogger(__name__)
 PY_SPY_TIMEOUT_S = 20.0

@@ -15,9 +15,9 @@ from collections import OrderedDict
 from opentelemetry import trace
 from temporalio import activity
 
+from trainguard.contract import calls
 from trainguard.domain.job_state import IncidentTelemetryInput
 from trainguard.services import incident_trace, telemetry
-from workflows.job import calls
 
 log = logging.getLogger(__name__)
 REMEMBERED = 1000

@@ -88,11 +88,11 @@ from infra.stack import SEAWEEDFS, TEMPORAL, Stack  # noqa: E402
 from tests.integration.helpers import example_spec  # noqa: E402
 from tests.replay.record import export_histories  # noqa: E402
 from trainguard.client import ControllerUnavailable, JobHandle, TrainguardClient  # noqa: E402
+from trainguard.contract import calls  # noqa: E402
 from trainguard.domain import checkpoints  # noqa: E402
 from trainguard.domain.job_state import TERMINAL  # noqa: E402
 from trainguard.domain.spec import JobSpec  # noqa: E402
 from trainguard.services.storage import S3Store  # noqa: E402
-from workflows.job import calls  # noqa: E402
 from workflows.job.workflow import TrainingJobWorkflow  # noqa: E402
 
 # The activity each mid-action kill waits for, and the drill that makes the job run it

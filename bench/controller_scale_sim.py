@@ -37,6 +37,7 @@ from temporalio.worker import Worker
 
 from activities.notify import NotifyActivities
 from activities.pool import PoolActivities
+from trainguard.contract import calls, job
 from trainguard.domain.job_state import IncidentTelemetryInput
 from trainguard.domain.messages import (
     CONTROLLER_QUEUE,
@@ -69,7 +70,6 @@ from trainguard.services import pool_client
 from trainguard.services.settings import Settings
 from trainguard.services.temporal import connect
 from workers.common import run_until_signalled, setup_logging
-from workflows.job import calls
 from workflows.job.workflow import TrainingJobWorkflow
 from workflows.node_pool import NodePoolWorkflow
 
@@ -203,7 +203,7 @@ class Session:
             compute_s=self.m.step_time_s * 0.8,
         )
         try:
-            await self.m.client.get_workflow_handle(inp.workflow_id).signal("progress", report)
+            await job.progress.signal(self.m.client.get_workflow_handle(inp.workflow_id), report)
         except RPCError as exc:  # the workflow may be between runs; the next report carries it
             log.info("progress of %s failed: %s", inp.node.name, exc)
             return False

@@ -30,6 +30,7 @@ from temporalio.worker import Worker  # noqa: E402
 
 from bench.crosscheck_activities import SimController, SimWorld  # noqa: E402
 from infra.stack import SEARCH_ATTRIBUTES, find_binary  # noqa: E402
+from trainguard.contract import job  # noqa: E402
 from trainguard.domain.job_state import JobInput  # noqa: E402
 from trainguard.domain.messages import CONTROLLER_QUEUE  # noqa: E402
 from trainguard.domain.spec import JobSpec  # noqa: E402
@@ -85,7 +86,7 @@ async def run_workflow(world: SimWorld, spec: JobSpec) -> dict[str, Any]:
                 return await handle.result()  # the final status
         except WorkflowFailureError:
             # Stopped with a verdict (the simulator has a person resubmit; the workflow ends there).
-            return await handle.query(TrainingJobWorkflow.status)
+            return await job.status.query(handle)
         finally:
             await world.stop_agents()
 

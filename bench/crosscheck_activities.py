@@ -33,6 +33,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from activities.notify import NotifyActivities
+from trainguard.contract import calls, job
 from trainguard.domain.code_versions import CodeUpdate
 from trainguard.domain.job_state import IncidentTelemetryInput
 from trainguard.domain.messages import (
@@ -65,7 +66,6 @@ from trainguard.sim.guarded import TrainguardJob
 from trainguard.sim.job import Occurrence
 from trainguard.sim.timeline import HorizonReached
 from trainguard.sim.trace import Trace
-from workflows.job import calls
 
 # Progress reports while training: often enough for the ledger, rare enough for the history.
 REPORT_EVERY_S = 3600.0
@@ -229,14 +229,14 @@ class SimWorld(TrainguardJob):
             # Per-step memory snapshots block a fraction of every step, redone ones included.
             ckpt_block_s=steps * cfg.step_time_s * cfg.snapshot_cost_fraction,
         )
-        await self.client.get_workflow_handle(inp.workflow_id).signal("progress", report)
+        await job.progress.signal(self.client.get_workflow_handle(inp.workflow_id), report)
 
     async def _send_updates(self, workflow_id: str) -> None:
         handle = self.client.get_workflow_handle(workflow_id)
         for version, urgent in self.updates:
             req = CodeUpdate(version=version, urgent=urgent, who="trace", window_s=self.cfg.lazy_window_s)
             # Accepted is enough: an urgent update completes only once the next attempt runs.
-            await handle.start_update("update_code", req, wait_for_stage=WorkflowUpdateStage.ACCEPTED)
+            await job.update_code.start(handle, req, wait_for_stage=WorkflowUpdateStage.ACCEPTED)
         self.updates = []
 
     async def _drive(self, inp: RunRanksInput) -> None:

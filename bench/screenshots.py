@@ -39,6 +39,7 @@ from infra.local import bring_down, bring_up  # noqa: E402
 from infra.private_stack import connect, log  # noqa: E402
 from infra.stack import Stack, StackConfig  # noqa: E402
 from tests.integration.helpers import example_spec, run_to_end, wait_until  # noqa: E402
+from trainguard.contract import job  # noqa: E402
 from trainguard.face.cli import exit_now  # noqa: E402
 
 JOB = "gpt-tiny"  # the example's own name, as in the README
@@ -46,7 +47,7 @@ NODES = 3
 TARGET_STEPS = 240
 # Slower steps than the tests': training, not start-up, fills most of the timeline.
 STEP_SLEEP_S = "0.25"
-UI_QUERY = 'WorkflowType = "TrainingJobWorkflow" AND TgPhase = "completed" AND TgIncidents > 0'
+UI_QUERY = f'WorkflowType = "{job.WORKFLOW.name}" AND TgPhase = "completed" AND TgIncidents > 0'
 # The UI at a common laptop size; the shot stays well under 200 KB.
 WIDTH, HEIGHT = 1440, 900
 

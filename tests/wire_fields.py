@@ -1,7 +1,7 @@
 """The fields of every model that crosses a process boundary through Temporal, as JSON.
 
 Found from the code, not listed by hand: the inputs and results of every activity in the
-contract (``workflows.job.calls``), of every workflow's run, signals, queries and updates, and
+contract (``trainguard.contract.calls``), of every workflow's run, signals, queries and updates, and
 every model inside those, field by field. ``tests/unit/test_wire_compat.py`` compares the
 models of this checkout with ``tests/wire_fields.json``, the snapshot of the previous release.
 
@@ -44,7 +44,10 @@ def entry_types() -> list[Any]:
 
     from temporalio import workflow
 
-    from workflows.job import calls
+    try:
+        from trainguard.contract import calls
+    except ImportError:  # a release from before the contract left workflows/
+        from workflows.job import calls  # type: ignore[no-redef]
 
     out: list[Any] = []
     for act in vars(calls).values():

@@ -31,6 +31,7 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from trainguard import contract
 from trainguard.domain.code_versions import CodeUpdate
 from trainguard.domain.job_state import JobInput, Phase
 from trainguard.domain.messages import (
@@ -79,7 +80,7 @@ __all__ = [
 ]
 
 
-# -- the status document of CONTRACT.md, typed (the JSON itself is unchanged) ----------------
+# -- the status document of docs/reference.md, typed (the JSON itself is unchanged) ----------
 
 
 class CheckpointDoc(TypedDict):
@@ -94,24 +95,46 @@ class IncidentDoc(TypedDict, total=False):
     detected_at: str
     fault_at: str | None
     detection_s: float | None
+    decision_s: float | None
+    decided_at: str | None
     suspects: list[str]
     evicted: list[str]
+    evicted_at: str | None
     action: str
     evidence: str
+    relaunched_at: str | None
     recovered_at: str | None
     recovery_s: float | None
     lost_steps: int
+    restored_from: str | None
     # The uploaded stderr of the rank the incident came from (`trainguard logs` reads it).
     log_uri: str | None
 
 
 class ResultDoc(TypedDict):
     final_step: int
-    param_hash: str
+    param_hash: str | None
+
+
+class ProtectionDoc(TypedDict):
+    memory_every_steps: int | None
+    chosen_by: Literal["spec", "budget"]
+    overhead_budget: float | None
+    max_lost_s: float
+    snapshot_cost_s: float | None
+    lost_s_per_failure: float | None
+    persist_every_steps: int
+    persist_every_s: float | None
+
+
+class PendingCodeDoc(TypedDict):
+    version: str
+    how: str
+    deadline: str
 
 
 class JobStatus(TypedDict, total=False):
-    """``JobHandle.status()``: the keys CONTRACT.md names always come; the rest are extras."""
+    """``JobHandle.status()``: ``trainguard status --json``, every key of docs/reference.md."""
 
     job_id: str
     phase: Phase
@@ -120,10 +143,11 @@ class JobStatus(TypedDict, total=False):
     attempt: int
     code_version: str
     code_history: list[dict[str, Any]]
-    pending_code_version: str | None
+    pending_code_version: PendingCodeDoc | None
     ettr: float
     ettr_window_1h: float
     badput_s: dict[str, float]
+    protection: ProtectionDoc
     nodes: dict[str, str]
     world_size: int
     pool: str
@@ -250,9 +274,9 @@ class JobHandle:
             raise
 
     async def status(self) -> JobStatus:
-        """The status document of CONTRACT.md (phase, step, ETTR, incidents, result)."""
+        """The status document of docs/reference.md (phase, step, ETTR, incidents, result)."""
         try:
-            return JobStatus(await self._wf.query("status", result_type=dict))  # type: ignore[typeddict-item]
+            return JobStatus(await contract.job.status.query(self._wf))  # type: ignore[typeddict-item]
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 raise UnknownJob(self.job_id) from None
@@ -333,7 +357,7 @@ class JobHandle:
         if await self._describe_status() != ExecStatus.RUNNING:
             raise BadUpdate(f"job: {self.job_id} is not running; submit it with code_version: {version}")
         try:
-            return await self._wf.execute_update("update_code", req, result_type=dict)
+            return await contract.job.update_code.execute(self._wf, req)
         except WorkflowUpdateFailedError as exc:
             cause = exc.cause
             if isinstance(cause, ApplicationError) and cause.type == "BadInput":
@@ -344,7 +368,7 @@ class JobHandle:
         """Ask the job to stop; its ranks are stopped and its last checkpoint stays."""
         if await self._describe_status() != ExecStatus.RUNNING:
             return
-        await self._wf.signal("stop", reason)
+        await contract.job.stop.signal(self._wf, reason)
 
     async def cancel(self, reason: str | None = None) -> None:
         """End the job now: its ranks are stopped without waiting for uploads in flight, its
@@ -352,7 +376,7 @@ class JobHandle:
         It ends ``stopped`` with the verdict naming the cancel."""
         if await self._describe_status() != ExecStatus.RUNNING:
             return
-        await self._wf.signal("cancel", reason or f"cancelled by {_whoami()}")
+        await contract.job.cancel.signal(self._wf, reason or f"cancelled by {_whoami()}")
 
 
 def _whoami() -> str:
@@ -390,7 +414,7 @@ class TrainguardClient:
         inp = JobInput(spec=spec, **options)
         try:
             await self.temporal.start_workflow(
-                "TrainingJobWorkflow",
+                contract.job.WORKFLOW.name,
                 inp,
                 id=spec.name,
                 task_queue=CONTROLLER_QUEUE,
@@ -410,7 +434,9 @@ class TrainguardClient:
             raise SpecError("phase", f"'{shown(phase)}' is not a phase (one of {', '.join(PHASES)})")
         if limit is not None and limit < 1:
             raise SpecError("limit", f"{limit} is not a positive number")
-        query = "WorkflowType = 'TrainingJobWorkflow'" + (f" AND TgPhase = '{phase}'" if phase else "")
+        query = f"WorkflowType = '{contract.job.WORKFLOW.name}'"
+        if phase:
+            query += f" AND TgPhase = '{phase}'"
         out: list[JobSummary] = []
         seen: set[str] = set()
         page = min(limit * 2, 1000) if limit else 1000  # a few older runs of resubmitted jobs
@@ -457,7 +483,7 @@ class TrainguardClient:
         duration_s: float | None = None,
         evades_checks: bool = False,
     ) -> InjectResult:
-        """A fault drill on ``node`` (see CONTRACT.md for the faults); persists until cleared.
+        """A fault drill on ``node`` (``ALL_FAULTS``; docs/reference.md); persists until cleared.
 
         ``duration_s`` matters on machines with a real NIC (``trainguard up --netns``): how
         long nic-down keeps the link down (default 20 s; the agent restores it itself, as

@@ -24,7 +24,8 @@ from datetime import datetime, timedelta
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
-from workflows.job import calls
+from trainguard import contract
+from trainguard.contract import calls
 from workflows.pool_slurm import PATCH_SLURM, SlurmSync, _order
 
 with workflow.unsafe.imports_passed_through():
@@ -66,7 +67,7 @@ SELF_TEST_MISSES = 3
 MAX_EVICTIONS_KEPT = 64
 
 
-@workflow.defn
+@workflow.defn(name=contract.pool.WORKFLOW.name)
 class NodePoolWorkflow(SlurmSync):
     @workflow.init
     def __init__(self, state: PoolState | None = None) -> None:
@@ -215,13 +216,13 @@ class NodePoolWorkflow(SlurmSync):
         wanted = sum(standby_target(m, self.config.daily_failure_rate) for m in per_job.values())
         return max(self.config.min_standby, wanted)
 
-    @workflow.update
+    @workflow.update(name=contract.pool.configure.name)
     async def configure(self, config: PoolConfig) -> PoolConfig:
         self.config = config
         self.replan = True  # a shorter retest interval may make quarantined machines due sooner
         return config
 
-    @workflow.update
+    @workflow.update(name=contract.pool.register.name)
     async def register(self, info: NodeInfo) -> PoolNode:
         """An agent (re)joins; a machine already known keeps its assignment."""
         async with self.lock:
@@ -241,7 +242,7 @@ class NodePoolWorkflow(SlurmSync):
         if not info.name or not info.task_queue:
             raise ValueError("name and task_queue are required")
 
-    @workflow.update
+    @workflow.update(name=contract.pool.reserve.name)
     async def reserve(self, req: ReserveInput) -> ReserveResult:
         """Give ``req.job_id`` ``req.count`` standby machines, or nothing. Idempotent per job."""
         async with self.lock:
@@ -279,7 +280,7 @@ class NodePoolWorkflow(SlurmSync):
         if req.count < 1:
             raise ValueError("count must be >= 1")
 
-    @workflow.update
+    @workflow.update(name=contract.pool.release.name)
     async def release(self, req: ReleaseInput) -> int:
         """Return a job's machines to standby (they were healthy with it); returns how many."""
         async with self.lock:
@@ -294,7 +295,7 @@ class NodePoolWorkflow(SlurmSync):
                     released += 1
             return released
 
-    @workflow.update
+    @workflow.update(name=contract.pool.evict.name)
     async def evict(self, req: EvictInput) -> EvictResult:
         """Quarantine machines (or make them suspect) and hand the job standbys in the same
         step, in the same places."""
@@ -347,7 +348,7 @@ class NodePoolWorkflow(SlurmSync):
             if n is None or n.job != req.job_id:
                 raise ValueError(f"{name} is not held by {req.job_id}")
 
-    @workflow.update
+    @workflow.update(name=contract.pool.release_node.name)
     async def release_node(self, name: str) -> PoolNode:
         """An operator returns a quarantined (or suspect) machine to standby, drill faults cleared."""
         async with self.lock:
@@ -363,7 +364,7 @@ class NodePoolWorkflow(SlurmSync):
                 self._schedule_changed()
             return n
 
-    @workflow.update
+    @workflow.update(name=contract.pool.cordon.name)
     async def cordon(self, req: CordonInput) -> PoolNode:
         """An operator keeps new work off a machine (or lets it back on); its job goes on."""
         async with self.lock:
@@ -376,7 +377,7 @@ class NodePoolWorkflow(SlurmSync):
         if req.node not in self.nodes:
             raise ValueError(f"node: unknown node {req.node!r}")
 
-    @workflow.update
+    @workflow.update(name=contract.pool.clear_faults.name)
     async def clear_faults(self, name: str) -> int:
         """End every drill fault standing on a machine."""
         return await self._clear(self.nodes[name])
@@ -394,7 +395,7 @@ class NodePoolWorkflow(SlurmSync):
         if name not in self.nodes:
             raise ValueError(f"node: unknown node {name!r}")
 
-    @workflow.update
+    @workflow.update(name=contract.pool.inject.name)
     async def inject(self, req: InjectInput) -> InjectResult:
         """A fault drill: the machine's agent injects it; the job holding the machine hears of it."""
         node = self.nodes[req.node]
@@ -402,7 +403,7 @@ class NodePoolWorkflow(SlurmSync):
         if node.job is not None:
             # So the job can measure detection latency from the moment of injection.
             try:
-                await workflow.get_external_workflow_handle(node.job).signal("drill", result)
+                await contract.job.drill.signal(workflow.get_external_workflow_handle(node.job), result)
             except Exception:  # the job just ended; the drill record stays with the caller
                 workflow.logger.info("job %s did not take the drill signal", node.job)
         return result
@@ -417,7 +418,7 @@ class NodePoolWorkflow(SlurmSync):
         if req.fault not in ALL_FAULTS:
             raise ValueError(f"fault: unknown fault {req.fault!r} (one of {', '.join(ALL_FAULTS)})")
 
-    @workflow.update
+    @workflow.update(name=contract.pool.deregister.name)
     async def deregister(self, name: str) -> None:
         """An agent leaves for good (graceful shutdown); a job still holding it will notice."""
         async with self.lock:
@@ -427,7 +428,7 @@ class NodePoolWorkflow(SlurmSync):
             self.nodes[name] = n.model_copy(update={"state": "lost", "since": workflow.now()})
             self._schedule_changed()
 
-    @workflow.query
+    @workflow.query(name=contract.pool.state.name)
     def state(self) -> PoolState:
         return self._snapshot().model_copy(
             update={

@@ -17,7 +17,8 @@ from typing import Any
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
-from workflows.job import calls
+from trainguard import contract
+from trainguard.contract import calls
 
 with workflow.unsafe.imports_passed_through():
     from trainguard.domain.messages import (
@@ -160,7 +161,7 @@ class SlurmSync:
             # would otherwise grow the history with retries as fast as they fail.
             await workflow.sleep(SLURM_RETRY)
 
-    @workflow.update
+    @workflow.update(name=contract.pool.attach_slurm.name)
     async def attach_slurm(self, attach: SlurmAttach) -> PoolState:
         """The pool's Slurm worker (the one place with operator rights) serves ``attach.queue``."""
         async with self.lock:
@@ -170,7 +171,7 @@ class SlurmSync:
             self.slurm_epoch += 1  # observations read before now may predate the attach
             return self.state()
 
-    @workflow.update
+    @workflow.update(name=contract.pool.slurm_observed.name)
     async def slurm_observed(self, obs: SlurmObservation) -> int:
         """An operator's drain or resume in Slurm reaches the pool: a machine drained there
         leaves service (quarantined once no job holds it) until resumed; one resumed there

@@ -18,7 +18,7 @@ from infra.chaos import CONTROLLER
 from infra.local import node_names, start_controller
 from infra.stack import Stack
 from trainguard.client import TrainguardClient
-from workflows.job import calls
+from trainguard.contract import calls
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 

@@ -13,10 +13,10 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from infra.stack import find_binary
+from trainguard.contract.calls import self_test
 from trainguard.domain.messages import CONTROLLER_QUEUE, CheckResult, DiagnosticInput, NodeInfo, PoolState
 from trainguard.services import pool_client
 from trainguard.services.temporal import wire_data_converter
-from workflows.job.calls import self_test
 from workflows.node_pool import SELF_TEST_MISSES, NodePoolWorkflow
 
 SELF_TEST = self_test.name

@@ -22,9 +22,10 @@ from temporalio.worker import Worker
 
 from infra.stack import find_binary
 from trainguard.agent.health.events import Probe
+from trainguard.contract import calls
 from trainguard.domain.messages import IncidentReport, NodeInfo, RunRanksResult, StopRanksInput
 from trainguard.services.temporal import wire_data_converter
-from workflows.job import calls, outcome, patches
+from workflows.job import outcome, patches
 from workflows.job.outcome import CAUSE_GRACE_S, collect_failure, failed
 
 NODES = [NodeInfo(name=n, task_queue=f"grace-{n}") for n in ("node-1", "node-2")]

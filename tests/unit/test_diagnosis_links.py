@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
+from trainguard.contract import calls
 from trainguard.domain.analysis import pairing
 from trainguard.domain.messages import CheckResult, DiagnosticInput, NodeInfo
 from trainguard.domain.policy import Decision
-from workflows.job import calls, diagnosis
+from workflows.job import diagnosis
 from workflows.job.diagnosis import Diagnosis
 
 NODES = [NodeInfo(name=n, task_queue=f"q-{n}") for n in ("node-1", "node-2")]

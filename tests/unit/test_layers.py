@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, str]] = [
     ("trainguard/domain/", "domain"),
     ("trainguard/agent/", "agent"),
     ("trainguard/services/", "services"),
+    ("trainguard/contract/", "contract"),
     ("trainguard/sim/", "sim"),
     ("trainguard/face/", "face"),
     ("trainguard/client.py", "face"),  # the SDK: public as trainguard.client
@@ -39,20 +40,17 @@ MAY_IMPORT: dict[str, set[str]] = {
     "domain": set(),  # pure decisions and data
     "runtime": {"domain"},  # inside a user's rank: torch and the domain's data, nothing that connects
     "agent": {"domain", "runtime"},
-    "services": {"domain"},
+    "contract": {"domain"},  # every message between processes: names and types, used on every side
+    "services": {"domain", "contract"},
     "sim": {"domain"},
-    "workflows": {"domain"},  # the sandbox: no I/O, no activity implementations
-    "activities": {"domain", "services", "agent", "runtime"},
-    "workers": {"workflows", "activities", "domain", "services", "agent"},
-    "face": {"domain", "services", "sim", "runtime", "agent", "infra"},  # infra: `up`, `down`, demo, drill
-    "infra": {"domain", "services", "agent", "face"},  # the dev stack drives the SDK
+    "workflows": {"domain", "contract"},  # the sandbox: no I/O, no activity implementations
+    "activities": {"domain", "contract", "services", "agent", "runtime"},
+    "workers": {"workflows", "activities", "domain", "contract", "services", "agent"},
+    # infra: `up`, `down`, demo, drill
+    "face": {"domain", "contract", "services", "sim", "runtime", "agent", "infra"},
+    "infra": {"domain", "contract", "services", "agent", "face"},  # the dev stack drives the SDK
     "package": set(),
 }
-
-# Modules of names and types only, which the layers named may import though they sit elsewhere:
-# the activity contract (each activity's name, input, result and options) that the activities
-# register under and the workflows call through.
-CONTRACTS: dict[str, set[str]] = {"workflows.job.calls": {"activities"}}
 
 
 def layer_of(rel: str) -> str | None:
@@ -89,7 +87,7 @@ def imports(path: Path) -> list[tuple[int, str]]:
 
 @functools.cache
 def arrows() -> list[tuple[str, str, str]]:
-    """(file:line, from layer, to layer) for every import that crosses layers (but a contract's)."""
+    """(file:line, from layer, to layer) for every import that crosses layers."""
     found = []
     for top in ("trainguard", "workflows", "activities", "workers", "infra"):
         for path in sorted((REPO / top).rglob("*.py")):
@@ -98,7 +96,7 @@ def arrows() -> list[tuple[str, str, str]]:
             assert src is not None, f"{rel} is on no layer: add it to LAYERS"
             for line, module in imports(path):
                 dst = module_layer(module)
-                if dst is not None and dst != src and src not in CONTRACTS.get(module, set()):
+                if dst is not None and dst != src:
                     found.append((f"{rel}:{line} imports {module}", src, dst))
     return found
 
@@ -134,6 +132,7 @@ def test_trainguards_top_level_holds_only_the_layers_and_the_public_entry_points
         "domain",
         "agent",
         "services",
+        "contract",
         "sim",
         "face",
     }

@@ -17,11 +17,12 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from infra.stack import find_binary
+from trainguard.contract import calls
 from trainguard.domain.job_state import Incident, JobState
 from trainguard.domain.notify import NotifyInput
 from trainguard.domain.spec import JobSpec
 from trainguard.services.temporal import wire_data_converter
-from workflows.job import calls, notify, patches
+from workflows.job import notify, patches
 
 
 @workflow.defn(sandboxed=False)

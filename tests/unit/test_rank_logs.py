@@ -17,8 +17,6 @@ from trainguard.domain.rank_logs import (
     parse_key,
 )
 from trainguard.face.logs import BadLogsInput, LogPrinter, check_range
-from trainguard.services.rank_logs import TAIL_LOGS
-from workflows.job import calls
 
 
 def test_a_key_names_attempt_machine_rank_and_stream_and_reads_back() -> None:
@@ -54,10 +52,6 @@ def test_live_chunks_are_whole_lines_while_the_rank_writes(tmp_path: Path) -> No
     assert read_chunk(f, 0, "out", c.end, final=False) is None  # no whole line yet
     last = read_chunk(f, 0, "out", c.end, final=True)  # the rank is done: the rest as it is
     assert last is not None and last.text == "half a li" and last.end == f.stat().st_size
-
-
-def test_the_cli_calls_the_agents_activity_by_its_contract_name() -> None:
-    assert calls.tail_logs.name == TAIL_LOGS
 
 
 def test_a_rank_or_attempt_the_job_lacks_is_named_in_one_line() -> None:

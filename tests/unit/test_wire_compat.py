@@ -246,7 +246,7 @@ def test_user_input_stays_strict() -> None:
 
 
 def test_plain_values_keep_every_key() -> None:
-    """The status query's dict (CONTRACT.md) is sent whole: only model fields omit defaults."""
+    """The status query's dict (docs/reference.md) is sent whole: only model fields omit defaults."""
     status = status_json(JobState(spec=spec()), datetime(2026, 1, 1, tzinfo=UTC))
     assert send(status) == json.loads(json.dumps(status, default=str))
     assert receive(send(status), dict) == json.loads(json.dumps(status, default=str))

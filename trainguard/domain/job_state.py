@@ -1,7 +1,7 @@
 """Everything a TrainingJobWorkflow remembers, and the status JSON built from it.
 
 The state is one model so continue-as-new carries it whole. ``status_json`` is
-the shape promised in CONTRACT.md; the CLI, the SDK and the UI all read it.
+the shape docs/reference.md promises; the CLI, the SDK and the UI all read it.
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ class JobState(BaseModel):
 
 
 def status_json(state: JobState, now: datetime) -> dict[str, Any]:
-    """The status document of CONTRACT.md."""
+    """The status document (``trainguard status --json``, docs/reference.md)."""
     return {
         "job_id": state.spec.name,
         "phase": state.phase,

@@ -118,9 +118,9 @@ class _Frozen(StrictModel):
 class Topology(_Frozen):
     """Parallel layout: tensor x pipeline x data parallel degrees."""
 
-    tp: int = Field(1, ge=1, le=1024)
-    pp: int = Field(1, ge=1, le=1024)
-    dp: int = Field(1, ge=1, le=65536)
+    tp: int = Field(1, ge=1, le=1024, description="tensor parallel degree")
+    pp: int = Field(1, ge=1, le=1024, description="pipeline parallel degree (stages)")
+    dp: int = Field(1, ge=1, le=65536, description="data parallel degree (replicas)")
 
     @property
     def world_size(self) -> int:
@@ -128,6 +128,8 @@ class Topology(_Frozen):
 
 
 class CheckpointSpec(_Frozen):
+    """Memory snapshots, peer backups and S3 checkpoints."""
+
     every_steps: int = Field(
         10,
         ge=1,
@@ -239,7 +241,9 @@ class DetectionSpec(_Frozen):
     slow_rounds: int = Field(5, ge=1, le=1000, description="consecutive slow rounds before an incident")
     slow_round_s: float = Field(2.0, gt=0, le=3600, description="seconds between fail-slow rounds")
     flap_tolerance: int = Field(2, ge=0, le=1000, description="network flaps tolerated within flap_window_s")
-    flap_window_s: float = Field(300.0, gt=0, le=86400)
+    flap_window_s: float = Field(
+        300.0, gt=0, le=86400, description="the window in which flap_tolerance network flaps are tolerated"
+    )
     evict_confidence: float = Field(0.9, ge=0, le=1, description="health events this sure evict at once")
     reattempt_first: bool = Field(
         True, description="a first crash with no probe evidence restarts in place before any check"
@@ -262,8 +266,13 @@ class NotifySpec(_Frozen):
     webhook_file: str | None = Field(
         None, min_length=1, max_length=1024, description="file on the controllers that holds the URL"
     )
-    format: NotifyFormat = "slack"
-    events: list[NotifyEvent] = Field(default_factory=lambda: list(NOTIFY_EVENTS), min_length=1)
+    format: NotifyFormat = Field(
+        "slack",
+        description='the payload: `{"text": ...}` (Slack, Mattermost, Rocket.Chat), or the event as JSON',
+    )
+    events: list[NotifyEvent] = Field(
+        default_factory=lambda: list(NOTIFY_EVENTS), min_length=1, description="which events are sent"
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> NotifySpec:
@@ -306,24 +315,69 @@ class JobSpec(_Frozen):
     so workflow inputs are stored encrypted.
     """
 
-    name: JobName
-    entrypoint: list[str] = Field(min_length=1, max_length=MAX_ARGS)
-    workdir: str | None = Field(None, min_length=1, max_length=MAX_PATH_LEN)
-    checkpoint_dir: str | None = Field(None, min_length=1, max_length=MAX_PATH_LEN)
-    env: dict[str, str] = Field(default_factory=dict, max_length=MAX_ENV_ENTRIES)
-    secret_env: list[str] = Field(default_factory=list, max_length=MAX_ENV_ENTRIES)
-    nodes: int = Field(ge=1, le=100_000)
-    ranks_per_node: int = Field(1, ge=1, le=64)
-    topology: Topology = Topology()
-    target_steps: int | None = Field(None, ge=1, le=1_000_000_000)
-    checkpoint: CheckpointSpec = CheckpointSpec()
-    detection: DetectionSpec = DetectionSpec()
-    code_version: str = Field("v1", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-    # The pool (one per cluster or Slurm allocation) the job takes its machines from; None: the
-    # submitting environment's (TRAINGUARD_POOL), else the default pool.
-    pool: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-    # Webhook notifications (trainguard.domain.notify); None: only the deployment's, if any.
-    notify: NotifySpec | None = None
+    name: JobName = Field(
+        description="the job's name: its workflow id, S3 key segment and directory name; one job "
+        "of a name runs at a time, and submitting it again resumes from its last checkpoint"
+    )
+    entrypoint: list[str] = Field(
+        min_length=1,
+        max_length=MAX_ARGS,
+        description="the argv each rank runs, executed as is (never through a shell); "
+        "`{code_version}` in it names the version (or give script/module and args)",
+    )
+    workdir: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_PATH_LEN,
+        description="where ranks start; unset: the agent's code directory",
+    )
+    checkpoint_dir: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_PATH_LEN,
+        description="where the script keeps its own checkpoints (relative: per machine, under its "
+        "work dir); their complete saves go to S3 and come back where missing",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=MAX_ENV_ENTRIES,
+        description="added to each rank's environment (no TRAINGUARD_*, TG_*, TORCHELASTIC_* or "
+        "torchrun's rank variables)",
+    )
+    secret_env: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_ENV_ENTRIES,
+        description="keys of env whose values are secret: the ranks get them, everything shown "
+        "or logged says ***",
+    )
+    nodes: int = Field(ge=1, le=100_000, description="machines the job runs on")
+    ranks_per_node: int = Field(1, ge=1, le=64, description="ranks (processes, GPUs) per machine")
+    topology: Topology = Field(
+        Topology(), description="the parallel layout; tp*pp*dp must equal nodes*ranks_per_node"
+    )
+    target_steps: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000_000,
+        description="the job completes at this step; unset: when every rank exits 0",
+    )
+    checkpoint: CheckpointSpec = Field(CheckpointSpec(), description="memory snapshots, backups and S3")
+    detection: DetectionSpec = Field(DetectionSpec(), description="thresholds of the real-time checks")
+    code_version: str = Field(
+        "v1",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="the code version the job starts with (hot updates move it on)",
+    )
+    pool: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
+        description="the machine pool (one per cluster or Slurm allocation) the job takes machines "
+        "from; unset: the submitting environment's TRAINGUARD_POOL, else the default pool",
+    )
+    notify: NotifySpec | None = Field(
+        None,
+        description="webhook notifications (trainguard.domain.notify); unset: only the deployment's, if any",
+    )
 
     @property
     def world_size(self) -> int:

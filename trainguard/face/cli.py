@@ -1,4 +1,4 @@
-"""The ``trainguard`` command line (CONTRACT.md), built on the SDK.
+"""The ``trainguard`` command line (docs/reference.md), built on the SDK.
 
 Exit codes: 0 success, 1 the job or command failed, 2 bad input (one line on
 stderr naming the field or argument).
@@ -39,6 +39,7 @@ from trainguard.client import (
     code_update,
     inject_request,
 )
+from trainguard.domain.messages import PoolState
 from trainguard.domain.spec import JobSpec, SpecError, env_problem, load_spec, parse_spec, shown
 from trainguard.services.codec import PayloadKeyError
 from trainguard.services.settings import Settings, SettingsError, state_dir_from_env
@@ -107,6 +108,7 @@ StateDir = Annotated[
     typer.Option("--state-dir", help="local stack state (default $TRAINGUARD_STATE_DIR or ~/.trainguard)"),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
+JobName = Annotated[str, typer.Argument(metavar="JOB", help="the job's name (its spec's name)")]
 
 
 class BadInput(Exception):
@@ -124,7 +126,7 @@ def _fail(code: int, message: str) -> NoReturn:
 
 
 def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Map known errors to one line and the contract's exit codes."""
+    """Map known errors to one line and the exit codes of docs/reference.md (2: bad input, 1: failed)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -436,7 +438,7 @@ def job_name_for(target: str) -> str:
 @app.command()
 @handles_errors
 def status(
-    job: Annotated[str, typer.Argument(metavar="JOB")],
+    job: JobName,
     state_dir: StateDir = None,
     json_out: JsonFlag = False,
 ) -> None:
@@ -569,7 +571,22 @@ def nodes(
             await _NODE_ACTIONS[action](c, node)
         return await c.nodes()
 
-    pool = _run(go())
+    doc = nodes_json(_run(go()))
+    if json_out:
+        _print_json(doc)
+        return
+    t = Table(title=f"node pool: {doc['standby']} on standby, target {doc['standby_target']}")
+    for col in ("node", "state", "job", "reason"):
+        t.add_column(col)
+    for r in doc["nodes"]:
+        state = r["state"] + (" (cordoned)" if r["cordoned"] else "")
+        t.add_row(r["node"], state, r["job"] or "-", escape((r["reason"] or "-")[:80]))
+    out.print(t)
+
+
+def nodes_json(pool: PoolState) -> dict[str, Any]:
+    """``trainguard nodes --json`` (docs/reference.md): the machines by name, the standbys ready
+    and the standby target."""
     rows = [
         {
             "node": n.info.name,
@@ -581,22 +598,13 @@ def nodes(
         }
         for n in sorted(pool.nodes.values(), key=lambda n: n.info.name)
     ]
-    if json_out:
-        _print_json({"nodes": rows, "standby": pool.standby, "standby_target": pool.standby_target})
-        return
-    t = Table(title=f"node pool: {pool.standby} on standby, target {pool.standby_target}")
-    for col in ("node", "state", "job", "reason"):
-        t.add_column(col)
-    for r in rows:
-        state = r["state"] + (" (cordoned)" if r["cordoned"] else "")
-        t.add_row(r["node"], state, r["job"] or "-", escape((r["reason"] or "-")[:80]))
-    out.print(t)
+    return {"nodes": rows, "standby": pool.standby, "standby_target": pool.standby_target}
 
 
 @app.command()
 @handles_errors
 def logs(
-    job: Annotated[str, typer.Argument(metavar="JOB")],
+    job: JobName,
     rank: Annotated[int | None, typer.Option(min=0, help="only this rank")] = None,
     attempt: Annotated[int | None, typer.Option(min=1, help="only this attempt (default: all)")] = None,
     follow: Annotated[
@@ -630,7 +638,7 @@ def logs(
 
 @app.command()
 @handles_errors
-def stop(job: Annotated[str, typer.Argument(metavar="JOB")], state_dir: StateDir = None) -> None:
+def stop(job: JobName, state_dir: StateDir = None) -> None:
     """Stop a job; its last complete checkpoint stays, and submitting it again resumes there."""
     check_job_id(job)
 
@@ -645,7 +653,7 @@ def stop(job: Annotated[str, typer.Argument(metavar="JOB")], state_dir: StateDir
 @app.command()
 @handles_errors
 def cancel(
-    job: Annotated[str, typer.Argument(metavar="JOB")],
+    job: JobName,
     reason: Annotated[str | None, typer.Option(help="recorded as the job's verdict")] = None,
     state_dir: StateDir = None,
 ) -> None:
@@ -663,7 +671,7 @@ def cancel(
 @app.command()
 @handles_errors
 def update(
-    job: Annotated[str, typer.Argument(metavar="JOB")],
+    job: JobName,
     code_version: Annotated[str, typer.Option("--code-version", help="the version to run")],
     urgent: Annotated[
         bool, typer.Option(help="stop and resume now on the same machines (default: at the next recovery)")
@@ -704,7 +712,7 @@ def update(
 @app.command()
 @handles_errors
 def inject(
-    node: Annotated[str, typer.Argument(metavar="NODE")],
+    node: Annotated[str, typer.Argument(metavar="NODE", help="the machine (see trainguard nodes)")],
     fault: Annotated[
         str,
         typer.Argument(

@@ -1,6 +1,6 @@
 """Timeline report of one job: its step over wall time, every incident's stages, ETTR.
 
-Reads the status document of CONTRACT.md (``JobHandle.status()`` or a saved
+Reads the status document (docs/reference.md, ``JobHandle.status()`` or a saved
 ``trainguard status --json``) and writes a PNG, or a self-contained HTML page
 with the PNG inline and tables of incidents and badput. Nothing but the output
 file leaves it, so it is tested without a stack.

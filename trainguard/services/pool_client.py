@@ -16,12 +16,14 @@ import asyncio
 import random
 import weakref
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from temporalio.client import Client, WithStartWorkflowOperation
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
+from trainguard import contract
+from trainguard.contract.kinds import Update
 from trainguard.domain.messages import (
     CONTROLLER_QUEUE,
     POOL_WORKFLOW_ID,
@@ -41,7 +43,8 @@ from trainguard.domain.messages import (
     SlurmObservation,
 )
 
-T = TypeVar("T")
+I = TypeVar("I")  # noqa: E741 - the input, beside R the result
+R = TypeVar("R")
 POOL_TASK_TIMEOUT = timedelta(seconds=60)
 LANE_WIDTH = 3  # pool updates one process keeps in flight
 _lanes: weakref.WeakKeyDictionary[Client, asyncio.Semaphore] = weakref.WeakKeyDictionary()
@@ -57,17 +60,16 @@ def _lane(client: Client) -> asyncio.Semaphore:
 
 async def _update(
     client: Client,
-    name: str,
-    arg: Any,
-    result_type: type[T],
+    update: Update[I, R],
+    arg: I,
     update_id: str | None = None,
     max_delay_s: float = 5.0,
     pool: str = POOL_WORKFLOW_ID,
-) -> T:
+) -> R:
     """An idempotent pool update: queued in this process's lane, retried while the server
     refuses or aborts it for being busy (the caller's own timeout bounds the wait)."""
     op = WithStartWorkflowOperation(
-        "NodePoolWorkflow",
+        contract.pool.WORKFLOW.name,
         None,
         id=pool,
         task_queue=CONTROLLER_QUEUE,
@@ -80,9 +82,7 @@ async def _update(
     while True:
         try:
             async with _lane(client):
-                return await client.execute_update_with_start_workflow(
-                    name, arg, start_workflow_operation=op, id=update_id, result_type=result_type
-                )
+                return await update.execute_with_start(client, arg, start=op, id=update_id)
         except RPCError as exc:
             if exc.status not in _PASSING:
                 raise
@@ -94,56 +94,56 @@ async def register(
     client: Client, info: NodeInfo, max_delay_s: float = 5.0, pool: str = POOL_WORKFLOW_ID
 ) -> PoolNode:
     """Join the pool; hundreds of agents starting at once back off and try again."""
-    return await _update(client, "register", info, PoolNode, max_delay_s=max_delay_s, pool=pool)
+    return await _update(client, contract.pool.register, info, max_delay_s=max_delay_s, pool=pool)
 
 
 async def deregister(client: Client, name: str, pool: str = POOL_WORKFLOW_ID) -> None:
-    await client.get_workflow_handle(pool).execute_update("deregister", name)
+    await contract.pool.deregister.execute(client.get_workflow_handle(pool), name)
 
 
 async def reserve(client: Client, req: ReserveInput) -> ReserveResult:
-    return await _update(client, "reserve", req, ReserveResult, pool=req.pool)
+    return await _update(client, contract.pool.reserve, req, pool=req.pool)
 
 
 async def release(client: Client, job_id: str, pool: str = POOL_WORKFLOW_ID) -> int:
-    return await _update(client, "release", ReleaseInput(job_id=job_id, pool=pool), int, pool=pool)
+    return await _update(client, contract.pool.release, ReleaseInput(job_id=job_id, pool=pool), pool=pool)
 
 
 async def state(client: Client, pool: str = POOL_WORKFLOW_ID) -> PoolState:
-    return await client.get_workflow_handle(pool).query("state", result_type=PoolState)
+    return await contract.pool.state.query(client.get_workflow_handle(pool))
 
 
 async def evict(client: Client, req: EvictInput) -> EvictResult:
     # A repeated update id joins the first update while it is still running.
-    return await _update(client, "evict", req, EvictResult, req.request_id or None, pool=req.pool)
+    return await _update(client, contract.pool.evict, req, req.request_id or None, pool=req.pool)
 
 
 async def inject(client: Client, req: InjectInput, pool: str = POOL_WORKFLOW_ID) -> InjectResult:
-    return await client.get_workflow_handle(pool).execute_update("inject", req, result_type=InjectResult)
+    return await contract.pool.inject.execute(client.get_workflow_handle(pool), req)
 
 
 async def clear_faults(client: Client, name: str, pool: str = POOL_WORKFLOW_ID) -> int:
-    return await client.get_workflow_handle(pool).execute_update("clear_faults", name, result_type=int)
+    return await contract.pool.clear_faults.execute(client.get_workflow_handle(pool), name)
 
 
 async def configure(client: Client, config: PoolConfig, pool: str = POOL_WORKFLOW_ID) -> PoolConfig:
-    return await _update(client, "configure", config, PoolConfig, pool=pool)
+    return await _update(client, contract.pool.configure, config, pool=pool)
 
 
 async def release_node(client: Client, name: str, pool: str = POOL_WORKFLOW_ID) -> PoolNode:
-    return await client.get_workflow_handle(pool).execute_update("release_node", name, result_type=PoolNode)
+    return await contract.pool.release_node.execute(client.get_workflow_handle(pool), name)
 
 
 async def attach_slurm(client: Client, attach: SlurmAttach, pool: str = POOL_WORKFLOW_ID) -> PoolState:
     """The Slurm worker of ``pool`` serves ``attach.queue``: the pool drains, resumes and asks
     for replacement machines through it."""
-    return await _update(client, "attach_slurm", attach, PoolState, pool=pool)
+    return await _update(client, contract.pool.attach_slurm, attach, pool=pool)
 
 
 async def slurm_observed(client: Client, obs: SlurmObservation, pool: str = POOL_WORKFLOW_ID) -> int:
     """Report what Slurm says of the pool's machines; returns how many changed in the pool."""
-    return await _update(client, "slurm_observed", obs, int, pool=pool)
+    return await _update(client, contract.pool.slurm_observed, obs, pool=pool)
 
 
 async def cordon(client: Client, req: CordonInput, pool: str = POOL_WORKFLOW_ID) -> PoolNode:
-    return await _update(client, "cordon", req, PoolNode, pool=pool)
+    return await _update(client, contract.pool.cordon, req, pool=pool)

@@ -9,17 +9,12 @@ from __future__ import annotations
 
 import gzip
 import uuid
-from datetime import timedelta
 
 from temporalio.client import Client
-from temporalio.common import RetryPolicy
 
+from trainguard.contract import calls
 from trainguard.domain.rank_logs import LogObject, TailLogsInput, TailLogsResult, job_logs_prefix, parse_key
 from trainguard.services.storage import S3Store
-
-# The name in the activity contract (workflows.job.calls.tail_logs), which this layer cannot import.
-TAIL_LOGS = "tail_logs"
-TAIL_TIMEOUT = timedelta(seconds=10)
 
 
 def uploaded(
@@ -41,13 +36,6 @@ def read(store: S3Store, obj: LogObject) -> str:
 
 async def tail(client: Client, task_queue: str, req: TailLogsInput) -> TailLogsResult:
     """New output of the job's ranks on one machine, from its agent (standalone activity)."""
-    return await client.execute_activity(
-        TAIL_LOGS,
-        req,
-        id=f"tail-logs-{req.job_id}-{uuid.uuid4().hex[:12]}",
-        task_queue=task_queue,
-        result_type=TailLogsResult,
-        schedule_to_start_timeout=TAIL_TIMEOUT,
-        start_to_close_timeout=TAIL_TIMEOUT,
-        retry_policy=RetryPolicy(maximum_attempts=1),  # the caller asks again anyway
+    return await calls.tail_logs.standalone(
+        client, req, id=f"tail-logs-{req.job_id}-{uuid.uuid4().hex[:12]}", task_queue=task_queue
     )

@@ -73,8 +73,8 @@ class SimReport(BaseModel):
         return self.results["trainguard"]
 
     def contract_json(self) -> dict[str, Any]:
-        """The CONTRACT.md shape (``ettr``, ``baselines``, ``badput_s``, ``standby_used``,
-        ``evicted``) followed by the details."""
+        """``trainguard simulate --json`` (docs/reference.md): ``ettr``, ``baselines``, ``badput_s``,
+        ``standby_used``, ``evicted``, then the details."""
         tg = self.trainguard
         return {
             "ettr": round(tg.ettr, 4),

@@ -1,7 +1,6 @@
 """The training job workflow as a package, layered bottom to top (each module imports only
 those above it in this list):
 
-- ``calls``: the activity contract (names, input and result types, options);
 - ``patches``: the ``workflow.patched`` ids, each with its reason;
 - ``visibility``: search attributes, current details, telemetry export;
 - ``progress``: folding the machines' reports into the job state, committing checkpoints;
@@ -11,5 +10,6 @@ those above it in this list):
 - ``recovery``: incident -> decision -> diagnosis -> evict / roll back / stop;
 - ``workflow``: ``TrainingJobWorkflow``, its handlers and run loop.
 
-Empty on purpose: ``activities/`` import ``calls`` for the names, without the workflow.
+The activities they call, and the names of the workflow's own signals, update and query, are
+the contract's (``trainguard/contract/``).
 """

@@ -11,7 +11,8 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, CancelledError, TimeoutType
 from temporalio.exceptions import TimeoutError as ActivityTimeout
 
-from workflows.job import calls, patches
+from trainguard.contract import calls
+from workflows.job import patches
 from workflows.job.outcome import (
     AttemptOutcome,
     Handles,

@@ -11,7 +11,8 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
-from workflows.job import calls, patches
+from trainguard.contract import calls
+from workflows.job import patches
 from workflows.job.attempt import latest_checkpoint
 from workflows.job.outcome import AttemptOutcome, stop_request
 

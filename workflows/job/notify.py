@@ -14,7 +14,8 @@ from typing import Any
 
 from temporalio import workflow
 
-from workflows.job import calls, patches
+from trainguard.contract import calls
+from workflows.job import patches
 
 with workflow.unsafe.imports_passed_through():
     from trainguard.domain.job_state import Incident, JobState

@@ -10,7 +10,8 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, CancelledError
 
-from workflows.job import calls, patches
+from trainguard.contract import calls
+from workflows.job import patches
 from workflows.job.progress import Progress
 from workflows.job.visibility import Visibility
 

@@ -12,7 +12,8 @@ from datetime import datetime
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
-from workflows.job import calls, patches
+from trainguard.contract import calls
+from workflows.job import patches
 from workflows.job.visibility import Visibility
 
 with workflow.unsafe.imports_passed_through():

@@ -13,7 +13,8 @@ from datetime import datetime
 
 from temporalio import workflow
 
-from workflows.job import calls, patches
+from trainguard.contract import calls
+from workflows.job import patches
 from workflows.job.diagnosis import Diagnosis
 from workflows.job.outcome import AttemptOutcome
 from workflows.job.progress import Progress, apply_version

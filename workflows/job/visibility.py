@@ -9,7 +9,8 @@ from datetime import datetime
 from temporalio import workflow
 from temporalio.common import SearchAttributeKey
 
-from workflows.job import calls, patches
+from trainguard.contract import calls
+from workflows.job import patches
 
 with workflow.unsafe.imports_passed_through():
     from trainguard.domain import ettr

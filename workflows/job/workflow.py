@@ -18,7 +18,9 @@ from typing import Any
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
-from workflows.job import calls, patches
+from trainguard import contract
+from trainguard.contract import calls
+from workflows.job import patches
 from workflows.job.attempt import Attempt, history_full
 from workflows.job.diagnosis import Diagnosis
 from workflows.job.notify import Notifier
@@ -58,7 +60,7 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.domain.spec import SpecError
 
 
-@workflow.defn
+@workflow.defn(name=contract.job.WORKFLOW.name)
 class TrainingJobWorkflow:
     @workflow.init
     def __init__(self, inp: JobInput) -> None:
@@ -83,30 +85,30 @@ class TrainingJobWorkflow:
         self.notifier = Notifier(self.s)
 
     # -- queries, signals, updates ---------------------------------------------------------
-    @workflow.query
+    @workflow.query(name=contract.job.status.name)
     def status(self) -> dict[str, Any]:
         return status_json(self.s, workflow.now())
 
-    @workflow.signal(name="progress")
+    @workflow.signal(name=contract.job.progress.name)
     def report_progress(self, report: ProgressReport) -> None:
         self.progress.inbox.append(report)
 
-    @workflow.signal
+    @workflow.signal(name=contract.job.drill.name)
     def drill(self, record: InjectResult) -> None:
         """A fault was injected on one of our machines (for detection latency)."""
         self.s.drills = [*self.s.drills[-19:], record]
 
-    @workflow.signal
+    @workflow.signal(name=contract.job.stop.name)
     def stop(self, reason: str = "stopped by user") -> None:
         self.stop_reason = reason or "stopped by user"
 
-    @workflow.signal
+    @workflow.signal(name=contract.job.cancel.name)
     def cancel(self, reason: str = "cancelled by user") -> None:
         """End the job now: ranks stopped, machines released, committed checkpoints kept."""
         self.stop_reason = reason or "cancelled by user"
         self.cancelled = True
 
-    @workflow.update
+    @workflow.update(name=contract.job.update_code.name)
     async def update_code(self, req: CodeUpdate) -> dict[str, Any]:
         """Hot update: urgent restarts the ranks on the same machines now (and returns once
         they run the new version); lazy waits for the next recovery or its deadline."""

@@ -129,7 +129,7 @@ def run_drill(
 
 
 def document(mix: Mix, results: list[SystemResult], wall_s: float) -> dict[str, Any]:
-    """The JSON of CONTRACT.md (``systems``, ``faults``), with the mix and the ETTR ratio."""
+    """``trainguard drill --json`` (docs/reference.md): ``systems``, ``faults``, the mix, the ETTR ratio."""
     by = {r.system: r for r in results}
     tg, tr = by.get("trainguard"), by.get("torchrun")
     ratio = round(tg.ettr / tr.ettr, 2) if tg and tr and tr.ettr > 0 else None

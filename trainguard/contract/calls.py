@@ -1,9 +1,9 @@
-"""The activity contract: every activity the workflows call, written once.
+"""The activities: every activity the workflows call, written once.
 
-Each entry is a typed call: the activity's name, its input model, its result type and its
-options (task queue, timeouts, retry). Names and types only: the implementations (under
-``activities/``, which import torch, boto3 and subprocess) never enter the workflow sandbox,
-and they, like the bench fakes, register under the names given here
+Each entry is a typed call (``kinds.Activity``): the activity's name, its input model, its
+result type and its options (task queue, timeouts, retry). Names and types only: the
+implementations (under ``activities/``, which import torch, boto3 and subprocess) never enter
+the workflow sandbox, and they, like the bench fakes, register under the names given here
 (``@activity.defn(name=calls.run_ranks.name)``).
 
 Machine activities run on the machine's own task queue, passed per call (``task_queue=``);
@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
+
+from trainguard.contract.kinds import Activity, Options
 
 with workflow.unsafe.imports_passed_through():
     from trainguard.domain.job_state import IncidentTelemetryInput
@@ -60,23 +61,9 @@ I = TypeVar("I")  # noqa: E741 - the input, beside R the result
 R = TypeVar("R")
 
 SHORT = timedelta(seconds=30)
-NO_RETRY = RetryPolicy(maximum_attempts=1)
 # Controller activities are retried: any controller may pick them up, a dead one is replaced.
 CONTROLLER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 TELEMETRY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
-
-
-@dataclass(frozen=True)
-class Options:
-    """How an activity is scheduled; ``task_queue`` None: the machine's, given per call."""
-
-    task_queue: str | None = None
-    schedule_to_start: timedelta | None = None
-    start_to_close: timedelta | None = None
-    heartbeat: timedelta | None = None
-    retry: RetryPolicy = dataclasses.field(default_factory=lambda: NO_RETRY)
-    cancellation: workflow.ActivityCancellationType = workflow.ActivityCancellationType.TRY_CANCEL
-
 
 ON_CONTROLLER = Options(task_queue=CONTROLLER_QUEUE, start_to_close=SHORT, retry=CONTROLLER_RETRY)
 # A short check on a machine: one that cannot answer within seconds is skipped or fails the check.
@@ -87,41 +74,6 @@ ON_MACHINE = Options(schedule_to_start=timedelta(seconds=10), start_to_close=ON_
 ON_MACHINE_CHECK = dataclasses.replace(
     ON_MACHINE, start_to_close=ON_MACHINE_LIMIT + timedelta(seconds=CHECK_START_BOUND_S)
 )
-
-
-@dataclass(frozen=True)
-class Activity(Generic[I, R]):
-    """One activity: ``await calls.x(arg)`` runs it, ``calls.x.start(arg)`` starts it; keyword
-    arguments override its options for one call."""
-
-    name: str
-    input: type[I]
-    result: Any  # R at run time (a union for optional results)
-    options: Options
-
-    def _kwargs(self, summary: str | None, over: dict[str, Any]) -> dict[str, Any]:
-        o = dataclasses.replace(self.options, **over) if over else self.options
-        if o.task_queue is None:
-            raise ValueError(f"{self.name}: a machine activity needs its machine's task_queue")
-        return {
-            "task_queue": o.task_queue,
-            "result_type": self.result,
-            "schedule_to_start_timeout": o.schedule_to_start,
-            "start_to_close_timeout": o.start_to_close,
-            "heartbeat_timeout": o.heartbeat,
-            "retry_policy": o.retry,
-            "cancellation_type": o.cancellation,
-            "summary": summary,
-        }
-
-    async def __call__(self, arg: I, *, summary: str | None = None, **over: Any) -> R:
-        return cast(R, await workflow.execute_activity(self.name, arg, **self._kwargs(summary, over)))
-
-    def start(self, arg: I, *, summary: str | None = None, **over: Any) -> workflow.ActivityHandle[R]:
-        return cast(
-            "workflow.ActivityHandle[R]",
-            workflow.start_activity(self.name, arg, **self._kwargs(summary, over)),
-        )
 
 
 # -- the pool (controller) --------------------------------------------------------------------
@@ -202,9 +154,13 @@ clear_faults: Activity[ClearFaultsInput, int] = Activity(
     Options(schedule_to_start=timedelta(seconds=30), start_to_close=timedelta(seconds=10)),
 )
 # The live output of the job's ranks on the machine. Not called by a workflow: `trainguard logs
-# --follow` runs it as a standalone activity on the machine's queue (no history grows).
+# --follow` runs it as a standalone activity on the machine's queue (no history grows), and
+# asks again when an answer does not come within seconds (hence not retried).
 tail_logs: Activity[TailLogsInput, TailLogsResult] = Activity(
-    "tail_logs", TailLogsInput, TailLogsResult, dataclasses.replace(ON_MACHINE, start_to_close=SHORT)
+    "tail_logs",
+    TailLogsInput,
+    TailLogsResult,
+    dataclasses.replace(ON_MACHINE, start_to_close=timedelta(seconds=10)),
 )
 
 # -- Slurm (the pool's Slurm worker, on its own queue given per call) --------------------------
