@@ -34,13 +34,8 @@ with workflow.unsafe.imports_passed_through():
         RunRanksInput,
         RunRanksResult,
     )
-    from trainguard.domain.policy import (
-        Decision,
-        outcome_after_alignment,
-        outcome_after_checks,
-        outcome_after_replay,
-        outcome_after_stacks,
-    )
+    from trainguard.domain.policy import Decision, outcome_after_checks, outcome_after_replay
+    from trainguard.domain.recovery import alignment_outcome, check_targets, stacks_outcome
     from trainguard.domain.topology import ranks_on
 
 
@@ -74,20 +69,12 @@ class Diagnosis:
         if decision.action == "replay":
             return await self._replay(attempt)
         if decision.action == "stack-aggregation":
-            # Stacks were taken while the hung ranks still stood; fail-slow rounds named the machine.
-            machines = outcome.evict or ([primary.node] if primary.kind == "slow" else [])
-            return outcome_after_stacks(machines, primary.evidence[-300:])
+            # Stacks were taken while the hung ranks still stood: the attempt's outcome names them.
+            return stacks_outcome(outcome.evict, primary.kind, primary.node, primary.evidence[-300:])
         if decision.action == "alignment-test":
             results = await fanout.on_machines(calls.alignment_test, req, self.s.nodes)
-            hashes: dict[str, str | None] = {r.node: r.digest for r in results}
             reference = next((r.reference for r in results if r.reference), None)
-            if reference is not None:
-                # The exact answer votes too: with two machines, it breaks the tie.
-                hashes["(exact reference)"] = reference
-            follow = outcome_after_alignment(hashes)
-            if follow.action == "evict":
-                follow = follow.model_copy(update={"machines": [m for m in follow.machines if m in hashes]})
-            return follow
+            return alignment_outcome({r.node: r.digest for r in results}, reference)
         return None
 
     async def _stop_time_checks(self, decision: Decision, req: DiagnosticInput) -> Decision:
@@ -95,7 +82,7 @@ class Diagnosis:
         self-test, the intra-machine collective (both on the suspects), then pairwise
         inter-machine rounds over the job's machines."""
         nodes = self.s.nodes
-        targets = decision.suspects if decision.scope == "suspects" and decision.suspects else None
+        targets = check_targets(decision)
         failed, details = await self._alone(req, targets)
         stragglers: list[str] = []
         links: list[tuple[str, str]] = []

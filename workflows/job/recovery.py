@@ -3,7 +3,8 @@
 Record the incident, climb the decision ladder (``trainguard.domain.policy``): evict a machine surely
 at fault, or diagnose (stop-time checks, stacks, the alignment test, replay) and act on the
 result, or reattempt; stop with a verdict when recoveries stop making progress. Returns the
-verdict when the job must stop; the workflow ends the job.
+verdict when the job must stop; the workflow ends the job. The sequence of decisions is
+``trainguard.domain.recovery``'s, which the scale simulator runs too.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.domain.detection import RENDEZVOUS_KIND
     from trainguard.domain.job_state import Incident, JobInput, JobState, RunningAttempt
     from trainguard.domain.messages import POOL_WORKFLOW_ID, EvictInput, IncidentReport
-    from trainguard.domain.policy import PolicyConfig, decide, record_incident
+    from trainguard.domain.policy import decide
+    from trainguard.domain.recovery import conclude, policy_config
 
 
 def suspects(primary: IncidentReport, others: list[IncidentReport], host: str | None = None) -> list[str]:
@@ -98,35 +100,30 @@ class Recovery:
             s.ledger = ettr.add_badput(s.ledger, "detection", incident.detection_s)
         facts = incident.facts(primary)
         det = s.spec.detection
-        cfg = PolicyConfig(
-            evict_confidence=det.evict_confidence,
-            max_recoveries_without_progress=det.max_attempts,
-            # Histories recorded before the first-reattempt rung existed replay without it.
+        cfg = policy_config(
+            det,
+            # Histories recorded before the first-reattempt rung existed replay without it (the
+            # patch asked only where the spec wants the rung: a marker is a command) ...
             reattempt_first=det.reattempt_first and workflow.patched(patches.FIRST_REATTEMPT),
             # ... and without the link checks of a stall that comes back unlocalized.
             link_checks=workflow.patched(patches.LINK_CHECKS),
         )
         diagnosing_since = workflow.now()
-        decisions = [decide(facts, s.history, cfg)]
+        first = decide(facts, s.history, cfg)
         incident.decided(diagnosing_since)
         if settle is not None:
             outcome = await settle()
             self.progress.note_last_steps(outcome.results)
             incident.saw(primary, outcome.others)
-        follow = await self.diagnosis.run(decisions[0], outcome, attempt)
-        if follow is not None:
-            decisions.append(follow)
+        follow = await self.diagnosis.run(first, outcome, attempt)
         s.ledger = ettr.add_badput(s.ledger, "diagnosis", (workflow.now() - diagnosing_since).total_seconds())
-        final = decisions[-1]
-        incident.concluded(decisions, workflow.now())
-        s.history = record_incident(s.history, facts, decisions)
+        done = conclude(facts, s.history, first, follow)
+        final = done.final
+        incident.concluded(done.decisions, workflow.now())
+        s.history = done.history
         self.vis.set_phase("recovering")
         if final.action == "evict":
-            # A whole group evicted for its stuck or slow outlier holds healthy machines too; one end
-            # of a failed link may be healthy: both leave as suspects, re-tested before reuse.
-            await self._evict(
-                final.machines, incident, confirmed=final.rung not in ("stacks-culprit", "checks-link")
-            )
+            await self._evict(final.machines, incident, confirmed=done.confirmed)
         if final.action == "rollback" and final.rollback_to:
             apply_version(
                 s,
