@@ -28,9 +28,11 @@ with workflow.unsafe.imports_passed_through():
         CHECK_START_BOUND_S,
         CONTROLLER_QUEUE,
         CheckpointRef,
+        CheckpointShardsInput,
         CheckResult,
         ClearFaultsInput,
         CommitCheckpointInput,
+        CommitCheckpointPartInput,
         DiagnosticInput,
         Endpoint,
         EvictInput,
@@ -41,12 +43,14 @@ with workflow.unsafe.imports_passed_through():
         LocalizeStacksInput,
         NodeInfo,
         PairTestInput,
+        PartRef,
         PortInput,
         ReleaseInput,
         ReserveInput,
         ReserveResult,
         RunRanksInput,
         RunRanksResult,
+        ShardInfo,
         SlurmNodeInput,
         SlurmReplacementInput,
         StackDump,
@@ -92,6 +96,17 @@ latest_checkpoint: Activity[LatestCheckpointInput, CheckpointRef | None] = Activ
 # Short: a controller that dies mid-commit is noticed by this timeout, then retried.
 commit_checkpoint: Activity[CommitCheckpointInput, CheckpointRef] = Activity(
     "commit_checkpoint", CommitCheckpointInput, CheckpointRef, ON_CONTROLLER
+)
+# A large job's checkpoint by parts: each group of machines commits its ranks' shards of a step
+# as one part, the job then commits the step's parts (``commit_checkpoint`` with ``parts``), so
+# no payload lists every rank's shard.
+commit_checkpoint_part: Activity[CommitCheckpointPartInput, PartRef] = Activity(
+    "commit_checkpoint_part", CommitCheckpointPartInput, PartRef, ON_CONTROLLER
+)
+# The shards of a range of ranks (a group's) of a checkpoint ``latest_checkpoint`` found: a ref
+# to a checkpoint by parts lists none.
+checkpoint_shards: Activity[CheckpointShardsInput, list[ShardInfo]] = Activity(
+    "checkpoint_shards", CheckpointShardsInput, list[ShardInfo], ON_CONTROLLER
 )
 localize_stacks: Activity[LocalizeStacksInput, StackFinding] = Activity(
     "localize_stacks", LocalizeStacksInput, StackFinding, ON_CONTROLLER
@@ -190,6 +205,8 @@ ALL: tuple[Activity[Any, Any], ...] = (
     evict_nodes,
     latest_checkpoint,
     commit_checkpoint,
+    commit_checkpoint_part,
+    checkpoint_shards,
     localize_stacks,
     record_incident,
     notify,

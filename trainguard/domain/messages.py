@@ -199,6 +199,20 @@ class CheckpointRef(Msg):
     step: int
     uri: str
     shards: list[ShardInfo]
+    # How many parts hold the shards (a large job's checkpoint: ``shards`` is then empty, and
+    # ``checkpoint_shards`` gives a range of ranks theirs); 0: ``shards`` lists them all.
+    parts: int = 0
+
+
+class PartRef(Msg):
+    """One group's part of a checkpoint step: the shards of ranks ``first_rank`` to
+    ``first_rank + ranks - 1``, listed in the object at ``key``."""
+
+    group: int
+    step: int
+    key: str
+    first_rank: int
+    ranks: int
 
 
 class JobGauges(Msg):
@@ -214,6 +228,7 @@ class CommitCheckpointInput(Msg):
     prefix: str
     step: int
     world_size: int
+    # Every rank's shard, or none where ``parts`` lists the parts that hold them.
     shards: list[ShardInfo]
     keep: int
     # The newest step the replicas agreed on: the newest checkpoint at or before it is kept.
@@ -222,6 +237,30 @@ class CommitCheckpointInput(Msg):
     gauges: JobGauges | None = None
     # The attempt whose shards these are: refused when the job is on a newer one (None: unchecked).
     attempt: int | None = None
+    # The parts (``commit_checkpoint_part``) that together list every rank's shard once: a large
+    # job's commit, whose shard list would not fit one payload. Needs ``attempt``.
+    parts: list[PartRef] = []
+
+
+class CommitCheckpointPartInput(Msg):
+    """One group's shards of a step: ranks ``first_rank`` to ``first_rank + ranks - 1``."""
+
+    job_id: str
+    prefix: str
+    step: int
+    attempt: int
+    group: int
+    first_rank: int
+    ranks: int
+    shards: list[ShardInfo]
+
+
+class CheckpointShardsInput(Msg):
+    """The shards of ranks ``first_rank`` to ``first_rank + ranks - 1`` of a committed checkpoint."""
+
+    uri: str  # its CheckpointRef's
+    first_rank: int
+    ranks: int
 
 
 class LatestCheckpointInput(Msg):
