@@ -111,7 +111,8 @@ def parts_manifest(
         ]
         refs.append(PartRef(group=g, step=step, key=key, first_rank=first, ranks=n))
         parts[key] = Part(
-            job="job",
+            job_id="job",
+            prefix="checkpoints",
             step=step,
             attempt=attempt,
             group=g,

@@ -62,13 +62,18 @@ def commit_input(step: int, attempt: int, parts: list[PartRef], keep: int = 5) -
     )
 
 
-def commit_by_parts(store: MemoryStore, step: int, attempt: int = 1, keep: int = 5) -> list[PartRef]:
-    parts = [
+def commit_parts(store: MemoryStore, step: int, attempt: int) -> list[PartRef]:
+    """What every group does: upload its ranks' shards, commit them as its part."""
+    return [
         checkpoint_store.commit_part(
             store, part_input(step, attempt, g, upload_group(store, step, attempt, g))
         )
         for g in range(GROUPS)
     ]
+
+
+def commit_by_parts(store: MemoryStore, step: int, attempt: int = 1, keep: int = 5) -> list[PartRef]:
+    parts = commit_parts(store, step, attempt)
     checkpoint_store.commit(store, commit_input(step, attempt, parts, keep))
     return parts
 
@@ -163,10 +168,7 @@ def test_a_part_with_a_shard_missing_or_truncated_is_refused() -> None:
 def test_parts_that_do_not_cover_every_rank_once_commit_nothing() -> None:
     store = MemoryStore()
     checkpoint_store.begin_attempt(store, JP, 1)
-    parts = [
-        checkpoint_store.commit_part(store, part_input(20, 1, g, upload_group(store, 20, 1, g)))
-        for g in range(GROUPS)
-    ]
+    parts = commit_parts(store, 20, 1)
     with pytest.raises(IncompleteCheckpoint, match=r"ranks \[8, 9, 10, 11\] not covered"):
         checkpoint_store.commit(store, commit_input(20, 1, parts[:2]))
     with pytest.raises(IncompleteCheckpoint, match=r"ranks \[4, 5, 6, 7\] not covered"):
@@ -186,10 +188,7 @@ def test_parts_that_do_not_cover_every_rank_once_commit_nothing() -> None:
 def test_a_stale_attempts_part_and_commit_are_refused() -> None:
     store = MemoryStore()
     checkpoint_store.begin_attempt(store, JP, 1)
-    old_parts = [
-        checkpoint_store.commit_part(store, part_input(40, 1, g, upload_group(store, 40, 1, g)))
-        for g in range(GROUPS)
-    ]
+    old_parts = commit_parts(store, 40, 1)
     checkpoint_store.begin_attempt(store, JP, 2)
     with pytest.raises(StaleAttempt, match="the job is on 2"):
         checkpoint_store.commit_part(store, part_input(40, 1, 0, upload_group(store, 40, 1, 0)))

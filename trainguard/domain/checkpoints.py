@@ -80,18 +80,10 @@ class Manifest(BaseModel):
     parts: list[PartRef] = []
 
 
-class Part(BaseModel):
-    """The object a PartRef names: one group's shards of a step, written by one attempt."""
+class Part(CommitCheckpointPartInput):
+    """The object a PartRef names: what one group committed of a step (its ranks' shards, by
+    one attempt), and when."""
 
-    model_config = ConfigDict(frozen=True)
-
-    job: str
-    step: int
-    attempt: int
-    group: int
-    first_rank: int
-    ranks: int
-    shards: list[ShardInfo]
     created_at: str
 
 

@@ -263,17 +263,8 @@ def commit_part(
             f"checkpoint step {inp.step} part {inp.group} incomplete: ranks {missing} missing or truncated"
         )
     key = part_key(jprefix, inp.step, inp.attempt, inp.group)
-    part = Part(
-        job=inp.job_id,
-        step=inp.step,
-        attempt=inp.attempt,
-        group=inp.group,
-        first_rank=inp.first_rank,
-        ranks=inp.ranks,
-        shards=sorted(inp.shards, key=lambda s: s.rank),
-        created_at=_now(),
-    )
-    data = part.model_dump(mode="json")
+    shards = sorted(inp.shards, key=lambda s: s.rank)
+    data = Part(**{**dict(inp), "shards": shards}, created_at=_now()).model_dump(mode="json")
     etag = store.put_json(key, data) or ""
     if etag:
         cache.put(key, etag, data)
