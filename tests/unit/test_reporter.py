@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from activities.rank_session import LAUNCHER
 
+from activities.session.process import LAUNCHER
 from tests.unit.single_rank import single_rank_context
 from trainguard.runtime import launch
 

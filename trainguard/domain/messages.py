@@ -228,6 +228,7 @@ class CommitCheckpointInput(Msg):
     prefix: str
     step: int
     world_size: int
+    # Every rank's shard, or none where ``parts`` lists the parts that hold them.
     shards: list[ShardInfo]
     keep: int
     # The newest step the replicas agreed on: the newest checkpoint at or before it is kept.
