@@ -14,11 +14,12 @@ for ``--minutes``, stops them, and reads what happened from Temporal itself:
 - history events per job-day and the longest single run (continue-as-new keeps
   each run under the job's ``max_history_events``).
 
-The jobs run with a production reporting profile (``trainguard.domain.report_interval``: the
-first machine reports every ``--progress-interval-s``, the others every
-``--peer-report-interval-s``; search attributes change at most every
-``--search-attribute-interval-s``): a local drill's 5 s reports from every machine
-would cost a 1,000-machine job 200 signals a second.
+The jobs run at the product's defaults (``trainguard.domain.report_interval``: the first
+machine reports every ``--progress-interval-s``, 5 s; the others routinely every 5 s, and a
+large job's machines so that the job sends about two routine reports a second whatever its size;
+search attributes change at most every ``--search-attribute-interval-s``, 30 s; S3 persists every
+``--persist-every-s``, 30 s). A job of more than 200 machines runs through machine groups
+(``workflows.job.group``): its cost and limits are read from every workflow of its tree.
 
     python bench/controller_scale.py [--machines 500 --jobs 50 --nodes-per-job 8 --minutes 15] [--json]
 """
@@ -382,10 +383,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=15.0, help="training time after the jobs started")
     p.add_argument("--mtbf-s", type=float, default=900.0, help="mean seconds between one job's incidents")
     p.add_argument("--step-time-s", type=float, default=2.0)
-    p.add_argument("--persist-every-s", type=float, default=900.0, help="S3 checkpoint interval")
-    p.add_argument("--progress-interval-s", type=float, default=120.0, help="the job's first machine")
-    p.add_argument("--peer-report-interval-s", type=float, default=600.0, help="the other machines")
-    p.add_argument("--search-attribute-interval-s", type=float, default=300.0)
+    # The product's defaults (CheckpointSpec.persist_every_s, DetectionSpec, JobInput).
+    p.add_argument("--persist-every-s", type=float, default=30.0, help="S3 checkpoint interval")
+    p.add_argument("--progress-interval-s", type=float, default=5.0, help="the job's first machine")
+    p.add_argument(
+        "--peer-report-interval-s", type=float, default=None, help="the other machines (unset: the product's)"
+    )
+    p.add_argument("--search-attribute-interval-s", type=float, default=30.0)
     p.add_argument("--standby-per-job", type=int, default=1)
     p.add_argument(
         "--max-history-events", type=int, default=5000, help="a job continues as new past this many events"
@@ -413,7 +417,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "progress_interval_s",
         "peer_report_interval_s",
     ):
-        if getattr(args, name) <= 0:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             problems.append(f"--{name.replace('_', '-')}: must be positive")
     if problems:
         print(f"error: {problems[0]}", file=sys.stderr)

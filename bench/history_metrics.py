@@ -15,6 +15,8 @@ from typing import Any
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
+from trainguard.contract import calls
+
 _SCHEDULED = EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
 _CLOSED = frozenset(
     {
@@ -108,10 +110,8 @@ def ranks_started(histories: dict[str, list[list[Any]]]) -> dict[int, list[datet
         for events in runs:
             attempt_of: dict[int, int] = {}
             for e in events:
-                if (
-                    e.event_type == _SCHEDULED
-                    and e.activity_task_scheduled_event_attributes.activity_type.name == ("run_ranks")
-                ):
+                name = e.activity_task_scheduled_event_attributes.activity_type.name
+                if e.event_type == _SCHEDULED and name == calls.run_ranks.name:
                     if m := _ATTEMPT.search(_summary(e)):
                         attempt_of[e.event_id] = int(m.group(1))
                 elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:

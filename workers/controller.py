@@ -56,6 +56,8 @@ async def main(identity: str | None = None, metrics_port: int | None = None) -> 
             pool.evict_nodes,
             ckpt.latest_checkpoint,
             ckpt.commit_checkpoint,
+            ckpt.commit_checkpoint_part,
+            ckpt.checkpoint_shards,
             stacks.localize_stacks,
             tele.record_incident,
             NotifyActivities().notify,

@@ -228,6 +228,7 @@ class CommitCheckpointInput(Msg):
     prefix: str
     step: int
     world_size: int
+    # Every rank's shard, or none where ``parts`` lists the parts that hold them.
     shards: list[ShardInfo]
     keep: int
     # The newest step the replicas agreed on: the newest checkpoint at or before it is kept.
@@ -376,8 +377,9 @@ class GroupInput(Msg):
     group: int
     first_index: int  # node_index of nodes[0]
     nodes: list[NodeInfo]
-    # The run_ranks input of every machine but its own parts (node, node_index, ranks, resume
-    # shards and peers are filled in per machine); ``resume.shards`` holds the group's ranks'.
+    # The run_ranks input of every machine but its own parts (node, node_index, ranks and resume
+    # shards are filled in per machine; every machine gets every peer restore: its holders send
+    # what the others receive); ``resume.shards`` holds the group's ranks'.
     ranks_input: RunRanksInput
     schedule_to_start_s: float
     heartbeat_timeout_s: float

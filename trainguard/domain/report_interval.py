@@ -20,6 +20,9 @@ apart in time, or a machine's report may skip a step its peers reported.
 
 from __future__ import annotations
 
+import math
+
+from trainguard.domain.groups import GROUP_SIZE
 from trainguard.domain.spec import DetectionSpec
 
 # The other machines' routine interval when the spec sets none. Their routine reports carry
@@ -40,3 +43,19 @@ def report_interval(detection: DetectionSpec, node_index: int, news: bool, nodes
         return fast
     peer = detection.peer_report_interval_s
     return max(fast, PEER_REPORT_DEFAULT_S if peer is None else peer, nodes / JOB_ROUTINE_PER_S)
+
+
+def uploads_are_news(nodes: int) -> bool:
+    """Whether a machine's uploaded shards go to the workflow at once. A job of groups
+    (``nodes`` > GROUP_SIZE) would send one signal per machine per persist (a 1,200-machine job
+    persisting every 30 s: 40 a second); its uploads ride on the routine reports instead, so its
+    S3 commits come up to one routine interval after the upload (its memory snapshots, every few
+    seconds, are what a failure restores from)."""
+    return nodes <= GROUP_SIZE
+
+
+def replica_every(check_every: int, nodes: int) -> int:
+    """Steps between replica-hash checks: the spec's ``replica_check_every`` for a job of up to
+    GROUP_SIZE machines; a larger job checks that many times less often, so that its machines'
+    hash reports (news, from every machine) stay near a small job's rate."""
+    return check_every * max(1, math.ceil(nodes / GROUP_SIZE)) if check_every else 0

@@ -153,7 +153,6 @@ class RanksGroupWorkflow:
                 "node_index": index,
                 "ranks": ranks,
                 "resume": resume,
-                "restore_peers": {r: p for r, p in base.restore_peers.items() if r in ranks},
                 "attach_only": attach,
             }
         )

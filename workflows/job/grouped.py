@@ -109,14 +109,8 @@ class Groups:
                     group=g,
                     first_index=machines.start,
                     nodes=[self.s.nodes[i] for i in machines],
-                    ranks_input=ranks_input.model_copy(
-                        update={
-                            "resume": resume,
-                            "restore_peers": {
-                                r: p for r, p in ranks_input.restore_peers.items() if r in ranks
-                            },
-                        }
-                    ),
+                    # Every machine gets every peer restore: the holders send what the others receive.
+                    ranks_input=ranks_input.model_copy(update={"resume": resume}),
                     schedule_to_start_s=self.inp.schedule_to_start_s,
                     heartbeat_timeout_s=self.inp.heartbeat_timeout_s,
                     pickup_s=ranks_input.spec.detection.progress_interval_s + self.inp.heartbeat_timeout_s,
