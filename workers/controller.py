@@ -28,7 +28,7 @@ from trainguard.services.temporal import connect
 from workers.common import add_metrics_port, run_until_signalled, setup_logging, start_metrics
 from workers.memory_trace import trace_memory_if_asked
 from workflows.job.workflow import TrainingJobWorkflow
-from workflows.node_pool import NodePoolWorkflow
+from workflows.node_pool import POOL_WORKFLOWS
 
 
 async def main(identity: str | None = None, metrics_port: int | None = None) -> None:
@@ -50,11 +50,12 @@ async def main(identity: str | None = None, metrics_port: int | None = None) -> 
     worker = Worker(
         client,
         task_queue=CONTROLLER_QUEUE,
-        workflows=[TrainingJobWorkflow, NodePoolWorkflow],
+        workflows=[TrainingJobWorkflow, *POOL_WORKFLOWS],
         activities=[
             pool.reserve_nodes,
             pool.release_nodes,
             pool.evict_nodes,
+            pool.deliver_to_shard,
             ckpt.latest_checkpoint,
             ckpt.commit_checkpoint,
             ckpt.commit_checkpoint_part,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 from temporalio.client import WorkflowHistory
@@ -18,13 +19,13 @@ from temporalio.worker import Replayer
 
 from trainguard.services.temporal import wire_data_converter
 from workflows.job.workflow import TrainingJobWorkflow
-from workflows.node_pool import NodePoolWorkflow
+from workflows.node_pool import POOL_WORKFLOWS
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json.gz"))
 
 
 def _load(path: Path) -> WorkflowHistory:
-    workflow_id = path.name.removesuffix(".json.gz").split("-", 1)[1].rsplit("-", 1)[0]
+    workflow_id = unquote(path.name.removesuffix(".json.gz").split("-", 1)[1].rsplit("-", 1)[0])
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return WorkflowHistory.from_json(workflow_id, f.read())
 
@@ -35,6 +36,6 @@ def test_histories_are_kept() -> None:
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.name.removesuffix(".json.gz") for p in HISTORIES])
 async def test_replays_without_nondeterminism(path: Path) -> None:
-    replayer = Replayer(workflows=[TrainingJobWorkflow, NodePoolWorkflow], data_converter=wire_data_converter)
+    replayer = Replayer(workflows=[TrainingJobWorkflow, *POOL_WORKFLOWS], data_converter=wire_data_converter)
     result = await replayer.replay_workflow(_load(path), raise_on_replay_failure=False)
     assert result.replay_failure is None, f"{path.name}: {result.replay_failure}"

@@ -25,8 +25,13 @@ from trainguard.contract import calls
 from trainguard.contract.kinds import Query, Signal, Update
 from workflows.job.workflow import TrainingJobWorkflow
 from workflows.node_pool import NodePoolWorkflow
+from workflows.pool_shard import PoolShardWorkflow
 
-SIDES = [(TrainingJobWorkflow, contract.job), (NodePoolWorkflow, contract.pool)]
+SIDES = [
+    (TrainingJobWorkflow, contract.job),
+    (NodePoolWorkflow, contract.pool),
+    (PoolShardWorkflow, contract.shard),
+]
 
 
 def _registered() -> dict[str, Callable[..., Any]]:
@@ -72,7 +77,9 @@ def test_each_activity_takes_and_returns_the_contracts_types(act: calls.Activity
     assert _same(result, act.result), (act.name, result, act.result)
 
 
-@pytest.mark.parametrize("module", [calls, contract.job, contract.pool], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [calls, contract.job, contract.pool, contract.shard], ids=lambda m: m.__name__
+)
 def test_every_entry_of_a_contract_module_is_in_its_list(module: types.ModuleType) -> None:
     kinds = (calls.Activity, Signal, Update, Query)
     entries = [e for e in vars(module).values() if isinstance(e, kinds)]
@@ -94,7 +101,8 @@ def test_each_workflow_defines_exactly_its_contracts_handlers(cls: type, module:
         for name, handler in handlers.items():
             entry = of(kind)[name]
             params, result = _signature(handler.fn)
-            assert params == ([] if kind is Query else [entry.input]), (name, params)
+            takes = [] if kind is Query and entry.input is None else [entry.input]
+            assert params == takes, (name, params)
             if kind is Signal:
                 assert result is type(None), name
             else:

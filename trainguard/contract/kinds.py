@@ -155,10 +155,14 @@ class Update(Generic[I, R]):
 
 @dataclass(frozen=True)
 class Query(Generic[R]):
-    """A query without argument: ``await job.status.query(handle)``."""
+    """A query: ``await job.status.query(handle)``; one with an ``input`` type takes an
+    argument (``await shard.held.query(handle, job_id)``)."""
 
     name: str
     result: Any
+    input: Any = None
 
-    async def query(self, handle: WorkflowHandle[Any, Any]) -> R:
-        return cast(R, await handle.query(self.name, result_type=self.result))
+    async def query(
+        self, handle: WorkflowHandle[Any, Any], *args: Any, rpc_timeout: timedelta | None = None
+    ) -> R:
+        return cast(R, await handle.query(self.name, *args, result_type=self.result, rpc_timeout=rpc_timeout))
