@@ -74,8 +74,7 @@ from trainguard.services import pool_client
 from trainguard.services.settings import Settings
 from trainguard.services.temporal import connect
 from workers.common import run_until_signalled, setup_logging
-from workflows.job.workflow import TrainingJobWorkflow
-from workflows.node_pool import POOL_WORKFLOWS
+from workflows.registry import WORKFLOWS
 
 log = logging.getLogger("controller_scale")
 
@@ -159,7 +158,8 @@ class Session:
                 self.end(self._failure())
                 return
             # When to report: the agent's own rule (the first step is news for every machine).
-            if now - last_sent >= report_interval(spec.detection, inp.node_index, news=not first_sent):
+            due = report_interval(spec.detection, inp.node_index, news=not first_sent, nodes=spec.nodes)
+            if now - last_sent >= due:
                 first_sent = await self._report() or first_sent
                 last_sent = time.monotonic()
             await asyncio.sleep(max(0.0, min(fast, fail_at - time.monotonic())))
@@ -457,7 +457,7 @@ async def run_controller() -> None:
     worker = Worker(
         client,
         task_queue=CONTROLLER_QUEUE,
-        workflows=[TrainingJobWorkflow, *POOL_WORKFLOWS],
+        workflows=list(WORKFLOWS),
         activities=SimController().activities(client),
         identity="sim-controller",
         graceful_shutdown_timeout=timedelta(seconds=1),

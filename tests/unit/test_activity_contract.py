@@ -23,6 +23,8 @@ import activities
 from trainguard import contract
 from trainguard.contract import calls
 from trainguard.contract.kinds import Query, Signal, Update
+from workflows.job.fanout import FanOutWorkflow
+from workflows.job.group import RanksGroupWorkflow
 from workflows.job.workflow import TrainingJobWorkflow
 from workflows.node_pool import NodePoolWorkflow
 from workflows.pool_shard import PoolShardWorkflow
@@ -31,6 +33,8 @@ SIDES = [
     (TrainingJobWorkflow, contract.job),
     (NodePoolWorkflow, contract.pool),
     (PoolShardWorkflow, contract.shard),
+    (RanksGroupWorkflow, contract.group),
+    (FanOutWorkflow, contract.fanout),
 ]
 
 
@@ -78,7 +82,9 @@ def test_each_activity_takes_and_returns_the_contracts_types(act: calls.Activity
 
 
 @pytest.mark.parametrize(
-    "module", [calls, contract.job, contract.pool, contract.shard], ids=lambda m: m.__name__
+    "module",
+    [calls, contract.job, contract.pool, contract.shard, contract.group, contract.fanout],
+    ids=lambda m: m.__name__,
 )
 def test_every_entry_of_a_contract_module_is_in_its_list(module: types.ModuleType) -> None:
     kinds = (calls.Activity, Signal, Update, Query)

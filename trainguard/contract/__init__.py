@@ -4,6 +4,7 @@
 - ``job``: ``TrainingJobWorkflow``: its type, signals, update and query;
 - ``pool``: ``NodePoolWorkflow`` (the pool's coordinator): its type, signal, updates and queries;
 - ``shard``: ``PoolShardWorkflow`` (a pool's shard): its type, signals, updates and queries;
+- ``group``, ``fanout``: the children a large job starts (its machine groups, its fan-outs);
 - ``kinds``: the typed call of each kind (activity, workflow, signal, update, query).
 
 Both sides use the same entry: a workflow defines its handler under the entry's name
@@ -18,6 +19,6 @@ Names and types only, importable from the workflow sandbox: no torch, boto3 or s
 of the project only ``trainguard.domain``.
 """
 
-from trainguard.contract import calls, job, kinds, pool, shard
+from trainguard.contract import calls, fanout, group, job, kinds, pool, shard
 
-__all__ = ["calls", "job", "kinds", "pool", "shard"]
+__all__ = ["calls", "fanout", "group", "job", "kinds", "pool", "shard"]

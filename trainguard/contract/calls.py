@@ -12,7 +12,6 @@ controller activities run on ``CONTROLLER_QUEUE``.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -41,7 +40,6 @@ with workflow.unsafe.imports_passed_through():
         InjectResult,
         LatestCheckpointInput,
         LocalizeStacksInput,
-        NodeInfo,
         PairTestInput,
         PartRef,
         PortInput,
@@ -231,22 +229,3 @@ ALL: tuple[Activity[Any, Any], ...] = (
     slurm_node,
     slurm_request_node,
 )
-
-
-async def on_machines(
-    activity: Activity[I, R], arg: I, nodes: list[NodeInfo], only: list[str] | None = None, **over: Any
-) -> list[R]:
-    """Run one short activity on every machine of ``nodes`` (or ``only`` these) at once;
-    machines that cannot answer are skipped. ``over``: options for these calls."""
-    answers = await by_machine(activity, arg, nodes, only, **over)
-    return [r for r in answers.values() if not isinstance(r, BaseException)]
-
-
-async def by_machine(
-    activity: Activity[I, R], arg: I, nodes: list[NodeInfo], only: list[str] | None = None, **over: Any
-) -> dict[str, R | BaseException]:
-    """As :func:`on_machines`, each machine's answer by its name, or the error it gave."""
-    chosen = [n for n in nodes if only is None or n.name in only]
-    runs = [activity(arg, task_queue=n.task_queue, **over) for n in chosen]
-    results = await asyncio.gather(*runs, return_exceptions=True)
-    return {n.name: r for n, r in zip(chosen, results, strict=True)}
