@@ -165,4 +165,6 @@ class Query(Generic[R]):
     async def query(
         self, handle: WorkflowHandle[Any, Any], *args: Any, rpc_timeout: timedelta | None = None
     ) -> R:
-        return cast(R, await handle.query(self.name, *args, result_type=self.result, rpc_timeout=rpc_timeout))
+        # rpc_timeout only when asked: the SDK's default is the client's own.
+        extra = {"rpc_timeout": rpc_timeout} if rpc_timeout is not None else {}
+        return cast(R, await handle.query(self.name, *args, result_type=self.result, **extra))
