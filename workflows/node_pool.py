@@ -258,9 +258,10 @@ class NodePoolWorkflow:
         if self.legacy is not None or not self.ready:
             return PoolLayout(sharded=False)
         free = [0] * self.config.shards
+        first: list[str | None] = [None] * self.config.shards
         for k, s in self.summaries.items():
             if k < len(free):
-                free[k] = s.free
+                free[k], first[k] = s.free, s.first_free
         place = next((i + 1 for i, t in enumerate(self.queue) if t.job_id == job_id), 0) if job_id else 0
         return PoolLayout(
             sharded=True,
@@ -268,6 +269,7 @@ class NodePoolWorkflow:
             settings=self.settings,
             gate=self.gate,
             free=free,
+            first_free=first,
             testing=self._total("suspect"),
             cordoned_free=sum(s.cordoned_free for s in self.summaries.values()),
             machines=sum(sum(s.states.values()) for s in self.summaries.values()),

@@ -175,6 +175,7 @@ class PoolShardWorkflow:
             states={s: len(names) for s, names in m.by_state.items() if names},
             free=m.free,
             cordoned_free=m.cordoned_free,
+            first_free=next((n.info.name for n in m.first_free(1)), None),
             jobs={job: len(names) for job, names in m.jobs.items()},
             out_of_service=out,
             settings_epoch=self.settings.epoch,

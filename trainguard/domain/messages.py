@@ -226,6 +226,9 @@ class ShardSummary(Msg):
     # Standbys a job can take now (not cordoned, not drained in Slurm), and cordoned idle ones.
     free: int = 0
     cordoned_free: int = 0
+    # Its first free standby in natural name order: shards are asked in that order, so a pool
+    # gives machines by name (node-1, node-2, ...) whatever shard holds them.
+    first_free: str | None = None
     jobs: dict[str, int] = {}  # machines per job
     # Quarantined or drained in Slurm: kept off a replacement request's nodes.
     out_of_service: list[str] = []
@@ -258,6 +261,7 @@ class PoolLayout(Msg):
     gate: Gate = Gate()
     # From the shards' summaries: free standbys per shard (index = shard), and pool totals.
     free: list[int] = []
+    first_free: list[str | None] = []  # each shard's first free standby by name
     testing: int = 0
     cordoned_free: int = 0
     machines: int = 0

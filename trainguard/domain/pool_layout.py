@@ -13,7 +13,7 @@ Pure: no I/O, no clock, so workflow code and clients call the same functions.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 # Machines per shard stay near 1,000 up to this fleet at the default: state well under 1 MB.
 DEFAULT_SHARDS = 16
@@ -62,12 +62,27 @@ def by_shard(names: Iterable[str], shards: int) -> dict[int, list[str]]:
     return out
 
 
-def plan_holds(free: Mapping[int, int], need: int, first: Iterable[int] = ()) -> list[tuple[int, int]]:
+def by_first_free(shards: Iterable[int], first_free: Sequence[str | None]) -> list[int]:
+    """``shards`` in the natural order of their first free standby (shards without one last):
+    a pool gives its machines by name, as one unsharded pool did."""
+
+    def key(k: int) -> tuple[int, tuple[int, str], int]:
+        name = first_free[k] if k < len(first_free) else None
+        return (name is None, natural_order(name or ""), k)
+
+    return sorted(shards, key=key)
+
+
+def plan_holds(
+    free: Mapping[int, int], need: int, first: Iterable[int] = (), first_free: Sequence[str | None] = ()
+) -> list[tuple[int, int]]:
     """Where to take ``need`` machines: the shards in ``first`` (in that order), then the others
-    with the most free first; (shard, count) pairs, each at most what the shard has free. Fewer
-    than ``need`` in all when the shards lack them (the caller then gives back what it took)."""
+    with the most free first (alike: by their first free standby's name); (shard, count) pairs,
+    each at most what the shard has free. Fewer than ``need`` in all when the shards lack them
+    (the caller then gives back what it took)."""
     order = [k for k in dict.fromkeys(first) if k in free]
-    order += sorted((k for k in free if k not in order), key=lambda k: (-free[k], k))
+    rest = by_first_free((k for k in free if k not in order), first_free)
+    order += sorted(rest, key=lambda k: -free[k])  # stable: names break the ties
     plan = []
     for k in order:
         if need <= 0:

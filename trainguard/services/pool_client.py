@@ -75,6 +75,7 @@ from trainguard.domain.messages import (
 )
 from trainguard.domain.pool_layout import (
     TICKET_RENEW_S,
+    by_first_free,
     by_shard,
     natural_order,
     plan_holds,
@@ -351,8 +352,9 @@ async def reserve(client: Client, req: ReserveInput, first_try: bool = True) -> 
             granted=True, nodes=_infos(n for v in held.values() for n in v)[: req.count], standby=free
         )
     if not lay.waiting and not have:
-        fits = [k for k, f in enumerate(lay.free) if f >= req.count]
-        random.shuffle(fits)  # concurrent jobs reading the same counts spread over the shards
+        # By name, as one pool gave them; a shard that ran short since its summary refuses and
+        # the next is asked.
+        fits = by_first_free((k for k, f in enumerate(lay.free) if f >= req.count), lay.first_free)
         for k in fits[:DIRECT_TRIES]:
             res = await _refusable(
                 _shard_update(
@@ -445,7 +447,7 @@ async def _spread(
     free = dict(enumerate(lay.free))
     first = list(first)
     asked: set[int] = set()
-    while need > 0 and (plan := plan_holds(free, need, first)):
+    while need > 0 and (plan := plan_holds(free, need, first, lay.first_free)):
         gave = await asyncio.gather(*(take(k, n) for k, n in plan))
         for (k, n), g in zip(plan, gave, strict=True):
             asked.add(k)
