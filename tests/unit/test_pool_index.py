@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 from trainguard.domain.messages import NodeInfo, PoolNode
 from trainguard.domain.pool_index import STATES, ShardIndex
-from trainguard.domain.pool_layout import natural_order, plan_holds, shard_of, splice
+from trainguard.domain.pool_layout import by_first_free, natural_order, plan_holds, shard_of, splice
 
 T0 = datetime(2026, 11, 28, tzinfo=UTC)
 
@@ -76,4 +76,13 @@ def test_the_layout_rules() -> None:
     assert plan_holds({0: 5, 1: 9, 2: 2}, 12) == [(1, 9), (0, 3)]
     assert plan_holds({0: 5, 1: 9, 2: 2}, 12, first=[2]) == [(2, 2), (1, 9), (0, 1)]
     assert plan_holds({0: 1}, 3) == [(0, 1)]  # short: the caller gives back what it took
+
+
+def test_shards_alike_are_asked_by_the_name_of_their_first_free_machine() -> None:
+    # node-1, node-2, node-3 hashed to shards 2, 0, 1: a two-machine job gets node-1 and node-2.
+    first = ["node-2", "node-3", "node-1", None]
+    assert plan_holds({0: 1, 1: 1, 2: 1, 3: 0}, 2, first_free=first) == [(2, 1), (0, 1)]
+    assert by_first_free([0, 1, 2, 3], ["node-10", None, "node-9", "node-2"]) == [3, 2, 0, 1]
+    # More free still comes first: fewer shards to hold on.
+    assert plan_holds({0: 1, 1: 3}, 2, first_free=["node-1", "node-5"]) == [(1, 2)]
     assert splice(["a", "b", "c"], {"b": "x"}) == ["a", "x", "c"]
