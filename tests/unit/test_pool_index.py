@@ -76,6 +76,7 @@ def test_the_layout_rules() -> None:
     assert plan_holds({0: 5, 1: 9, 2: 2}, 12) == [(1, 9), (0, 3)]
     assert plan_holds({0: 5, 1: 9, 2: 2}, 12, first=[2]) == [(2, 2), (1, 9), (0, 1)]
     assert plan_holds({0: 1}, 3) == [(0, 1)]  # short: the caller gives back what it took
+    assert splice(["a", "b", "c"], {"b": "x"}) == ["a", "x", "c"]
 
 
 def test_shards_alike_are_asked_by_the_name_of_their_first_free_machine() -> None:
@@ -85,4 +86,3 @@ def test_shards_alike_are_asked_by_the_name_of_their_first_free_machine() -> Non
     assert by_first_free([0, 1, 2, 3], ["node-10", None, "node-9", "node-2"]) == [3, 2, 0, 1]
     # More free still comes first: fewer shards to hold on.
     assert plan_holds({0: 1, 1: 3}, 2, first_free=["node-1", "node-5"]) == [(1, 2)]
-    assert splice(["a", "b", "c"], {"b": "x"}) == ["a", "x", "c"]
