@@ -27,7 +27,11 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
-WORKFLOWS = ("workflows.job.workflow:TrainingJobWorkflow", "workflows.node_pool:NodePoolWorkflow")
+WORKFLOWS = (
+    "workflows.job.workflow:TrainingJobWorkflow",
+    "workflows.node_pool:NodePoolWorkflow",
+    "workflows.pool_shard:PoolShardWorkflow",
+)
 
 
 def _types_in(tp: Any) -> Iterator[type[BaseModel]]:
