@@ -44,6 +44,7 @@ from temporalio.client import (
     WorkflowUpdateFailedError,
 )
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from trainguard import contract
@@ -280,18 +281,22 @@ async def _signal_with_start(client: Client, start: ShardState, signal: Signal[I
     # Sent again until it lands: a join or hand-over twice is the same as once. NOT_FOUND here
     # is never the shard (it is started): a busy dev server's namespace lookup timing out
     # answers "Namespace default is not found" for a moment; a busy one's RPCs time out.
-    await _patiently(
-        lambda: client.start_workflow(
-            contract.shard.WORKFLOW.name,
-            start,
-            id=shard_id(start.pool, start.index),
-            task_queue=CONTROLLER_QUEUE,
-            start_signal=signal.name,
-            start_signal_args=[arg],
-            task_timeout=POOL_TASK_TIMEOUT,
-        ),
-        passing=_RESENT,
-    )
+    async def send() -> Any:
+        try:
+            return await client.start_workflow(
+                contract.shard.WORKFLOW.name,
+                start,
+                id=shard_id(start.pool, start.index),
+                task_queue=CONTROLLER_QUEUE,
+                start_signal=signal.name,
+                start_signal_args=[arg],
+                task_timeout=POOL_TASK_TIMEOUT,
+            )
+        except WorkflowAlreadyStartedError as exc:
+            # The shard between two runs (continuing as new) can answer so: send again.
+            raise RPCError(str(exc), RPCStatusCode.UNAVAILABLE, b"") from exc
+
+    await _patiently(send, passing=_RESENT)
 
 
 async def deliver(client: Client, delivery: ShardDelivery) -> int:
