@@ -32,6 +32,7 @@ import random
 import time
 import uuid
 import weakref
+import zlib
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -43,6 +44,7 @@ from temporalio.client import (
     WorkflowUpdateFailedError,
 )
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from trainguard import contract
@@ -104,8 +106,6 @@ _STARTING = (*_PASSING, *_TIMEOUTS, RPCStatusCode.FAILED_PRECONDITION, RPCStatus
 _RESENT = (*_PASSING, *_TIMEOUTS, RPCStatusCode.NOT_FOUND)
 # A pool asked to upgrade continues as new and hands its machines over: this long at most.
 UPGRADE_TIMEOUT_S = 120.0
-# Shards a job tries directly (each refusal costs no history) before it queues.
-DIRECT_TRIES = 4
 QUERY_TIMEOUT = timedelta(seconds=30)
 
 
@@ -281,18 +281,22 @@ async def _signal_with_start(client: Client, start: ShardState, signal: Signal[I
     # Sent again until it lands: a join or hand-over twice is the same as once. NOT_FOUND here
     # is never the shard (it is started): a busy dev server's namespace lookup timing out
     # answers "Namespace default is not found" for a moment; a busy one's RPCs time out.
-    await _patiently(
-        lambda: client.start_workflow(
-            contract.shard.WORKFLOW.name,
-            start,
-            id=shard_id(start.pool, start.index),
-            task_queue=CONTROLLER_QUEUE,
-            start_signal=signal.name,
-            start_signal_args=[arg],
-            task_timeout=POOL_TASK_TIMEOUT,
-        ),
-        passing=_RESENT,
-    )
+    async def send() -> Any:
+        try:
+            return await client.start_workflow(
+                contract.shard.WORKFLOW.name,
+                start,
+                id=shard_id(start.pool, start.index),
+                task_queue=CONTROLLER_QUEUE,
+                start_signal=signal.name,
+                start_signal_args=[arg],
+                task_timeout=POOL_TASK_TIMEOUT,
+            )
+        except WorkflowAlreadyStartedError as exc:
+            # The shard between two runs (continuing as new) can answer so: send again.
+            raise RPCError(str(exc), RPCStatusCode.UNAVAILABLE, b"") from exc
+
+    await _patiently(send, passing=_RESENT)
 
 
 async def deliver(client: Client, delivery: ShardDelivery) -> int:
@@ -352,10 +356,15 @@ async def reserve(client: Client, req: ReserveInput, first_try: bool = True) -> 
             granted=True, nodes=_infos(n for v in held.values() for n in v)[: req.count], standby=free
         )
     if not lay.waiting and not have:
-        # By name, as one pool gave them; a shard that ran short since its summary refuses and
-        # the next is asked.
+        # The shards that fit, by name, each job starting at its own place among them: jobs
+        # asking at once spread over the shards (each shard's updates queue apart) and one job
+        # always asks in the same order. A shard that ran short since its summary refuses (no
+        # history) and the next is asked.
         fits = by_first_free((k for k, f in enumerate(lay.free) if f >= req.count), lay.first_free)
-        for k in fits[:DIRECT_TRIES]:
+        if fits:
+            start = zlib.crc32(req.job_id.encode()) % len(fits)
+            fits = fits[start:] + fits[:start]
+        for k in fits:
             res = await _refusable(
                 _shard_update(
                     client, req.pool, k, contract.shard.hold, HoldInput(job_id=req.job_id, count=req.count)
