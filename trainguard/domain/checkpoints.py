@@ -247,14 +247,24 @@ def latest(
     world_size: int,
     max_step: int | None = None,
     cache: ManifestCache | None = None,
+    min_attempt: int | None = None,
 ) -> CheckpointRef | None:
-    """The newest complete checkpoint, optionally no newer than ``max_step``."""
+    """The newest complete checkpoint, optionally no newer than ``max_step``, and written by
+    ``min_attempt`` or a later attempt (a fresh run of a name used before resumes none of the
+    earlier run's)."""
     seen = _scan(store, jprefix)
     found = _manifests(store, jprefix, seen, cache or ManifestCache())
-    m = choose_latest([m for m in found if max_step is None or m.step <= max_step], world_size, seen.sizes)
+    mine = [m for m in found if not earlier_run(m.attempt, min_attempt)]
+    m = choose_latest([m for m in mine if max_step is None or m.step <= max_step], world_size, seen.sizes)
     if m is None:
         return None
     return CheckpointRef(step=m.step, uri=store.uri(manifest_key(jprefix, m.step)), shards=m.shards)
+
+
+def earlier_run(attempt: int | None, min_attempt: int | None) -> bool:
+    """An object of ``attempt`` belongs to an earlier run of the job's name than the fresh one
+    that began at ``min_attempt`` (attempts are numbered on across runs; None: from before)."""
+    return min_attempt is not None and (attempt or 0) < min_attempt
 
 
 def begin_attempt(store: ObjectStore, jprefix: str, attempt: int) -> None:
@@ -329,7 +339,10 @@ def commit(
     seen.sizes[mkey], seen.etags[mkey] = 0, etag
     if mkey not in seen.by_step.setdefault(inp.step, []):
         seen.by_step[inp.step].append(mkey)
-    prune(store, jprefix, inp.world_size, inp.keep, inp.verified_step, cache=cache, seen=seen)
+    prune(
+        store, jprefix, inp.world_size, inp.keep, inp.verified_step, cache=cache, seen=seen,
+        min_attempt=inp.min_attempt,
+    )  # fmt: skip
     return CheckpointRef(step=inp.step, uri=store.uri(mkey), shards=shards)
 
 
@@ -341,11 +354,18 @@ def prune(
     verified_step: int | None = None,
     cache: ManifestCache | None = None,
     seen: Listing | None = None,
+    min_attempt: int | None = None,
 ) -> list[int]:
     """Delete the steps ``steps_to_prune`` names, judged from one listing (``seen``: the caller's,
-    else a new one) and the manifests it shows (``cache``: read only those not read before)."""
+    else a new one) and the manifests it shows (``cache``: read only those not read before).
+
+    With ``min_attempt`` (a fresh run that has just committed a checkpoint of its own), an
+    earlier run's manifests and shards go first: that run's checkpoints are replaced, not kept
+    beside this one's."""
     seen = seen or _scan(store, jprefix)
     found = _manifests(store, jprefix, seen, cache or ManifestCache())
+    if min_attempt is not None:
+        found = _drop_earlier_run(store, jprefix, seen, found, min_attempt)
     complete = {m.step for m in found if manifest_complete(m, world_size, seen.sizes)}
     doomed = steps_to_prune(set(seen.by_step), complete, keep, verified_step)
     # Manifests go first so a half-deleted checkpoint is never mistaken for a complete one.
@@ -356,6 +376,31 @@ def prune(
             store.delete([mkey])
         store.delete([k for k in keys if k != mkey])
     return doomed
+
+
+def _drop_earlier_run(
+    store: ObjectStore, jprefix: str, seen: Listing, found: list[Manifest], min_attempt: int
+) -> list[Manifest]:
+    """Delete an earlier run's manifests, then its shards; the manifests left, and ``seen`` as
+    it stands after."""
+    stale = [m for m in found if earlier_run(m.attempt, min_attempt)]
+    keys = [manifest_key(jprefix, m.step) for m in stale]
+    keys += [
+        k
+        for step_keys in seen.by_step.values()
+        for k in step_keys
+        if not k.endswith(MANIFEST) and earlier_run(attempt_of_key(k), min_attempt)
+    ]
+    if keys:
+        store.delete(keys)
+    gone = set(keys)
+    for step in list(seen.by_step):
+        seen.by_step[step] = [k for k in seen.by_step[step] if k not in gone]
+        if not seen.by_step[step]:
+            del seen.by_step[step]
+    for k in gone:
+        seen.sizes.pop(k, None)
+    return [m for m in found if m not in stale]
 
 
 MEMORY_URI = "memory://"
