@@ -16,6 +16,7 @@ import pytest
 
 from tests.unit.doc_names import cli_problem
 from trainguard import client
+from trainguard.client import JobStart
 from trainguard.domain.job_state import JobState, status_json
 from trainguard.domain.messages import InjectResult, NodeInfo, PoolNode, PoolState
 from trainguard.domain.rank_logs import LogChunk
@@ -282,7 +283,9 @@ def test_nodes_keys() -> None:
 
 
 def test_submit_inject_update_and_up_keys() -> None:
-    assert documented("submit") <= _function_keys("trainguard/face/cli.py", "_start_job")
+    assert documented("submit") <= _function_keys("trainguard/face/cli.py", "_submit") | set(
+        JobStart("j").as_json()
+    )
     assert documented("inject") == set(InjectResult.model_fields) | _function_keys(
         "trainguard/face/cli.py", "inject"
     )

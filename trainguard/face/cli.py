@@ -385,16 +385,17 @@ def _show_started(st: dict[str, Any], wait: bool, json_out: bool, name_only: boo
 def _say_start(start: JobStart) -> None:
     """How a name used before starts (on stderr: stdout is the job name, or JSON)."""
     if start.resumed_from_step is not None:
-        err.print(
-            f"resuming {start.job_id} from step {start.resumed_from_step} (its last run {start.previous})"
-        )
+        line = f"resuming {start.job_id} from step {start.resumed_from_step} (its last run {start.previous})"
     elif start.resume:
-        err.print(f"resuming {start.job_id}: its last run ({start.previous}) left no checkpoint, from step 0")
+        line = f"resuming {start.job_id}: its last run ({start.previous}) left no checkpoint, from step 0"
     elif start.previous is not None:
-        err.print(
+        line = (
             f"starting {start.job_id} fresh at step 0 (its last run {start.previous}; --resume continues "
             "from its checkpoint)"
         )
+    else:
+        return
+    err.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 class _TorchrunCommand(typer.core.TyperCommand):
@@ -411,7 +412,7 @@ class _TorchrunCommand(typer.core.TyperCommand):
         return super().parse_args(ctx, prepared.args)
 
 
-@app.command(cls=_TorchrunCommand, context_settings={"ignore_unknown_options": True})
+@app.command(cls=_TorchrunCommand)
 @handles_errors
 def run(
     ctx: typer.Context,
@@ -501,7 +502,7 @@ def run(
     exits 0. Prints the job name. torchrun's options trainguard does not need (--standalone,
     --rdzv-*, --master-*, --node-rank, log redirection...) are accepted with a note and ignored."""
     for note in ctx.meta.get("torchrun_notes", []):
-        err.print(f"note: {note}", markup=False, highlight=False)
+        err.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     try:
         shape = torchrun.parse_nnodes(nnodes), torchrun.parse_nproc(nproc_per_node)
     except torchrun.ShapeProblem as exc:
@@ -541,7 +542,11 @@ def run(
                 n, per = torchrun.choose_shape(shape[0], shape[1], _standby(pool))
             except torchrun.ShapeRefused as exc:
                 _fail(1, str(exc))
-            err.print(f"note: --nnodes {nnodes} --nproc-per-node {nproc_per_node}: {n} x {per} ranks")
+            err.print(
+                f"note: --nnodes {nnodes} --nproc-per-node {nproc_per_node}: {n} x {per} ranks",
+                markup=False,
+                highlight=False,
+            )
         sealed = c.seal(secret_values, pool) if secret_values and pool else {}
         spec = build(n, per, sealed)
         return await _submit(c, spec, wait, json_out, resume or None)

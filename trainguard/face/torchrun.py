@@ -198,7 +198,8 @@ def choose_shape(nnodes: tuple[int, int], nproc: int | str, standby: list[Machin
 
     A range starts the job with as many standby machines as it allows (the pool replaces failed
     ones; the job does not shrink or grow); fewer than MIN is refused. ``gpu``/``auto``/``cpu``
-    take the count the machines report, the smallest one among those the job may get."""
+    take the count the machines report, the smallest among them: the pool, not the submitter,
+    chooses which machines the job gets."""
     low, high = nnodes
     usable = standby
     if nproc == "gpu":
@@ -222,10 +223,7 @@ def choose_shape(nnodes: tuple[int, int], nproc: int | str, standby: list[Machin
         count = low
     if isinstance(nproc, int):
         return count, nproc
-    # The machines the job is likeliest to get: the best equipped first.
-    chosen = sorted(usable, key=lambda m: (-_per_machine(nproc, m), m.name))[:count]
-    per = min(n for m in chosen if (n := _per_machine(nproc, m)) > 0)
-    return count, per
+    return count, min(n for m in usable if (n := _per_machine(nproc, m)) > 0)
 
 
 def max_attempts_for(max_restarts: int) -> int:
