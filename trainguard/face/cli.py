@@ -288,7 +288,7 @@ def setup(state_dir: StateDir = None, json_out: JsonFlag = False) -> None:
         _print_json({"namespace": namespace, "added": added, "search_attributes": SA_TYPES})
         return
     what = f"registered {', '.join(added)}" if added else "every search attribute was registered already"
-    out.print(f"namespace {namespace}: {what}", highlight=False)
+    out.print(f"namespace {namespace}: {what}", highlight=False, soft_wrap=True)
 
 
 _NODE_ACTIONS: dict[str, Callable[[TrainguardClient, str], Coroutine[Any, Any, Any]]] = {
