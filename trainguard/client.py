@@ -272,14 +272,18 @@ class JobStart:
     job_id: str
     # The phase the name's last run ended in (None: the name is new).
     previous: str | None = None
+    # The last run's step when it ended.
+    previous_step: int | None = None
     # Whether this run resumes the last one's checkpoints, and from which step (as far as the
-    # last run's status knew: its newest committed checkpoint).
+    # last run's status knew: its newest checkpoint in S3; None for a script's own checkpoints,
+    # which the script finds itself).
     resume: bool = False
     resumed_from_step: int | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
             "previous_phase": self.previous,
+            "previous_step": self.previous_step,
             "resume": self.resume,
             "resumed_from_step": self.resumed_from_step,
         }
@@ -484,9 +488,10 @@ class TrainguardClient:
         again = resume if resume is not None else phase == "stopped"
         ckpt = last.get("checkpoint") or {}
         step = ckpt.get("step") if again and ckpt.get("tier") == "s3" else None
-        return JobStart(job_id, previous=phase, resume=again, resumed_from_step=step), int(
-            last.get("attempt") or 0
+        start = JobStart(
+            job_id, previous=phase, previous_step=last.get("step"), resume=again, resumed_from_step=step
         )
+        return start, int(last.get("attempt") or 0)
 
     def seal(self, values: dict[str, str], pool: PoolState) -> dict[str, list[str]]:
         """``values`` sealed for every machine key the pool's agents registered (``sealed_env``):
