@@ -384,17 +384,15 @@ def _show_started(st: dict[str, Any], wait: bool, json_out: bool, name_only: boo
 
 def _say_start(start: JobStart) -> None:
     """How a name used before starts (on stderr: stdout is the job name, or JSON)."""
-    if start.resumed_from_step is not None:
-        line = f"resuming {start.job_id} from step {start.resumed_from_step} (its last run {start.previous})"
-    elif start.resume:
-        line = f"resuming {start.job_id}: its last run ({start.previous}) left no checkpoint, from step 0"
-    elif start.previous is not None:
-        line = (
-            f"starting {start.job_id} fresh at step 0 (its last run {start.previous}; --resume continues "
-            "from its checkpoint)"
-        )
-    else:
+    if start.previous is None:
         return
+    last = f"its last run {start.previous} at step {start.previous_step}"
+    if start.resumed_from_step is not None:
+        line = f"resuming {start.job_id} from step {start.resumed_from_step} ({last})"
+    elif start.resume:
+        line = f"resuming {start.job_id} ({last}) from its newest checkpoint"
+    else:
+        line = f"starting {start.job_id} fresh at step 0 ({last}; --resume continues from its checkpoint)"
     err.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
