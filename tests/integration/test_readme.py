@@ -185,6 +185,7 @@ def serve(term: Terminal, cmd: Command) -> None:
     assert (alive and first.strip()) or busy, f"README line {cmd.line}: `{cmd.text}`: {out[-2000:]}"
 
 
+@pytest.mark.timeout(1800)  # some 40 commands; the demo alone trains for minutes on a loaded machine
 def test_the_readme_top_to_bottom_in_a_fresh_copy(tmp_path: Path) -> None:
     copy = fresh_copy(tmp_path / "trainguard")
     state = tmp_path / "state"

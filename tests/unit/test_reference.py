@@ -294,6 +294,13 @@ def test_submit_inject_update_and_up_keys() -> None:
     assert documented("up") <= built_keys("infra/stack.py", "infra/local.py")
 
 
+def test_stop_cancel_down_and_setup_keys() -> None:
+    for command in ("stop", "cancel"):
+        assert documented("stop") == _function_keys("trainguard/face/cli.py", command)
+    assert documented("down") == _function_keys("trainguard/face/cli.py", "down")
+    assert documented("setup") == _function_keys("trainguard/face/cli.py", "setup")
+
+
 def test_logs_keys() -> None:
     lines: list[str] = []
     printer = LogPrinter(lines.append, json_out=True)

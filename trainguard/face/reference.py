@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from trainguard.domain.spec import JobSpec
+from trainguard.face import torchrun
 from trainguard.face.cli import app
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
@@ -279,7 +280,13 @@ def spec_section() -> str:
 
 # -- the page ----------------------------------------------------------------------------------
 
-SECTIONS: dict[str, Callable[[], str]] = {"cli": cli_section, "spec": spec_section}
+def torchrun_section() -> str:
+    """torchrun's options ``trainguard run`` accepts and ignores, and why each is not needed."""
+    rows = [(", ".join(f"`{o}`" for o in n.options), _cell(n.why)) for n in torchrun.NOT_NEEDED]
+    return "\n".join(_table(("torchrun option", "why trainguard does not need it"), rows)) + "\n"
+
+
+SECTIONS: dict[str, Callable[[], str]] = {"cli": cli_section, "spec": spec_section, "torchrun": torchrun_section}
 
 
 def render(text: str) -> str:
