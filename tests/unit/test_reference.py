@@ -155,8 +155,9 @@ def test_every_command_and_option_is_in_the_reference(command: str) -> None:
 
 def test_every_spec_field_is_in_the_reference() -> None:
     for path, model in reference.spec_models():
-        for name in model.model_fields:
-            full = f"{path}.{name}" if path else name
+        for name, f in model.model_fields.items():
+            shown = reference.spec_field_name(name, f)
+            full = f"{path}.{shown}" if path else shown
             assert f"| `{full}` |" in DOC, full
 
 

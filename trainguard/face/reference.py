@@ -246,6 +246,13 @@ def _default_text(f: FieldInfo) -> str:
     return f"`{json.dumps(value)}`"
 
 
+def spec_field_name(name: str, f: FieldInfo) -> str:
+    """The name a spec field is documented under: the first of its validation aliases (torchrun's
+    word, ``nnodes``), else its own."""
+    choices = getattr(f.validation_alias, "choices", None)
+    return str(choices[0]) if choices else name
+
+
 def spec_models(model: type[BaseModel] = JobSpec, path: str = "") -> list[tuple[str, type[BaseModel]]]:
     """(dotted path, model) of the spec and every model inside it, outermost first."""
     out = [(path, model)]
@@ -273,12 +280,18 @@ def spec_section() -> str:
             if not f.description:
                 raise ValueError(f"spec field {full} has no description: the reference says what it means")
             typ = _type_text(f.annotation, _constraints(f), anchor)
-            rows.append((f"`{full}`", _cell(typ), _default_text(f), _cell(" ".join(f.description.split()))))
+            meaning = " ".join(f.description.split())
+            shown = spec_field_name(name, f)
+            if shown != name:  # the documented name first; the model's own is still read
+                meaning += f"; `{name}` is read too"
+                full = f"{path}.{shown}" if path else shown
+            rows.append((f"`{full}`", _cell(typ), _default_text(f), _cell(meaning)))
         lines += [*_table(("field", "type", "default", "meaning"), rows), ""]
     return "\n".join(lines)
 
 
 # -- the page ----------------------------------------------------------------------------------
+
 
 def torchrun_section() -> str:
     """torchrun's options ``trainguard run`` accepts and ignores, and why each is not needed."""
@@ -286,7 +299,11 @@ def torchrun_section() -> str:
     return "\n".join(_table(("torchrun option", "why trainguard does not need it"), rows)) + "\n"
 
 
-SECTIONS: dict[str, Callable[[], str]] = {"cli": cli_section, "spec": spec_section, "torchrun": torchrun_section}
+SECTIONS: dict[str, Callable[[], str]] = {
+    "cli": cli_section,
+    "spec": spec_section,
+    "torchrun": torchrun_section,
+}
 
 
 def render(text: str) -> str:
