@@ -32,9 +32,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from trainguard.domain import checkpoints
 from trainguard.domain import script_checkpoints as sc
+from trainguard.domain.checkpoints import earlier_run
 from trainguard.domain.script_checkpoints import DCP_METADATA, ScriptFile, ScriptManifest
+from trainguard.services.checkpoint_store import newest_attempt
 from trainguard.services.storage import S3Store
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ class ScriptCheckpoints:
         key = sc.manifest_key(self.sprefix, m.name, m.order)
         # Fenced like the runtime's shards: a machine of an older attempt (cut off, not yet
         # fenced) never completes a save once the job has moved on.
-        newest = checkpoints.newest_attempt(self.store, self.jprefix)
+        newest = newest_attempt(self.store, self.jprefix)
         if newest > self.attempt:
             log.warning(
                 "script checkpoint %s of attempt %d not stored: job on %d", m.name, self.attempt, newest
@@ -205,7 +206,7 @@ class ScriptCheckpoints:
         self.dir.mkdir(parents=True, exist_ok=True)
         before = sorted(p.name for p in self.dir.iterdir())
         manifests, sizes = self._list()
-        manifests = [m for m in manifests if not checkpoints.earlier_run(m.attempt, self.min_attempt)]
+        manifests = [m for m in manifests if not earlier_run(m.attempt, self.min_attempt)]
         restored = []
         for m in sc.newest_per_name(manifests, sizes):
             if self._local_has(m):

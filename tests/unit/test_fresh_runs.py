@@ -11,12 +11,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from activities.script_checkpoints import RUN_RECORD, forget_earlier_run
-from tests.unit.test_attempt_fencing import JP, WORLD, MemoryStore, upload_all
+from tests.unit.memory_store import MemoryStore
+from tests.unit.test_attempt_fencing import JP, WORLD, upload_all
 from trainguard.domain import checkpoints
 from trainguard.domain.job_state import JobInput, JobState
 from trainguard.domain.messages import CommitCheckpointInput
 from trainguard.domain.spec import parse_spec
 from trainguard.runtime.launch import bind_device, rank_device
+from trainguard.services import checkpoint_store
 
 SPEC = parse_spec({"name": "job", "entrypoint": ["python", "t.py"], "nnodes": 1})
 
@@ -25,8 +27,8 @@ def commit(
     store: MemoryStore, step: int, attempt: int, min_attempt: int | None = None, keep: int = 2
 ) -> None:
     shards = upload_all(store, step, attempt, f"{step}@{attempt}".encode())
-    checkpoints.begin_attempt(store, JP, attempt)
-    checkpoints.commit(
+    checkpoint_store.begin_attempt(store, JP, attempt)
+    checkpoint_store.commit(
         store,
         CommitCheckpointInput(
             job_id="job", prefix="ckpt", step=step, world_size=WORLD, shards=shards, keep=keep,
@@ -39,25 +41,25 @@ def test_a_fresh_run_resumes_nothing_of_the_earlier_run_and_replaces_its_checkpo
     store = MemoryStore()
     for step in (10, 20, 30):  # the earlier run: attempts 1-3, newest checkpoint step 30
         commit(store, step, attempt=step // 10)
-    assert checkpoints.latest(store, JP, WORLD).step == 30  # type: ignore[union-attr]
+    assert checkpoint_store.latest(store, JP, WORLD).step == 30  # type: ignore[union-attr]
     # The fresh run's first attempt is 4: none of that is its own.
-    assert checkpoints.latest(store, JP, WORLD, min_attempt=4) is None
+    assert checkpoint_store.latest(store, JP, WORLD, min_attempt=4) is None
     commit(store, 10, attempt=4, min_attempt=4, keep=1)
-    ref = checkpoints.latest(store, JP, WORLD, min_attempt=4)
+    ref = checkpoint_store.latest(store, JP, WORLD, min_attempt=4)
     assert ref is not None and ref.step == 10
     assert {checkpoints.attempt_of_key(s.key) for s in ref.shards} == {4}
     # Its commit (keep 1) kept its own step and removed every object of the earlier run.
     left = [k for k in store.objects if "/step-" in k]
     assert left and all(checkpoints.attempt_of_key(k) in (4, None) for k in left), left
-    assert checkpoints.latest(store, JP, WORLD).step == 10  # type: ignore[union-attr]
+    assert checkpoint_store.latest(store, JP, WORLD).step == 10  # type: ignore[union-attr]
 
 
 def test_a_resumed_run_continues_from_the_earlier_runs_checkpoint() -> None:
     store = MemoryStore()
     commit(store, 20, attempt=2)
     commit(store, 30, attempt=3, keep=2)  # the resumed run (attempt 3) commits on top
-    assert [checkpoints.latest(store, JP, WORLD).step] == [30]  # type: ignore[union-attr]
-    assert checkpoints.latest(store, JP, WORLD, max_step=29).step == 20  # type: ignore[union-attr]
+    assert [checkpoint_store.latest(store, JP, WORLD).step] == [30]  # type: ignore[union-attr]
+    assert checkpoint_store.latest(store, JP, WORLD, max_step=29).step == 20  # type: ignore[union-attr]
 
 
 def test_a_run_numbers_its_attempts_after_the_earlier_runs() -> None:
