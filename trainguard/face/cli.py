@@ -13,6 +13,8 @@ import os
 import re
 import secrets
 import sys
+import types
+import typing
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
@@ -57,9 +59,44 @@ except ImportError:  # pragma: no cover - older typer
     from click.exceptions import UsageError  # type: ignore[no-redef]
 
 
+# The word an option's value is shown by when it names none of its own (help and docs/reference.md).
+VALUE_WORDS = {int: "INTEGER", float: "NUMBER", str: "TEXT", Path: "PATH"}
+
+
+def value_word(annotation: Any) -> str:
+    """``VALUE_WORDS``' word for an option of type ``annotation`` (optional and list: their item's)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = args[0] if len(args) == 1 else annotation
+    if typing.get_origin(annotation) is list:
+        annotation = typing.get_args(annotation)[0]
+    return VALUE_WORDS.get(annotation, "VALUE")
+
+
+def _plain_metavars(command: Any) -> None:
+    """Give every option that takes a value and names no word for it the plain word of its type,
+    as the reference shows it (typer's own is ``<str>``, ``<int range>``); an argument shows its
+    own word alone, in usage as in the list (``JOB``, not ``{JOB}`` and ``JOB <str>``)."""
+    for p in command.params:
+        if p.param_type_name == "option" and not p.is_flag and not p.count and p.metavar is None:
+            p.metavar = value_word(p.type_descriptor.annotation)
+        elif p.param_type_name == "argument" and p.metavar is not None:
+            p.display_type_rich = lambda ctx: None
+            bare = p.required or not p.metavar or p.metavar.startswith("[")  # bracketed already
+            word = p.metavar if bare else f"[{p.metavar}]"
+            p._usage_display_name = lambda word=word: word
+    for sub in getattr(command, "commands", {}).values():
+        _plain_metavars(sub)
+
+
 class _OneLineUsageErrors(typer.core.TyperGroup):
     """Usage errors (a missing argument, a value of the wrong type or out of range) end like
-    every other bad input: one line on stderr naming the argument, exit 2."""
+    every other bad input: one line on stderr naming the argument, exit 2. Options show plain
+    value words (``_plain_metavars``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _plain_metavars(self)
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:

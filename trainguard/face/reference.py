@@ -27,7 +27,7 @@ from pydantic.fields import FieldInfo
 
 from trainguard.domain.spec import JobSpec
 from trainguard.face import torchrun
-from trainguard.face.cli import app
+from trainguard.face.cli import app, value_word
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
 _MARKER_RE = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- end: \2 -->)", re.S)
@@ -85,16 +85,8 @@ def _unoptional(tp: Any) -> Any:
     return tp
 
 
-_TYPE_WORDS = {int: "INTEGER", float: "NUMBER", str: "TEXT", Path: "PATH"}
-
-
 def _value_word(param: Any, base: Any) -> str:
-    if param.metavar is not None:
-        return str(param.metavar)
-    tp = _unoptional(base)
-    if typing.get_origin(tp) is list:
-        tp = typing.get_args(tp)[0]
-    return _TYPE_WORDS.get(tp, "VALUE")
+    return str(param.metavar) if param.metavar is not None else value_word(base)
 
 
 def _param_row(param: Any, hint: Any) -> tuple[str, str] | None:
