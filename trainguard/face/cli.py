@@ -63,11 +63,17 @@ except ImportError:  # pragma: no cover - older typer
 VALUE_WORDS = {int: "INTEGER", float: "NUMBER", str: "TEXT", Path: "PATH"}
 
 
+def unoptional(tp: Any) -> Any:
+    """``T`` of ``T | None``; any other type as it is."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else tp
+    return tp
+
+
 def value_word(annotation: Any) -> str:
     """``VALUE_WORDS``' word for an option of type ``annotation`` (optional and list: their item's)."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        annotation = args[0] if len(args) == 1 else annotation
+    annotation = unoptional(annotation)
     if typing.get_origin(annotation) is list:
         annotation = typing.get_args(annotation)[0]
     return VALUE_WORDS.get(annotation, "VALUE")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +26,7 @@ from pydantic.fields import FieldInfo
 
 from trainguard.domain.spec import JobSpec
 from trainguard.face import torchrun
-from trainguard.face.cli import app, value_word
+from trainguard.face.cli import app, unoptional, value_word
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
 _MARKER_RE = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- end: \2 -->)", re.S)
@@ -76,13 +75,6 @@ def _info(hint: Any) -> tuple[Any, Any]:
         base, *extra = typing.get_args(hint)
         return base, next((e for e in extra if isinstance(e, typer.models.ParameterInfo)), None)
     return hint, None
-
-
-def _unoptional(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0] if len(args) == 1 else tp
-    return tp
 
 
 def _value_word(param: Any, base: Any) -> str:
@@ -172,7 +164,7 @@ def cli_section() -> str:
 
 def field_model(annotation: Any) -> type[BaseModel] | None:
     """The model a field holds (``Topology``, ``NotifySpec | None``), or None."""
-    tp = _unoptional(annotation)
+    tp = unoptional(annotation)
     return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
 
@@ -197,8 +189,8 @@ def _bounds(c: dict[str, Any]) -> str:
 
 
 def _type_text(tp: Any, c: dict[str, Any], anchor: Callable[[type[BaseModel]], str]) -> str:
-    nullable = _unoptional(tp) is not tp
-    tp = _unoptional(tp)
+    nullable = unoptional(tp) is not tp
+    tp = unoptional(tp)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if (model := field_model(tp)) is not None:
         text = anchor(model)
