@@ -52,7 +52,13 @@ class CheckpointActivities:
             # Before anything of the new attempt runs: a stale attempt's commit is refused from now on.
             await asyncio.to_thread(checkpoint_store.begin_attempt, self.store, jprefix, inp.attempt)
         return await asyncio.to_thread(
-            checkpoint_store.latest, self.store, jprefix, inp.world_size, inp.max_step, self.manifests
+            checkpoint_store.latest,
+            self.store,
+            jprefix,
+            inp.world_size,
+            inp.max_step,
+            self.manifests,
+            inp.min_attempt,
         )
 
     @activity.defn(name=calls.commit_checkpoint.name)

@@ -14,12 +14,14 @@ from collections import OrderedDict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from temporalio import activity
 from temporalio.client import Client
 
 from activities.drills import DrillState
 from activities.health import HealthMonitor
 from activities.rank_logs import LogActivities
+from activities.script_checkpoints import forget_earlier_run
 from activities.session import RankSession, RestoreUnavailable, Sessions, SetupProblem
 from activities.session.progress import discard, to_workflow
 from activities.warm_pool import WarmPool
@@ -34,6 +36,7 @@ from trainguard.domain.messages import (
     StopRanksInput,
 )
 from trainguard.domain.policy import SETUP_KIND
+from trainguard.services import sealed
 from trainguard.services.storage import S3Store
 
 HEARTBEAT_EVERY = timedelta(seconds=2)
@@ -58,7 +61,9 @@ class RankActivities:
         node_name: str = "",
         memory_dir: Path | None = None,
         warm: WarmPool | None = None,
+        machine_key: X25519PrivateKey | None = None,
     ) -> None:
+        self.machine_key = machine_key  # opens the jobs' sealed secret values (services.sealed)
         self.memory_dir = memory_dir
         self.warm = warm
         self.rank_nice = rank_nice
@@ -108,8 +113,18 @@ class RankActivities:
                 return self._stopped_result(inp)
             await self.sessions.stop_older(inp.job_id, inp.attempt, inp.chain)
             send = discard if inp.dry_run else to_workflow(self.client, inp.workflow_id)
+            try:
+                # The session (and so its ranks, and every redaction of its output) gets the job's
+                # sealed secret values opened; nothing of it goes back to Temporal.
+                opened = inp.model_copy(
+                    update={
+                        "spec": inp.spec.with_opened(sealed.open_all(inp.spec.sealed_env, self.machine_key))
+                    }
+                )
+            except sealed.SealError as exc:
+                return _setup_incident(inp, f"{exc} on {inp.node.name}")
             sess = RankSession(
-                inp,
+                opened,
                 self.workdir,
                 self.code_dir,
                 self.store,
@@ -122,25 +137,19 @@ class RankActivities:
             )
             self.sessions.add(sess)
             try:
+                if inp.fresh:
+                    await asyncio.to_thread(
+                        forget_earlier_run,
+                        sess.state.script_ckpt_dir,
+                        sess.state.job_dir,
+                        inp.first_attempt or 1,
+                    )
                 await sess.start()
             except RestoreUnavailable as exc:
                 # Not this machine's fault: the workflow restarts from another copy.
                 return RunRanksResult(node=inp.node.name, attempt=inp.attempt, ok=False, message=str(exc))
             except SetupProblem as exc:
-                return RunRanksResult(
-                    node=inp.node.name,
-                    attempt=inp.attempt,
-                    ok=False,
-                    message=str(exc),
-                    incident=IncidentReport(
-                        kind=SETUP_KIND,
-                        node=inp.node.name,
-                        evidence=str(exc),
-                        confidence=1.0,
-                        origin=True,
-                        detected_at=datetime.now(UTC),
-                    ),
-                )
+                return _setup_incident(inp, str(exc))
             finally:
                 if not sess.started:
                     # Whatever stopped the start, a session that never ran must not linger.
@@ -186,3 +195,21 @@ class RankActivities:
         if req.persist:
             await sess.persist_newest()
         return True
+
+
+def _setup_incident(inp: RunRanksInput, problem: str) -> RunRanksResult:
+    """The job cannot start on this machine as specified: a ``setup`` incident (no restart cures it)."""
+    return RunRanksResult(
+        node=inp.node.name,
+        attempt=inp.attempt,
+        ok=False,
+        message=problem,
+        incident=IncidentReport(
+            kind=SETUP_KIND,
+            node=inp.node.name,
+            evidence=problem,
+            confidence=1.0,
+            origin=True,
+            detected_at=datetime.now(UTC),
+        ),
+    )

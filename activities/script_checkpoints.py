@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import threading
 import time
 import zipfile
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.domain import script_checkpoints as sc
+from trainguard.domain.checkpoints import earlier_run
 from trainguard.domain.script_checkpoints import DCP_METADATA, ScriptFile, ScriptManifest
 from trainguard.services.checkpoint_store import newest_attempt
 from trainguard.services.storage import S3Store
@@ -112,7 +114,10 @@ class ScriptCheckpoints:
         attempt: int,
         keep: int,
         pids: Callable[[], list[int]],
+        min_attempt: int | None = None,
     ) -> None:
+        # A fresh run's first attempt: saves of earlier attempts are an earlier run's, never restored.
+        self.min_attempt = min_attempt
         self.store = store
         self.jprefix = job_prefix
         self.sprefix = sc.prefix(job_prefix)
@@ -201,6 +206,7 @@ class ScriptCheckpoints:
         self.dir.mkdir(parents=True, exist_ok=True)
         before = sorted(p.name for p in self.dir.iterdir())
         manifests, sizes = self._list()
+        manifests = [m for m in manifests if not earlier_run(m.attempt, self.min_attempt)]
         restored = []
         for m in sc.newest_per_name(manifests, sizes):
             if self._local_has(m):
@@ -361,6 +367,37 @@ class ScriptCheckpoints:
                 await asyncio.to_thread(self.scan, True)
         except Exception as exc:
             log.warning("script checkpoint flush of %s: %s", self.dir, exc)
+
+
+# In the job's directory on a machine: the first attempt of the run its files belong to.
+RUN_RECORD = "run.json"
+
+
+def forget_earlier_run(directory: Path | None, job_dir: Path, first_attempt: int) -> bool:
+    """A fresh run of a job's name starts here: empty the script's checkpoint directory when it
+    holds an earlier run's saves (the script would resume from them). Only a directory of the
+    job's own (a relative ``--checkpoint-dir``, under ``job_dir``): an absolute one is the
+    user's. Whether it was emptied."""
+    record = job_dir / RUN_RECORD
+    try:
+        seen = json.loads(record.read_text()).get("first_attempt")
+    except (OSError, ValueError, AttributeError):
+        seen = None
+    if seen == first_attempt:
+        return False  # this run's own files: a later attempt of it
+    emptied = False
+    if directory is not None and directory.is_relative_to(job_dir) and directory.is_dir():
+        for entry in directory.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            emptied = True
+        if emptied:
+            log.info("emptied %s: an earlier run's checkpoints (a fresh run begins)", directory)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"first_attempt": first_attempt}))
+    return emptied
 
 
 def restore_record(log_dir: Path) -> dict[str, Any] | None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainguard.runtime.env import inheritable_environ
+from trainguard.runtime.env import rank_base_environ
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class WarmPool:
     def env(self) -> dict[str, str]:
         """The environment warm processes start with (a rank's job may not change its import-time part)."""
         # Never the agent's credentials: the rank's code could read them in /proc/self/environ.
-        return {**inheritable_environ(), "PYTHONUNBUFFERED": "1"}
+        return {**rank_base_environ(), "PYTHONUNBUFFERED": "1"}
 
     def start(self) -> None:
         self._refill(0.0)
@@ -80,6 +80,7 @@ class WarmPool:
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
+                "-P",  # the agent's directory (a user's, maybe) is not on the warm process's path
                 "-m",
                 "trainguard.runtime.warm",
                 "--ready-fd",

@@ -55,19 +55,26 @@ def release_env(release: Path | None) -> dict[str, str]:
 
 def start_controller(stack: Stack, name: str = "controller", release: Path | None = None) -> None:
     """Start a controller worker; ``release``: another checkout's code, run from there."""
-    argv = [sys.executable, "-m", "workers.controller", "--identity", name]
+    argv = [sys.executable, "-P", "-m", "workers.controller", "--identity", name]
     stack.start_process(name, argv, {**process_env(stack.config), **release_env(release)}, cwd=release)
 
 
 def start_agent(
-    stack: Stack, name: str, code_dir: Path, plan: NetnsPlan | None = None, release: Path | None = None
+    stack: Stack,
+    name: str,
+    code_dir: Path,
+    plan: NetnsPlan | None = None,
+    release: Path | None = None,
+    gpus: int = 0,
 ) -> None:
     """Start one node agent; in a netns stack (``plan``, else the recorded one) inside its namespace;
-    ``release``: another checkout's code, run from there."""
+    ``release``: another checkout's code, run from there; ``gpus``: the GPUs it reports (0: as
+    NVML finds; a test's stand-in for machines with GPUs)."""
     plan = plan or netns_mod.load(stack.config.state_dir)
     workdir = stack.config.state_dir / "nodes" / name
     argv = [
         sys.executable,
+        "-P",  # the directory `up` runs in is the user's: never on the agent's import path
         "-m",
         "workers.node_agent",
         "--name",
@@ -82,8 +89,13 @@ def start_agent(
         # Restarts on this machine skip the torch import (2: the example's ranks per machine).
         "--warm-ranks",
         str(stack.config.warm_ranks),
+        *(["--gpus", str(gpus)] if gpus else []),
     ]
-    env = {**process_env(stack.config), **release_env(release)}
+    env = {
+        **process_env(stack.config),
+        **release_env(release),
+        "TRAINGUARD_SECRET_KEY": stack.config.machine_key.get_secret_value(),
+    }
     if plan is not None:
         env.update(netns_env(stack.config, plan))
         node = plan.node(name)
@@ -156,6 +168,7 @@ def bring_up(
     controllers: int = 1,
     netns: bool = False,
     release: Path | None = None,
+    gpus: int = 0,
 ) -> dict[str, str]:
     """Start (or find running) the whole stack; returns the addresses to print. ``release``: the
     controllers run another checkout's code (a previous release's, tests/integration/test_version_skew.py)."""
@@ -168,7 +181,7 @@ def bring_up(
     for i in range(controllers):
         start_controller(stack, "controller" if i == 0 else f"controller-{i + 1}", release)
     for name in names:
-        start_agent(stack, name, (code_dir or Path.cwd()).resolve(), plan)
+        start_agent(stack, name, (code_dir or Path.cwd()).resolve(), plan, gpus=gpus)
     # The workers' payload key, from the environment they start in: the pool's state is encrypted.
     key = {
         k: v for k, v in os.environ.items() if k in ("TRAINGUARD_PAYLOAD_KEY", "TRAINGUARD_PAYLOAD_KEY_FILE")

@@ -30,6 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from infra.processes import kill_pid, pid_alive, spawn, start_ticks, stop_pid, wait_for
 from trainguard.agent.ports import LOOPBACK, free_ports, port_is_free
+from trainguard.contract import search_attributes
+from trainguard.services import sealed
 
 TEMPORAL = "temporal"
 SEAWEEDFS = "seaweedfs"
@@ -37,13 +39,7 @@ SERVERS = (TEMPORAL, SEAWEEDFS)
 
 # Custom search attributes registered when the dev server starts: a workflow that
 # upserts an unregistered one fails its workflow task forever.
-SEARCH_ATTRIBUTES: dict[str, str] = {
-    "TgPhase": "Keyword",
-    "TgStep": "Int",
-    "TgEttr": "Double",
-    "TgCodeVersion": "Keyword",
-    "TgIncidents": "Int",
-}
+SEARCH_ATTRIBUTES: dict[str, str] = search_attributes.TYPES
 
 # SeaweedFS ignores SIGTERM for well over 10 s; its writes are already on disk when
 # a request returns, so it gets a short grace before SIGKILL.
@@ -101,6 +97,8 @@ class StackConfig(BaseModel):
     ui_codec_endpoint: str | None = None
     access_key: str = Field(default_factory=_access_key)
     secret_key: SecretStr = Field(default_factory=_secret_key)
+    # The agents' machine key: `--secret-env` values are sealed to it (trainguard.services.sealed).
+    machine_key: SecretStr = Field(default_factory=lambda: SecretStr(sealed.new_key()))
 
     _PORT_FIELDS: ClassVar[tuple[str, ...]] = (
         "temporal_port",
@@ -191,6 +189,7 @@ class StackConfig(BaseModel):
         """The persisted form: unlike model_dump, it holds the real secret key."""
         data = self.model_dump(mode="json")
         data["secret_key"] = self.secret_key.get_secret_value()
+        data["machine_key"] = self.machine_key.get_secret_value()
         return data
 
 

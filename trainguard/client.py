@@ -20,6 +20,7 @@ import getpass
 import re
 import socket
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypedDict, TypeVar
@@ -32,6 +33,7 @@ from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from trainguard import contract
+from trainguard.contract import search_attributes as sa
 from trainguard.domain.code_versions import CodeUpdate
 from trainguard.domain.job_state import JobInput, Phase
 from trainguard.domain.messages import (
@@ -48,7 +50,7 @@ from trainguard.domain.messages import (
 )
 from trainguard.domain.spec import NAME_RE, JobSpec, SpecError, first_validation_error, shown
 from trainguard.domain.spec import parse_spec as parse_spec
-from trainguard.services import pool_client, telemetry
+from trainguard.services import pool_client, sealed, telemetry
 from trainguard.services.settings import Settings
 from trainguard.services.spec_file import load_spec as load_spec
 from trainguard.services.temporal import connect
@@ -65,8 +67,10 @@ __all__ = [
     "IncidentDoc",
     "JobAlreadyRunning",
     "JobHandle",
+    "JobStart",
     "JobStatus",
     "JobSummary",
+    "NoMachineKey",
     "ResultDoc",
     "SyncClient",
     "SyncJobHandle",
@@ -256,6 +260,35 @@ def code_update(version: str, urgent: bool = False, **fields: Any) -> CodeUpdate
         raise first_validation_error(exc) from None
 
 
+class NoMachineKey(RuntimeError):
+    """No machine of the pool can open a sealed secret value (one line, exit 1)."""
+
+
+@dataclass(frozen=True)
+class JobStart:
+    """How a submitted run began. A job's name may have run before: a run after a stopped one
+    resumes from its last checkpoint, any other starts fresh (step 0), unless asked otherwise."""
+
+    job_id: str
+    # The phase the name's last run ended in (None: the name is new).
+    previous: str | None = None
+    # The last run's step when it ended.
+    previous_step: int | None = None
+    # Whether this run resumes the last one's checkpoints, and from which step (as far as the
+    # last run's status knew: its newest checkpoint in S3; None for a script's own checkpoints,
+    # which the script finds itself).
+    resume: bool = False
+    resumed_from_step: int | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "previous_phase": self.previous,
+            "previous_step": self.previous_step,
+            "resume": self.resume,
+            "resumed_from_step": self.resumed_from_step,
+        }
+
+
 class JobHandle:
     """One job, by name. Cheap to create; every call asks Temporal afresh."""
 
@@ -264,6 +297,8 @@ class JobHandle:
         self.client = client
         self.job_id = job_id
         self._wf: WorkflowHandle[Any, Any] = client.get_workflow_handle(job_id)
+        # Set by TrainguardClient.submit: how this run began.
+        self.start = JobStart(job_id)
 
     async def _describe_status(self) -> ExecStatus | None:
         try:
@@ -403,15 +438,25 @@ class TrainguardClient:
     def job(self, job_id: str) -> JobHandle:
         return JobHandle(self.temporal, job_id)
 
-    async def submit(self, spec: JobSpec, **options: Any) -> JobHandle:
-        """Start ``spec`` as a new run. Refused while a job of the same name runs;
-        after it ended, the new run resumes from the job's last complete checkpoint.
+    async def submit(self, spec: JobSpec, resume: bool | None = None, **options: Any) -> JobHandle:
+        """Start ``spec`` as a new run. Refused while a job of the same name runs.
+
+        A name that ran before: with ``resume`` (or, left None, when its last run was
+        ``stopped``) the new run resumes from the job's last complete checkpoint; otherwise it
+        starts fresh at step 0 and the earlier run's checkpoints are replaced by its own.
+        The handle's ``start`` says which (``JobStart``).
 
         ``options`` tune the workflow (fields of ``JobInput``, e.g. ``max_history_events``).
         """
         if spec.pool is None and self.settings.pool != POOL_WORKFLOW_ID:
             spec = spec.model_copy(update={"pool": self.settings.pool})  # the submitter's pool
-        inp = JobInput(spec=spec, **options)
+        start, attempts = await self._how_to_start(spec.name, resume)
+        inp = JobInput(
+            spec=spec,
+            previous_attempt=attempts,
+            fresh=start.previous is not None and not start.resume,
+            **options,
+        )
         try:
             await self.temporal.start_workflow(
                 contract.job.WORKFLOW.name,
@@ -425,7 +470,39 @@ class TrainguardClient:
             )
         except WorkflowAlreadyStartedError:
             raise JobAlreadyRunning(spec.name) from None
-        return self.job(spec.name)
+        handle = self.job(spec.name)
+        handle.start = start
+        return handle
+
+    async def _how_to_start(self, job_id: str, resume: bool | None) -> tuple[JobStart, int]:
+        """How a run of ``job_id`` starts, and the attempts its earlier runs used."""
+        handle = self.job(job_id)
+        try:
+            running = await handle.running()
+        except UnknownJob:
+            return JobStart(job_id, resume=False), 0
+        if running:
+            raise JobAlreadyRunning(job_id)
+        last = await handle.status()  # a closed run's final state (its result, or a query)
+        phase = str(last.get("phase"))
+        again = resume if resume is not None else phase == "stopped"
+        ckpt = last.get("checkpoint") or {}
+        step = ckpt.get("step") if again and ckpt.get("tier") == "s3" else None
+        start = JobStart(
+            job_id, previous=phase, previous_step=last.get("step"), resume=again, resumed_from_step=step
+        )
+        return start, int(last.get("attempt") or 0)
+
+    def seal(self, values: dict[str, str], pool: PoolState) -> dict[str, list[str]]:
+        """``values`` sealed for every machine key the pool's agents registered (``sealed_env``):
+        only those machines can open them; Temporal holds the sealed text alone."""
+        keys = {n.info.sealing_key for n in pool.nodes.values() if n.info.sealing_key and n.state != "lost"}
+        if not keys:
+            raise NoMachineKey(
+                f"--secret-env: no machine of pool {self.settings.pool} can open sealed values: give its "
+                "agents one TRAINGUARD_SECRET_KEY (python -m trainguard.services.sealed makes one)"
+            )
+        return {name: sealed.seal_for_all(name, value, keys) for name, value in values.items()}
 
     async def list_jobs(self, phase: str | None = None, limit: int | None = None) -> list[JobSummary]:
         """Job runs Temporal remembers, newest first, from search attributes: the latest run of
@@ -436,7 +513,7 @@ class TrainguardClient:
             raise SpecError("limit", f"{limit} is not a positive number")
         query = f"WorkflowType = '{contract.job.WORKFLOW.name}'"
         if phase:
-            query += f" AND TgPhase = '{phase}'"
+            query += f" AND {sa.PHASE.name} = '{phase}'"
         out: list[JobSummary] = []
         seen: set[str] = set()
         page = min(limit * 2, 1000) if limit else 1000  # a few older runs of resubmitted jobs
@@ -446,16 +523,16 @@ class TrainguardClient:
             if limit is not None and len(out) >= limit:
                 break
             seen.add(wf.id)
-            sa = wf.search_attributes
+            attrs = wf.typed_search_attributes
             out.append(
                 {
                     "job_id": wf.id,
                     "run_id": wf.run_id,
                     "status": wf.status.name.lower() if wf.status else None,
-                    "phase": (sa.get("TgPhase") or [None])[0],
-                    "step": (sa.get("TgStep") or [None])[0],
-                    "ettr": (sa.get("TgEttr") or [None])[0],
-                    "code_version": (sa.get("TgCodeVersion") or [None])[0],
+                    "phase": attrs.get(sa.PHASE),
+                    "step": attrs.get(sa.STEP),
+                    "ettr": attrs.get(sa.ETTR),
+                    "code_version": attrs.get(sa.CODE_VERSION),
                     "started_at": wf.start_time.isoformat() if wf.start_time else None,
                 }
             )
@@ -555,8 +632,8 @@ class SyncClient:
     def job(self, job_id: str) -> SyncJobHandle:
         return SyncJobHandle(self, self._c.job(job_id))
 
-    def submit(self, spec: JobSpec, **options: Any) -> SyncJobHandle:
-        return SyncJobHandle(self, self._run(self._c.submit(spec, **options)))
+    def submit(self, spec: JobSpec, resume: bool | None = None, **options: Any) -> SyncJobHandle:
+        return SyncJobHandle(self, self._run(self._c.submit(spec, resume, **options)))
 
     def list_jobs(self, phase: str | None = None, limit: int | None = None) -> list[JobSummary]:
         return self._run(self._c.list_jobs(phase, limit))
@@ -613,6 +690,7 @@ class SyncJobHandle:
         self._owner = owner
         self.handle = handle
         self.job_id = handle.job_id
+        self.start = handle.start
 
     def status(self) -> JobStatus:
         return self._owner._run(self.handle.status())

@@ -10,24 +10,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
+import sys
 from datetime import timedelta
 
+from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.checkpoints import CheckpointActivities
 from activities.notify import NotifyActivities
 from activities.pool import PoolActivities
 from activities.stacks import StackActivities
+from activities.stored_logs import StoredLogActivities
 from activities.telemetry import TelemetryActivities
 from trainguard.domain.messages import CONTROLLER_QUEUE
-from trainguard.services import telemetry
+from trainguard.services import search_attributes, telemetry
 from trainguard.services.settings import Settings
 from trainguard.services.storage import S3Store
 from trainguard.services.temporal import connect
 from workers.common import add_metrics_port, run_until_signalled, setup_logging, start_metrics
 from workers.memory_trace import trace_memory_if_asked
 from workflows.registry import WORKFLOWS
+
+log = logging.getLogger(__name__)
 
 
 async def main(identity: str | None = None, metrics_port: int | None = None) -> None:
@@ -41,6 +47,7 @@ async def main(identity: str | None = None, metrics_port: int | None = None) -> 
     )
     # The client's TracingInterceptor applies to this worker too: workflows and activities are traced.
     client = await connect(settings, endpoint.runtime if endpoint else None)
+    await check_search_attributes(client)
     pool = PoolActivities(client)
     store = S3Store(settings)
     ckpt = CheckpointActivities(store)
@@ -62,11 +69,30 @@ async def main(identity: str | None = None, metrics_port: int | None = None) -> 
             stacks.localize_stacks,
             tele.record_incident,
             NotifyActivities().notify,
+            StoredLogActivities(store).read_logs,
         ],
         identity=identity,
         graceful_shutdown_timeout=timedelta(seconds=10),
     )
     await run_until_signalled(worker)
+
+
+async def check_search_attributes(client: Client) -> None:
+    """Refuse to start (one line, exit 1) in a namespace without trainguard's search attributes:
+    every job's workflow task would fail there, again and again."""
+    try:
+        absent = await search_attributes.missing(client)
+    except search_attributes.CannotCheck as exc:
+        log.warning(
+            "cannot check the namespace's search attributes (%s): make sure %s are registered",
+            exc,
+            search_attributes.described(list(search_attributes.sa.TYPES)),
+        )
+        return
+    if absent:
+        sys.stderr.write(f"error: {search_attributes.problem(absent, client.namespace)}\n")
+        sys.stderr.flush()
+        os._exit(1)  # no interpreter finalization under the client's native threads
 
 
 def cli() -> None:

@@ -4,7 +4,12 @@ It registers the machine with the node pool, then takes work only from its
 queue (``node-<name>``): start and watch ranks, and later probe health, keep
 checkpoint copies and run diagnostics. It listens on no port of its own.
 
-    python -m workers.node_agent --name node-1 --workdir /var/lib/trainguard
+    python -P -m workers.node_agent --name node-1 --workdir /var/lib/trainguard --host 10.0.0.17
+
+``-P`` keeps the directory it is started in off the import path (``workers/__init__.py`` drops
+it too): a user's own ``activities`` or ``workflows`` package there never stands in for ours.
+``--host`` is the address the job's other machines reach this one at (its ranks rendezvous
+there); the default, 127.0.0.1, serves only machines on this host (the local stack).
 
 ``--nic IF`` hands the agent a real interface that drills may take down (the
 netns mode of the local stack: each machine in its own network namespace). A
@@ -42,10 +47,10 @@ from activities.warm_pool import WarmPool
 from trainguard.agent.health.events import Probe
 from trainguard.agent.health.host import HostProbe
 from trainguard.agent.health.link import LinkProbe
-from trainguard.agent.health.nvml import NvmlProbe
+from trainguard.agent.health.nvml import NvmlProbe, count_gpus
 from trainguard.domain.fencing import HEARTBEAT_THROTTLE_S
 from trainguard.domain.messages import NODE_NAME_RE, NodeInfo, node_queue
-from trainguard.services import pool_client, telemetry
+from trainguard.services import pool_client, sealed, telemetry
 from trainguard.services.settings import Settings
 from trainguard.services.storage import S3Store
 from trainguard.services.temporal import connect
@@ -98,6 +103,7 @@ async def main(
     drill = DrillActivities(drills, LinkControl(nic, workdir) if nic else None)
     await drill.restore_link()  # before connecting: a link left down would keep us offline
     settings = Settings.load()
+    machine_key = sealed.private_key(text) if (text := settings.secret_key_text()) else None
     endpoint = await start_metrics(metrics_port)
     telemetry.setup(
         settings,
@@ -108,7 +114,14 @@ async def main(
     # The client's TracingInterceptor applies to this worker too: its activities are traced.
     client = await connect(settings, endpoint.runtime if endpoint else None)
     pool = pool or settings.pool
-    info = NodeInfo(name=name, task_queue=node_queue(name, pool), host=host, gpus=gpus)
+    info = NodeInfo(
+        name=name,
+        task_queue=node_queue(name, pool),
+        host=host,
+        gpus=gpus or count_gpus(),
+        cpus=len(os.sched_getaffinity(0)),
+        sealing_key=sealed.public_text(machine_key) if machine_key else None,
+    )
     # The agent's parts, each built on those before it: the sessions first, which the host
     # probe, the rank output, the stack dumps, the fence and the shutdown all read.
     sessions = Sessions()
@@ -120,7 +133,7 @@ async def main(
     logs = LogActivities(name, store, sessions)
     ranks = RankActivities(
         client, store, workdir, code_dir, host, health, drills, sessions, logs,
-        rank_nice=rank_nice, node_name=name, memory_dir=memory_dir, warm=warm,
+        rank_nice=rank_nice, node_name=name, memory_dir=memory_dir, warm=warm, machine_key=machine_key,
     )  # fmt: skip
     stacks = StackActivities(store, name, sessions)
     diagnostics = DiagnosticActivities(name, health, drills)
@@ -199,7 +212,7 @@ def cli() -> None:
     parser.add_argument("--workdir", type=Path, required=True, help="local dir: rank logs, checkpoints")
     parser.add_argument("--code-dir", type=Path, default=Path.cwd(), help="directory ranks run in")
     parser.add_argument("--host", default="127.0.0.1", help="address peers use to reach this machine")
-    parser.add_argument("--gpus", type=int, default=0, help="GPUs expected on this machine (0: as found)")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs on this machine (0: as many as NVML finds)")
     parser.add_argument("--rank-nice", type=int, default=0, help="niceness of ranks (shared local hosts)")
     parser.add_argument(
         "--nic",

@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ from activities.session.state import SessionState
 from activities.warm_pool import WarmPool
 from trainguard.domain.messages import RankExit
 from trainguard.domain.report_interval import replica_every
-from trainguard.runtime.env import RankEnv, inheritable_environ
+from trainguard.runtime.env import RankEnv, rank_base_environ
 from trainguard.runtime.launch import __file__ as LAUNCHER
 from trainguard.runtime.warm import HARMLESS_FLAGS, activatable, env_activatable
 
@@ -142,6 +143,9 @@ class RankProcesses:
         if not s.workdir.is_dir():
             raise SetupProblem(f"workdir {s.workdir} does not exist {where}")
         argv = resolve_argv(s.spec.entrypoint)
+        prog = argv[0]  # a name on PATH, or a path (relative: to the workdir, as exec sees it)
+        if not (os.access(s.workdir / prog, os.X_OK) if "/" in prog else shutil.which(prog)):
+            raise SetupProblem(f"program {prog} (the ranks' interpreter, --python) not found {where}")
         if re.fullmatch(r"python[0-9.]*", Path(argv[0]).name):
             args = [a for a in argv[1:] if a not in HARMLESS_FLAGS]
             if args and not args[0].startswith("-"):
@@ -162,12 +166,13 @@ class RankProcesses:
 
     def rank_env(self, local_rank: int, rank: int, report_fd: int) -> dict[str, str]:
         s, spec = self.s, self.s.spec
-        env = inheritable_environ()
+        env = rank_base_environ()
         if spec.ranks_per_node > 1 and "OMP_NUM_THREADS" not in env:
             # As torchrun does for several processes per machine (the job's env may set it).
             env["OMP_NUM_THREADS"] = "1"
         env.update(spec.env)
-        bin_dir = str(Path(sys.executable).parent)
+        program = resolve_argv(spec.entrypoint)[0]  # the rank's own interpreter's bin first
+        bin_dir = str(Path(program).parent if os.path.isabs(program) else Path(sys.executable).parent)
         env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
         env["PYTHONUNBUFFERED"] = "1"
         ckpt = spec.checkpoint
@@ -199,7 +204,7 @@ class RankProcesses:
             restore_peers=dict(s.inp.restore_peers),
             node_rank=s.inp.node_index,
             nnodes=spec.nodes,
-            restart_count=max(s.inp.attempt - 1, 0),
+            restart_count=max(s.inp.attempt - (s.inp.first_attempt or 1), 0),
             max_restarts=spec.detection.max_attempts,
             script_ckpt_dir=str(s.script_ckpt_dir) if s.script_ckpt_dir else None,
             rendezvous_timeout_s=spec.detection.rendezvous_timeout_s,

@@ -75,7 +75,7 @@ class RankSession:
         self.script_ckpts = (
             ScriptCheckpoints(
                 store, inp.ckpt_prefix, d, inp.job_id, inp.node.name, inp.attempt, s.spec.checkpoint.keep,
-                self.process.pids,
+                self.process.pids, inp.first_attempt if inp.fresh else None,
             )
             if d is not None and not inp.dry_run
             else None

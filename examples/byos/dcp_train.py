@@ -51,9 +51,14 @@ def main() -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    dist.init_process_group("gloo")
+    # Each rank on its own GPU (LOCAL_RANK's) over NCCL where CUDA is, else on the CPU over gloo.
+    cuda = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
     torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)))
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to(device)
+    model = DDP(net, device_ids=[local] if cuda else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     start = 0
     found = newest(a.ckpt_dir)
@@ -67,7 +72,7 @@ def main() -> None:
     faulty = rank == a.fault_rank
     gen = torch.Generator().manual_seed(1000 + rank)
     for step in range(start + 1, a.steps + 1):
-        x = torch.randn(8, 16, generator=gen)
+        x = torch.randn(8, 16, generator=gen).to(device)
         loss = model(x).pow(2).mean()
         if faulty and step == a.nan_at and restart == a.nan_restart:
             print(f"rank {rank} NaN loss at step {step}", flush=True)

@@ -3,8 +3,9 @@
     torchrun --nnodes 1 --nproc-per-node 2 examples/byos/ddp_train.py --ckpt-dir ckpt
     trainguard run --nproc-per-node 2 examples/byos/ddp_train.py --ckpt-dir ckpt
 
-It reads RANK/WORLD_SIZE/LOCAL_RANK from the environment, joins over gloo, `torch.save`s a
-checkpoint every ``--ckpt-every`` steps into ``--ckpt-dir`` and loads it at start if present.
+It reads RANK/WORLD_SIZE/LOCAL_RANK from the environment, joins over NCCL on its own GPU
+(LOCAL_RANK's) where CUDA is, else over gloo on the CPU, `torch.save`s a checkpoint every
+``--ckpt-every`` steps into ``--ckpt-dir`` and loads it at start if present.
 For drills it can misbehave, each fault once, in the start whose TORCHELASTIC_RESTART_COUNT is
 given (default 0, the first): ``--crash-at S`` dies of SIGSEGV, ``--hang-at S`` blocks, ``--nan-at S``
 makes the loss NaN, each on ``--fault-rank``; ``--abort-at-exit`` makes that rank die of SIGABRT
@@ -46,15 +47,19 @@ def main() -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    dist.init_process_group("gloo")
+    cuda = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
     torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)))
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to(device)
+    model = DDP(net, device_ids=[local] if cuda else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     os.makedirs(a.ckpt_dir, exist_ok=True)
     path = os.path.join(a.ckpt_dir, "ckpt.pt")
     start = 0
     if os.path.exists(path):
-        state = torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True, map_location=device)
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = state["step"]
@@ -62,7 +67,7 @@ def main() -> None:
     faulty = rank == a.fault_rank
     gen = torch.Generator().manual_seed(1000 + rank)
     for step in range(start + 1, a.steps + 1):
-        x = torch.randn(8, 16, generator=gen)
+        x = torch.randn(8, 16, generator=gen).to(device)
         loss = model(x).pow(2).mean()
         if faulty and step == a.nan_at and restart == a.nan_restart:
             loss = loss * float("nan")

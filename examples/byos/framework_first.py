@@ -11,15 +11,17 @@ from trainguard import runtime as tg
 
 
 def main() -> None:
-    dist.init_process_group("gloo")  # what the framework does first
+    # What the framework does first: NCCL on this rank's GPU (the launcher made LOCAL_RANK's GPU
+    # current) where CUDA is, else gloo.
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     ctx = tg.init()
     torch.manual_seed(0)
-    model = DDP(torch.nn.Linear(8, 1))
+    model = DDP(torch.nn.Linear(8, 1).to(ctx.device))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ctx.track(model.module, opt)
     gen = torch.Generator().manual_seed(ctx.rank)
     for step in range(ctx.start_step, ctx.target_steps + 1):
-        loss = model(torch.randn(4, 8, generator=gen)).pow(2).mean()
+        loss = model(torch.randn(4, 8, generator=gen).to(ctx.device)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -251,11 +251,12 @@ def forward_backward(
     stage_inputs: list[torch.Tensor] = []
     stage_outputs: list[torch.Tensor] = []  # activations, or the loss on the last stage
 
+    device = next(model.parameters()).device
     for m in range(cfg.micro_batches):
         if pipe.first:
             x = inputs[m]
         else:
-            x = torch.empty(act_shape)
+            x = torch.empty(act_shape, device=device)
             dist.recv(x, src=pipe.prev)
             x.requires_grad_()
         out = model(x)
@@ -270,7 +271,7 @@ def forward_backward(
         if pipe.last:
             (stage_outputs[m] / cfg.micro_batches).backward()
         else:
-            grad = torch.empty(act_shape)
+            grad = torch.empty(act_shape, device=device)
             dist.recv(grad, src=pipe.next)
             stage_outputs[m].backward(grad)
         if not pipe.first:
@@ -278,7 +279,7 @@ def forward_backward(
 
     if pipe.last:
         return torch.stack(stage_outputs).detach().mean()
-    return torch.zeros(())
+    return torch.zeros((), device=device)
 
 
 def sync_and_clip(model: Stage, ctx: Context, loss: torch.Tensor) -> tuple[float, float]:
@@ -318,6 +319,8 @@ def scale_lr(opt: torch.optim.Optimizer, factor: float) -> None:
 
 
 def main() -> None:
+    # Deterministic cuBLAS needs its workspace fixed before the first matmul (no effect on a CPU).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     ctx = tg.init()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -327,7 +330,8 @@ def main() -> None:
     cfg = Config.from_env()
     pipe = Pipe.of(ctx)
     corpus = load_corpus()
-    model = build_stage(cfg, pipe)
+    # On this rank's own GPU under NCCL (tg.init chooses it where CUDA is), else on the CPU.
+    model = build_stage(cfg, pipe).to(ctx.device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.01)
     if ctx.rank == 0:
         digest = hashlib.sha256(corpus.to(torch.uint8).numpy().tobytes()).hexdigest()[:12]
@@ -344,7 +348,7 @@ def main() -> None:
         print(f"rank {ctx.rank}: resumed from step {state['step']}", file=sys.stderr, flush=True)
 
     for step in range(ctx.start_step, ctx.target_steps + 1):
-        inputs, targets = get_batch(corpus, step, ctx.coords.dp, cfg)
+        inputs, targets = (t.to(ctx.device) for t in get_batch(corpus, step, ctx.coords.dp, cfg))
         local_loss = forward_backward(model, pipe, cfg, inputs, targets)
         ctx.before_sync(step, model)  # own-gradient checks and drills, before the all-reduce
         loss, grad_norm = sync_and_clip(model, ctx, local_loss)

@@ -24,7 +24,8 @@ code_dir=${TRAINGUARD_CODE_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
 host=${TRAINGUARD_AGENT_HOST:-$(hostname -I | awk '{print $1}')}
 
 # exec: the agent gets Slurm's signals itself (SIGTERM drains, or leaves the pool when idle).
-exec "$python" -m workers.node_agent \
+# -P: the submit directory (the user's code) is not on the agent's import path.
+exec "$python" -P -m workers.node_agent \
     --name "$SLURMD_NODENAME" \
     --host "$host" \
     --workdir "$workdir" \

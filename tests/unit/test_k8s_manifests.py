@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from infra.stack import SEARCH_ATTRIBUTES
 from tests.unit.deploy import K8S, by_kind, render, run_help
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[dev]'")
@@ -90,13 +90,18 @@ def test_the_workloads_are_shaped_for_production(rendered: dict[str, list[dict[s
     assert shm["medium"] == "Memory" and shm["sizeLimit"]
     assert volumes[mounts["/dev/kmsg"]]["hostPath"]["path"] == "/dev/kmsg"
 
+    # Every process of the image starts with -P: /workspace (users' code) is not on its import path.
+    for c in containers(docs):
+        if c["command"][0] == "python":
+            assert c["command"][1] == "-P", c["command"]
+    # The agents find the machine key sealed secret values open with.
+    agent_env = {k: v for cm in by_kind(docs, "ConfigMap") for k, v in cm["data"].items()}
+    key_file = agent_env["TRAINGUARD_SECRET_KEY_FILE"]
+    assert Path(key_file).parent.as_posix() in mounts
+
     (job,) = by_kind(docs, "Job")
     (register,) = job["spec"]["template"]["spec"]["containers"]
-    args = register["args"]
-    names = [args[i + 1] for i, a in enumerate(args) if a == "--name"]
-    assert dict(zip(names, [args[i + 1] for i, a in enumerate(args) if a == "--type"], strict=True)) == (
-        SEARCH_ATTRIBUTES
-    )
+    assert [*register["command"], *register.get("args", [])] == ["trainguard", "setup"]
 
 
 def expand(container: dict[str, Any]) -> list[str]:

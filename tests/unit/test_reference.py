@@ -16,6 +16,7 @@ import pytest
 
 from tests.unit.doc_names import cli_problem
 from trainguard import client
+from trainguard.client import JobStart
 from trainguard.domain.job_state import JobState, status_json
 from trainguard.domain.messages import InjectResult, NodeInfo, PoolNode, PoolState
 from trainguard.domain.rank_logs import LogChunk
@@ -154,8 +155,9 @@ def test_every_command_and_option_is_in_the_reference(command: str) -> None:
 
 def test_every_spec_field_is_in_the_reference() -> None:
     for path, model in reference.spec_models():
-        for name in model.model_fields:
-            full = f"{path}.{name}" if path else name
+        for name, f in model.model_fields.items():
+            shown = reference.spec_field_name(name, f)
+            full = f"{path}.{shown}" if path else shown
             assert f"| `{full}` |" in DOC, full
 
 
@@ -282,13 +284,22 @@ def test_nodes_keys() -> None:
 
 
 def test_submit_inject_update_and_up_keys() -> None:
-    assert documented("submit") <= _function_keys("trainguard/face/cli.py", "_start_job")
+    assert documented("submit") <= _function_keys("trainguard/face/cli.py", "_submit") | set(
+        JobStart("j").as_json()
+    )
     assert documented("inject") == set(InjectResult.model_fields) | _function_keys(
         "trainguard/face/cli.py", "inject"
     )
     workflows = [str(p.relative_to(REPO)) for p in (REPO / "workflows").rglob("*.py")]
     assert documented("update") <= built_keys(*workflows)
     assert documented("up") <= built_keys("infra/stack.py", "infra/local.py")
+
+
+def test_stop_cancel_down_and_setup_keys() -> None:
+    for command in ("stop", "cancel"):
+        assert documented("stop") == _function_keys("trainguard/face/cli.py", command)
+    assert documented("down") == _function_keys("trainguard/face/cli.py", "down")
+    assert documented("setup") == _function_keys("trainguard/face/cli.py", "setup")
 
 
 def test_logs_keys() -> None:

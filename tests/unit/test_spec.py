@@ -131,7 +131,7 @@ def test_missing_required_field() -> None:
     del d["nodes"]
     with pytest.raises(SpecError) as exc:
         parse_spec(d)
-    assert exc.value.field == "nodes"
+    assert exc.value.field == "nnodes"  # torchrun's word, the name the reference gives
 
 
 def test_target_steps_may_be_left_out() -> None:

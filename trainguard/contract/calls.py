@@ -58,7 +58,7 @@ with workflow.unsafe.imports_passed_through():
         StopRanksInput,
     )
     from trainguard.domain.notify import NotifyInput
-    from trainguard.domain.rank_logs import TailLogsInput, TailLogsResult
+    from trainguard.domain.rank_logs import ReadLogsInput, ReadLogsResult, TailLogsInput, TailLogsResult
 
 I = TypeVar("I")  # noqa: E741 - the input, beside R the result
 R = TypeVar("R")
@@ -133,6 +133,16 @@ notify: Activity[NotifyInput, int] = Activity(
             initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=8), maximum_attempts=4
         ),
     ),
+)
+
+# A job's uploaded rank output, read from the bucket for `trainguard logs`. Not called by a
+# workflow: the CLI runs it as a standalone activity on the controller queue, so the client
+# needs no S3 credentials; a controller must pick it up within seconds.
+read_logs: Activity[ReadLogsInput, ReadLogsResult] = Activity(
+    "read_logs",
+    ReadLogsInput,
+    ReadLogsResult,
+    dataclasses.replace(ON_CONTROLLER, schedule_to_start=timedelta(seconds=15)),
 )
 
 # -- on a machine (its own task queue) --------------------------------------------------------
@@ -215,6 +225,7 @@ ALL: tuple[Activity[Any, Any], ...] = (
     localize_stacks,
     record_incident,
     notify,
+    read_logs,
     pick_master_port,
     run_ranks,
     stop_ranks,

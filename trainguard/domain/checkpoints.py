@@ -115,6 +115,12 @@ def attempt_of_key(key: str) -> int | None:
     return None
 
 
+def earlier_run(attempt: int | None, min_attempt: int | None) -> bool:
+    """An object of ``attempt`` belongs to an earlier run of the job's name than the fresh one
+    that began at ``min_attempt`` (attempts are numbered on across runs; None: from before)."""
+    return min_attempt is not None and (attempt or 0) < min_attempt
+
+
 def attempt_marker_key(jprefix: str) -> str:
     return f"{jprefix}/{ATTEMPT_MARKER}"
 

@@ -219,6 +219,10 @@ class JobState(FlatFields):
     resumed_from_step: int | None = None
     drills: list[InjectResult] = []
     attempts_without_progress: int = 0
+    # This run's first attempt (JobInput.previous_attempt + 1), and whether it started fresh: then
+    # checkpoints of attempts before it are an earlier run's, neither resumed nor kept.
+    first_attempt: int = 1
+    fresh: bool = False
     # What the decision ladder remembers: incidents, their actions, code versions.
     history: JobHistory = JobHistory()
     progress_at_attempt_start: int = 0
@@ -231,6 +235,11 @@ class JobState(FlatFields):
     code: CodeVersions = CodeVersions()
     protection: Protection = Protection()
     snapshots: Snapshots = Snapshots()
+
+    @property
+    def min_attempt(self) -> int | None:
+        """A fresh run's first attempt: what earlier attempts stored is not this run's."""
+        return self.first_attempt if self.fresh else None
 
 
 def status_json(state: JobState, now: datetime) -> dict[str, Any]:
@@ -340,5 +349,11 @@ class JobInput(BaseModel):
     schedule_to_start_s: float = 60.0
     heartbeat_timeout_s: float = 30.0
     pool_retry_s: float = 5.0
+    # The attempts earlier runs of the job's name used: this run numbers its own after them, so
+    # no two runs share an attempt number (shard keys, the S3 attempt marker, rank logs).
+    previous_attempt: int = 0
+    # Start fresh although the name was used before: none of the earlier runs' checkpoints is
+    # resumed (the client decides: trainguard run --resume, or a stopped job resubmitted, resumes).
+    fresh: bool = False
     # A job of more machines runs its ranks through groups of at most this many (workflows.job.group).
     group_size: int = GROUP_SIZE

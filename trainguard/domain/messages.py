@@ -46,6 +46,11 @@ class NodeInfo(Msg):
     task_queue: str
     host: str = "127.0.0.1"
     gpus: int = 0
+    # The machine's CPUs (0: not reported): `trainguard run --nproc-per-node auto|cpu` reads it.
+    cpus: int = 0
+    # The public half of the agents' machine key: secret values are sealed to it
+    # (trainguard.services.sealed); None: this agent cannot open them.
+    sealing_key: str | None = None
 
 
 # suspect: waiting for its self-test (new, returning, or evicted with a group); standby: passed it,
@@ -416,6 +421,8 @@ class CommitCheckpointInput(Msg):
     gauges: JobGauges | None = None
     # The attempt whose shards these are: refused when the job is on a newer one (None: unchecked).
     attempt: int | None = None
+    # A fresh run: checkpoints of attempts before this one are an earlier run's, pruned as older.
+    min_attempt: int | None = None
     # The parts (``commit_checkpoint_part``) that together list every rank's shard once: a large
     # job's commit, whose shard list would not fit one payload. Needs ``attempt``.
     parts: list[PartRef] = []
@@ -447,6 +454,8 @@ class LatestCheckpointInput(Msg):
     prefix: str
     world_size: int
     max_step: int | None = None
+    # A fresh run: checkpoints of attempts before this one are an earlier run's (not resumed).
+    min_attempt: int | None = None
     # The attempt about to begin, recorded in S3 first: older attempts commit nothing after it.
     attempt: int | None = None
 
@@ -486,6 +495,12 @@ class RunRanksInput(Msg):
     restore_peers: dict[int, tuple[int, str]] = {}
     # A diagnostic run (dual-phase replay): nothing is uploaded and no progress is signalled.
     dry_run: bool = False
+    # This run's first attempt (attempts are numbered on across runs of the job's name): the
+    # ranks' TORCHELASTIC_RESTART_COUNT counts from it. None: 1.
+    first_attempt: int | None = None
+    # A fresh run of a name used before: saves of attempts before first_attempt are an earlier
+    # run's, never restored, and the machine's own copy of the script's checkpoint dir is emptied.
+    fresh: bool = False
 
 
 class RankExit(Msg):

@@ -116,3 +116,35 @@ class TailLogsResult(WireModel):
     attempt: int | None  # None: this machine never ran the job
     running: bool  # the attempt's ranks still run here
     chunks: list[LogChunk] = []
+
+
+# What one read_logs answer carries at most (a Temporal payload stays well below 2 MB).
+MAX_READ_BYTES = 1 << 20
+
+
+class ReadLogsInput(WireModel):
+    """Ask a controller for a job's uploaded rank output, from ``after`` on (``trainguard logs``
+    through Temporal: the client needs no S3 credentials)."""
+
+    job_id: str
+    attempt: int | None = None
+    rank: int | None = None
+    # Where the previous answer stopped: the key it was reading and the offset in its text.
+    after_key: str | None = None
+    after_offset: int = 0
+
+
+class StoredLog(WireModel):
+    """A piece of one uploaded stream: ``text`` from byte ``offset`` of it; ``done``: its end."""
+
+    obj: LogObject
+    uri: str
+    offset: int
+    text: str
+    done: bool
+
+
+class ReadLogsResult(WireModel):
+    pieces: list[StoredLog] = []
+    # More to read: ask again from the last piece's key and end.
+    more: bool = False

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
+    AliasChoices,
     ConfigDict,
     Field,
     StringConstraints,
@@ -46,12 +47,17 @@ RESERVED_ENV = {
     "ROLE_NAME",
     "ROLE_WORLD_SIZE",
 }
+# The interpreter ranks run with: ``python`` (the agent's own), a name on the machines' PATH, or a path.
+PYTHON_RE = r"python[0-9.]*|/[^\x00-\x1f\x7f]{1,1023}"
 # A path on the machines (workdir, checkpoint_dir): one plain string, no control characters.
 MAX_PATH_LEN = 1024
 MAX_ARG_LEN = 4096
 MAX_ARGS = 256
 MAX_ENV_ENTRIES = 256
 MAX_ENV_VALUE_LEN = 32 * 1024
+# A sealed value is its ciphertext in base64 (trainguard.services.sealed), one per machine key.
+MAX_SEALED_LEN = 2 * MAX_ENV_VALUE_LEN
+MAX_SEALED_KEYS = 8
 # The whole spec as JSON: it rides along in every message about the job.
 MAX_SPEC_BYTES = 256 * 1024
 MAX_SPEC_FILE_BYTES = 1 << 20
@@ -309,9 +315,14 @@ class JobSpec(_Frozen):
 
     A secret value reaches the ranks unchanged but is shown as ``***`` everywhere
     else: the spec's repr, incident evidence and rank error tails in the status,
-    and the agents' logs. In Temporal's history it is as safe as the payloads
-    are: set a payload key (``TRAINGUARD_PAYLOAD_KEY``, see ``trainguard.services.codec``)
-    so workflow inputs are stored encrypted.
+    and the agents' logs. In Temporal's history an ``env`` value is as safe as the
+    payloads are (``TRAINGUARD_PAYLOAD_KEY``, see ``trainguard.services.codec``); a value
+    in ``sealed_env`` (``trainguard run --secret-env NAME``) is sealed to the machines'
+    key by the submitter and opened only by the agents (``trainguard.services.sealed``),
+    so it is never in Temporal in clear, payload key or not.
+
+    ``python`` (with ``script``/``module``) is the interpreter ranks run with on the
+    machines: ``python`` (the default) is the agent's own, with torch and trainguard.
     """
 
     name: JobName = Field(
@@ -328,7 +339,8 @@ class JobSpec(_Frozen):
         None,
         min_length=1,
         max_length=MAX_PATH_LEN,
-        description="where ranks start; unset: the agent's code directory",
+        description="where ranks start, on the machines; unset: the agent's code directory (its "
+        "--code-dir: /workspace in the image, the submit directory under Slurm)",
     )
     checkpoint_dir: str | None = Field(
         None,
@@ -349,10 +361,28 @@ class JobSpec(_Frozen):
         description="keys of env whose values are secret: the ranks get them, everything shown "
         "or logged says ***",
     )
-    nodes: int = Field(ge=1, le=100_000, description="machines the job runs on")
-    ranks_per_node: int = Field(1, ge=1, le=64, description="ranks (processes, GPUs) per machine")
+    sealed_env: dict[str, list[str]] = Field(
+        default_factory=dict,
+        max_length=MAX_ENV_ENTRIES,
+        description="secret values sealed to the machines' key (`trainguard run --secret-env NAME`): "
+        "only the agents can open them, so Temporal holds no secret in clear; the ranks get them as "
+        "environment variables, everything shown or logged says ***",
+    )
+    nodes: int = Field(
+        ge=1,
+        le=100_000,
+        validation_alias=AliasChoices("nnodes", "nodes"),
+        description="machines the job runs on (torchrun's --nnodes)",
+    )
+    ranks_per_node: int = Field(
+        1,
+        ge=1,
+        le=64,
+        validation_alias=AliasChoices("nproc_per_node", "ranks_per_node"),
+        description="ranks (processes, GPUs) per machine (torchrun's --nproc-per-node)",
+    )
     topology: Topology = Field(
-        Topology(), description="the parallel layout; tp*pp*dp must equal nodes*ranks_per_node"
+        Topology(), description="the parallel layout; tp*pp*dp must equal nnodes*nproc_per_node"
     )
     target_steps: int | None = Field(
         None,
@@ -388,7 +418,7 @@ class JobSpec(_Frozen):
         # A string would be tempting to split or hand to a shell; neither happens here.
         if isinstance(data, dict) and isinstance(data.get("entrypoint"), str):
             raise FieldProblem("entrypoint", "must be an argv list such as [python, train.py], not a string")
-        if isinstance(data, dict) and ({"script", "module", "args"} & data.keys()):
+        if isinstance(data, dict) and ({"script", "module", "args", "python"} & data.keys()):
             return script_entrypoint(data)
         return data
 
@@ -400,6 +430,17 @@ class JobSpec(_Frozen):
             value = getattr(self, field)
             if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in value):
                 raise FieldProblem(field, "contains control characters")
+        for key, sealed in self.sealed_env.items():
+            if problem := env_problem(key, ""):
+                raise FieldProblem(f"sealed_env.{shown(key)}", problem)
+            if key in self.env:
+                raise FieldProblem(f"sealed_env.{shown(key)}", "also set in env: give it in one of them")
+            if not 1 <= len(sealed) <= MAX_SEALED_KEYS or any(
+                not v or len(v) > MAX_SEALED_LEN or not v.isascii() or not v.isprintable() for v in sealed
+            ):
+                raise FieldProblem(
+                    f"sealed_env.{shown(key)}", f"1 to {MAX_SEALED_KEYS} sealed values (printable text)"
+                )
         seen: set[str] = set()
         for i, key in enumerate(self.secret_env):
             if key in seen:
@@ -410,7 +451,7 @@ class JobSpec(_Frozen):
         if self.topology.world_size != self.world_size:
             raise FieldProblem(
                 "topology",
-                f"tp*pp*dp = {self.topology.world_size} must equal nodes*ranks_per_node = {self.world_size}",
+                f"tp*pp*dp = {self.topology.world_size} must equal nnodes*nproc_per_node = {self.world_size}",
             )
         size = len(self.model_dump_json())
         if size > MAX_SPEC_BYTES:
@@ -425,6 +466,17 @@ class JobSpec(_Frozen):
         """``env`` with every secret value replaced by ``***``: what may be shown or logged."""
         secret = set(self.secret_env)
         return {k: REDACTED if k in secret else v for k, v in self.env.items()}
+
+    def with_opened(self, values: Mapping[str, str]) -> JobSpec:
+        """This spec with its sealed values opened (on a machine, as ranks start): they join
+        ``env`` as secrets, so the ranks get them and every redaction covers them."""
+        return self.model_copy(
+            update={
+                "env": {**self.env, **values},
+                "secret_env": [*self.secret_env, *(k for k in values if k not in self.secret_env)],
+                "sealed_env": {},
+            }
+        )
 
     def redact(self, text: str) -> str:
         """``text`` with every secret value in it replaced by ``***`` (for rank output shown to users)."""
@@ -443,6 +495,7 @@ def script_entrypoint(data: dict[str, Any]) -> dict[str, Any]:
     """``script``/``module`` + ``args`` (torchrun's shape) as the ``entrypoint`` argv they mean."""
     data = dict(data)
     script, module, args = data.pop("script", None), data.pop("module", None), data.pop("args", [])
+    python = data.pop("python", "python")
     if "entrypoint" in data:
         raise FieldProblem(
             "script" if script is not None else "module", "give entrypoint or script/module, not both"
@@ -451,14 +504,18 @@ def script_entrypoint(data: dict[str, Any]) -> dict[str, Any]:
         raise FieldProblem("script", "give exactly one of script and module")
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         raise FieldProblem("args", "must be a list of strings")
+    if not isinstance(python, str) or not re.fullmatch(PYTHON_RE, python):
+        raise FieldProblem(
+            "python", "must be an interpreter's absolute path or its name on the machines' PATH (python3.12)"
+        )
     if script is not None:
         if not isinstance(script, str) or not script or script.startswith("-"):
             raise FieldProblem("script", "must be a path such as train.py")
-        data["entrypoint"] = ["python", "-u", script, *args]
+        data["entrypoint"] = [python, "-u", script, *args]
     else:
         if not isinstance(module, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]{0,255}", module):
             raise FieldProblem("module", "must be a module name such as pkg.train")
-        data["entrypoint"] = ["python", "-u", "-m", module, *args]
+        data["entrypoint"] = [python, "-u", "-m", module, *args]
     return data
 
 

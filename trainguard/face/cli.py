@@ -11,7 +11,10 @@ import functools
 import json
 import os
 import re
+import secrets
 import sys
+import types
+import typing
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,6 +34,8 @@ from trainguard.client import (
     BadUpdate,
     ControllerUnavailable,
     JobAlreadyRunning,
+    JobStart,
+    NoMachineKey,
     TrainguardClient,
     UnknownJob,
     UnknownNode,
@@ -39,8 +44,10 @@ from trainguard.client import (
     code_update,
     inject_request,
 )
+from trainguard.contract.search_attributes import TYPES as SA_TYPES
 from trainguard.domain.messages import PoolState
 from trainguard.domain.spec import JobSpec, SpecError, env_problem, parse_spec, shown
+from trainguard.face import torchrun
 from trainguard.services.codec import PayloadKeyError
 from trainguard.services.settings import Settings, SettingsError, state_dir_from_env
 from trainguard.services.spec_file import load_spec
@@ -52,9 +59,50 @@ except ImportError:  # pragma: no cover - older typer
     from click.exceptions import UsageError  # type: ignore[no-redef]
 
 
+# The word an option's value is shown by when it names none of its own (help and docs/reference.md).
+VALUE_WORDS = {int: "INTEGER", float: "NUMBER", str: "TEXT", Path: "PATH"}
+
+
+def unoptional(tp: Any) -> Any:
+    """``T`` of ``T | None``; any other type as it is."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else tp
+    return tp
+
+
+def value_word(annotation: Any) -> str:
+    """``VALUE_WORDS``' word for an option of type ``annotation`` (optional and list: their item's)."""
+    annotation = unoptional(annotation)
+    if typing.get_origin(annotation) is list:
+        annotation = typing.get_args(annotation)[0]
+    return VALUE_WORDS.get(annotation, "VALUE")
+
+
+def _plain_metavars(command: Any) -> None:
+    """Give every option that takes a value and names no word for it the plain word of its type,
+    as the reference shows it (typer's own is ``<str>``, ``<int range>``); an argument shows its
+    own word alone, in usage as in the list (``JOB``, not ``{JOB}`` and ``JOB <str>``)."""
+    for p in command.params:
+        if p.param_type_name == "option" and not p.is_flag and not p.count and p.metavar is None:
+            p.metavar = value_word(p.type_descriptor.annotation)
+        elif p.param_type_name == "argument" and p.metavar is not None:
+            p.display_type_rich = lambda ctx: None
+            bare = p.required or not p.metavar or p.metavar.startswith("[")  # bracketed already
+            word = p.metavar if bare else f"[{p.metavar}]"
+            p._usage_display_name = lambda word=word: word
+    for sub in getattr(command, "commands", {}).values():
+        _plain_metavars(sub)
+
+
 class _OneLineUsageErrors(typer.core.TyperGroup):
     """Usage errors (a missing argument, a value of the wrong type or out of range) end like
-    every other bad input: one line on stderr naming the argument, exit 2."""
+    every other bad input: one line on stderr naming the argument, exit 2. Options show plain
+    value words (``_plain_metavars``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _plain_metavars(self)
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
@@ -99,6 +147,9 @@ app = typer.Typer(
     cls=_OneLineUsageErrors,
     no_args_is_help=True,
     help="Keep training jobs alive through failures.",
+    # Plain help: a flag is a flag (no type shown), -h as well as --help.
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 out = Console()
 err = Console(stderr=True)
@@ -110,6 +161,14 @@ StateDir = Annotated[
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
 JobName = Annotated[str, typer.Argument(metavar="JOB", help="the job's name (its spec's name)")]
+ResumeFlag = Annotated[
+    bool,
+    typer.Option(
+        "--resume",
+        help="continue from the last checkpoint of the job of this name (a stopped job's resubmit does "
+        "so by default; otherwise a name used before starts fresh)",
+    ),
+]
 
 
 class BadInput(Exception):
@@ -146,7 +205,7 @@ def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             TelemetryError,
         ) as exc:
             _fail(2, str(exc))
-        except ControllerUnavailable as exc:
+        except (ControllerUnavailable, NoMachineKey) as exc:
             _fail(1, str(exc))
         except ConnectionError as exc:
             _fail(1, f"{exc} (is the stack up? run `trainguard up`)")
@@ -204,7 +263,9 @@ def _options(
 @app.command()
 @handles_errors
 def up(
-    nodes: Annotated[int, typer.Option(min=1, max=64, help="machines (node agents) for jobs")] = 2,
+    nodes: Annotated[
+        int, typer.Option("--nnodes", "--nodes", min=1, max=64, help="machines (node agents) for jobs")
+    ] = 2,
     standby: Annotated[int, typer.Option(min=0, max=64, help="extra machines kept as spares")] = 0,
     netns: Annotated[
         bool,
@@ -236,12 +297,42 @@ def up(
 
 @app.command()
 @handles_errors
-def down(state_dir: StateDir = None) -> None:
+def down(state_dir: StateDir = None, json_out: JsonFlag = False) -> None:
     """Stop exactly what `up` started (by pid) and nothing else."""
     from infra.local import bring_down
 
     stopped = bring_down(state_dir_from_env(state_dir))
+    if json_out:
+        _print_json({"stopped": stopped})
+        return
     out.print(f"stopped {len(stopped)} processes" + (f": {', '.join(stopped)}" if stopped else ""))
+
+
+@app.command()
+@handles_errors
+def setup(state_dir: StateDir = None, json_out: JsonFlag = False) -> None:
+    """Prepare a Temporal namespace for trainguard (once per namespace; again is harmless):
+    register its search attributes, without which no job can run and no controller starts.
+    `trainguard up` does it for the local stack."""
+    from trainguard.services import search_attributes
+
+    async def go() -> tuple[str, list[str]]:
+        c = await _client(state_dir)
+        try:
+            return c.temporal.namespace, await search_attributes.register(c.temporal)
+        except search_attributes.CannotCheck as exc:
+            _fail(
+                1,
+                f"the operator API refused ({exc}): register {search_attributes.described(list(SA_TYPES))} "
+                "in the namespace's settings (Temporal Cloud) or with an operator's credentials",
+            )
+
+    namespace, added = _run(go())
+    if json_out:
+        _print_json({"namespace": namespace, "added": added, "search_attributes": SA_TYPES})
+        return
+    what = f"registered {', '.join(added)}" if added else "every search attribute was registered already"
+    out.print(f"namespace {namespace}: {what}", highlight=False, soft_wrap=True)
 
 
 _NODE_ACTIONS: dict[str, Callable[[TrainguardClient, str], Coroutine[Any, Any, Any]]] = {
@@ -268,109 +359,274 @@ def submit(
             "notify.webhook_env)",
         ),
     ] = None,
+    resume: ResumeFlag = False,
     state_dir: StateDir = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Validate a job spec and start the job."""
+    """Validate a job spec and start the job. A name used before starts fresh, unless its last
+    run was stopped (it resumes there) or --resume is given."""
     spec = load_spec(spec_path)  # a bad spec stops here: nothing is reserved or started
     if notify_env is not None:
         spec = parse_spec({**spec.model_dump(), "notify": {"webhook_env": notify_env}})
-    _start_job(spec, wait, state_dir, json_out)
+    _start_job(spec, wait, state_dir, json_out, resume=resume or None)
 
 
-def _start_job(spec: JobSpec, wait: bool, state_dir: Path | None, json_out: bool) -> dict[str, Any]:
+def _start_job(
+    spec: JobSpec, wait: bool, state_dir: Path | None, json_out: bool, resume: bool | None = None
+) -> dict[str, Any]:
     """Submit ``spec``; with ``wait``, show its progress until it ends (exit 1 unless completed)."""
 
     async def go() -> dict[str, Any]:
-        c = await _client(state_dir)
-        job = await c.submit(spec)
-        if not wait:
-            return {"job_id": job.job_id, "phase": "pending"}
-        if json_out:
-            return await job.wait()
-        with Progress(
-            TextColumn("[bold]{task.fields[job]}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[phase]} loss {task.fields[loss]} ETTR {task.fields[ettr]}"),
-            TimeElapsedColumn(),
-            console=err,
-        ) as bar:
-            # A script run as it is has no target step count: the bar only counts.
-            task = bar.add_task(
-                "train", total=spec.target_steps, job=spec.name, phase="pending", loss="-", ettr="-"
-            )
-
-            def show(st: dict[str, Any]) -> None:
-                loss = f"{st['loss']:.3f}" if st.get("loss") is not None else "-"
-                bar.update(task, completed=st["step"], phase=st["phase"], loss=loss, ettr=f"{st['ettr']:.2f}")
-
-            return await job.wait(on_progress=show)
+        return await _submit(await _client(state_dir), spec, wait, json_out, resume)
 
     st = _run(go())
+    _show_started(st, wait, json_out)
+    return st
+
+
+async def _submit(
+    c: TrainguardClient, spec: JobSpec, wait: bool, json_out: bool, resume: bool | None
+) -> dict[str, Any]:
+    job = await c.submit(spec, resume=resume)
+    _say_start(job.start)
+    if not wait:
+        return {"job_id": job.job_id, "phase": "pending", **job.start.as_json()}
+    if json_out:
+        return dict(await job.wait())
+    with Progress(
+        TextColumn("[bold]{task.fields[job]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[phase]} loss {task.fields[loss]} ETTR {task.fields[ettr]}"),
+        TimeElapsedColumn(),
+        console=err,
+    ) as bar:
+        # A script run as it is has no target step count: the bar only counts.
+        task = bar.add_task(
+            "train", total=spec.target_steps, job=spec.name, phase="pending", loss="-", ettr="-"
+        )
+
+        def show(st: dict[str, Any]) -> None:
+            loss = f"{st['loss']:.3f}" if st.get("loss") is not None else "-"
+            bar.update(task, completed=st["step"], phase=st["phase"], loss=loss, ettr=f"{st['ettr']:.2f}")
+
+        return dict(await job.wait(on_progress=show))
+
+
+def _show_started(st: dict[str, Any], wait: bool, json_out: bool, name_only: bool = False) -> None:
     if json_out:
         _print_json(st)
     elif wait:
         _print_status(st)
+    elif name_only:
+        out.print(st["job_id"], markup=False, highlight=False)
     else:
         out.print(f"submitted {st['job_id']} (trainguard status {st['job_id']})")
     if wait and st.get("phase") != "completed":
         raise typer.Exit(1)
-    return st
 
 
-@app.command(
-    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
-)
+def _say_start(start: JobStart) -> None:
+    """How a name used before starts (on stderr: stdout is the job name, or JSON)."""
+    if start.previous is None:
+        return
+    last = f"its last run {start.previous} at step {start.previous_step}"
+    if start.resumed_from_step is not None:
+        line = f"resuming {start.job_id} from step {start.resumed_from_step} ({last})"
+    elif start.resume:
+        line = f"resuming {start.job_id} ({last}) from its newest checkpoint"
+    else:
+        line = f"starting {start.job_id} fresh at step 0 ({last}; --resume continues from its checkpoint)"
+    err.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+class _TorchrunCommand(typer.core.TyperCommand):
+    """``run`` reads torchrun's command line: its spellings, its options trainguard does not
+    need (noted, ignored), and everything after the script or ``-m MODULE`` left to the script."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        values, flags = set(), set()
+        for p in self.params:
+            if p.param_type_name == "option":
+                (flags if getattr(p, "is_flag", False) else values).update([*p.opts, *p.secondary_opts])
+        prepared = torchrun.prepare(args, values, flags)
+        ctx.meta["torchrun_notes"] = prepared.notes
+        return super().parse_args(ctx, prepared.args)
+
+
+@app.command(cls=_TorchrunCommand)
 @handles_errors
 def run(
+    ctx: typer.Context,
     script_args: Annotated[
         list[str] | None,
-        typer.Argument(metavar="SCRIPT [ARGS...]", help="the training script and its arguments"),
+        typer.Argument(metavar="SCRIPT [ARGS...]", help="the training script and its arguments, untouched"),
     ] = None,
     module: Annotated[
-        str | None, typer.Option("-m", "--module", help="run a module as `python -m` does (no SCRIPT)")
+        str | None,
+        typer.Option(
+            "-m", "--module", help="run a module as `python -m` does: what follows it is the module's"
+        ),
     ] = None,
-    name: Annotated[str | None, typer.Option(help="job name (default: from the script's name)")] = None,
-    nnodes: Annotated[int, typer.Option("--nnodes", help="machines")] = 1,
-    nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", help="ranks per machine")] = 1,
+    nnodes: Annotated[
+        str,
+        typer.Option(
+            "--nnodes",
+            metavar="N|MIN:MAX",
+            help="machines; a range starts with as many machines on standby as it allows (or is refused)",
+        ),
+    ] = "1",
+    nproc_per_node: Annotated[
+        str,
+        typer.Option(
+            "--nproc-per-node",
+            metavar="N|gpu|auto|cpu",
+            help="ranks per machine: a number, or the machines' GPUs (gpu), their GPUs else their CPUs "
+            "(auto), their CPUs (cpu)",
+        ),
+    ] = "1",
+    max_restarts: Annotated[
+        int | None,
+        typer.Option(
+            "--max-restarts",
+            min=0,
+            help="give up after this many recoveries in a row without training progress "
+            "(detection.max_attempts; trainguard restarts after every failure that made progress)",
+        ),
+    ] = None,
+    no_python: Annotated[
+        bool, typer.Option("--no-python", help="SCRIPT is a program run as it is, not with python")
+    ] = False,
+    name: Annotated[
+        str | None, typer.Option(help="job name (default: the script's name and a unique suffix)")
+    ] = None,
+    resume: ResumeFlag = False,
     env: Annotated[
         list[str] | None, typer.Option("--env", metavar="KEY=VALUE", help="set for every rank (repeatable)")
+    ] = None,
+    secret_env: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--secret-env",
+            metavar="NAME[=FILE]",
+            help="give every rank $NAME from this environment (or FILE's content), sealed to the "
+            "machines' key: never in Temporal or status in clear (repeatable)",
+        ),
     ] = None,
     checkpoint_dir: Annotated[
         str | None,
         typer.Option(help="where the script keeps its own checkpoints (relative: per machine)"),
     ] = None,
-    workdir: Annotated[str | None, typer.Option(help="where ranks start (default: this directory)")] = None,
+    workdir: Annotated[
+        str | None,
+        typer.Option(
+            help="where ranks start on the machines (default: this directory on the local stack, "
+            "else the agents' --code-dir)"
+        ),
+    ] = None,
+    python: Annotated[
+        str | None,
+        typer.Option(
+            "--python",
+            metavar="PYTHON",
+            help="the interpreter ranks run with on the machines, a path or a name on their PATH "
+            "(default: the agent's own, which has torch)",
+        ),
+    ] = None,
     tp: Annotated[int, typer.Option("--tp", help="tensor parallel degree")] = 1,
     pp: Annotated[int, typer.Option("--pp", help="pipeline parallel degree")] = 1,
     wait: Annotated[bool, typer.Option("--wait", help="show progress until the job ends")] = False,
     state_dir: StateDir = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Run a training script as it is, in torchrun's shape: every rank gets torchrun's
-    environment; the job completes when every rank exits 0. Prints the job name."""
-    spec = run_spec(
-        script_args or [],
-        module=module,
-        name=name,
-        nnodes=nnodes,
-        nproc_per_node=nproc_per_node,
-        env=env or [],
-        checkpoint_dir=checkpoint_dir,
-        workdir=workdir,
-        tp=tp,
-        pp=pp,
-    )
-    if wait or json_out:
-        _start_job(spec, wait, state_dir, json_out)
-        return
+    """Run a training script as it is, with torchrun's command line: `trainguard run` where
+    `torchrun` was. Every rank gets torchrun's environment; the job completes when every rank
+    exits 0. Prints the job name. torchrun's options trainguard does not need (--standalone,
+    --rdzv-*, --master-*, --node-rank, log redirection...) are accepted with a note and ignored."""
+    for note in ctx.meta.get("torchrun_notes", []):
+        err.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+    try:
+        shape = torchrun.parse_nnodes(nnodes), torchrun.parse_nproc(nproc_per_node)
+    except torchrun.ShapeProblem as exc:
+        raise BadInput(str(exc)) from None
+    settings = Settings.load(state_dir)
+    local = settings.local_stack
+    secret_values = _secret_values(secret_env or [])
+    fixed = shape[1] if isinstance(shape[1], int) else 1
 
-    async def go() -> None:
-        await (await _client(state_dir)).submit(spec)
+    def build(n: int, per: int, sealed: dict[str, list[str]]) -> JobSpec:
+        return run_spec(
+            script_args or [],
+            module=module,
+            name=name,
+            nnodes=n,
+            nproc_per_node=per,
+            env=env or [],
+            checkpoint_dir=checkpoint_dir,
+            workdir=workdir if workdir is not None else (os.getcwd() if local else None),
+            tp=tp,
+            pp=pp,
+            python=python,
+            no_python=no_python,
+            max_restarts=max_restarts,
+            sealed_env=sealed,
+            check_local=local and workdir is None,
+        )
 
-    _run(go())
-    out.print(spec.name, markup=False, highlight=False)
+    build(shape[0][0], fixed, {k: ["-"] for k in secret_values})  # bad input stops here, unconnected
+
+    async def go() -> dict[str, Any]:
+        c = await TrainguardClient.connect(settings)
+        n, per = shape[0][0], fixed
+        pool = await c.nodes() if torchrun.needs_pool(*shape) or secret_values else None
+        if torchrun.needs_pool(*shape) and pool is not None:
+            try:
+                n, per = torchrun.choose_shape(shape[0], shape[1], _standby(pool))
+            except torchrun.ShapeRefused as exc:
+                _fail(1, str(exc))
+            err.print(
+                f"note: --nnodes {nnodes} --nproc-per-node {nproc_per_node}: {n} x {per} ranks",
+                markup=False,
+                highlight=False,
+            )
+        sealed = c.seal(secret_values, pool) if secret_values and pool else {}
+        spec = build(n, per, sealed)
+        return await _submit(c, spec, wait, json_out, resume or None)
+
+    st = _run(go())
+    _show_started(st, wait, json_out, name_only=True)
+
+
+def _standby(pool: PoolState) -> list[torchrun.Machine]:
+    """The machines a new job could get now: on standby, not cordoned."""
+    return [
+        torchrun.Machine(n.info.name, n.info.gpus, n.info.cpus)
+        for n in pool.nodes.values()
+        if n.state == "standby" and not n.cordoned
+    ]
+
+
+def _secret_values(items: list[str]) -> dict[str, str]:
+    """``--secret-env NAME`` (from this environment) and ``NAME=FILE`` (the file's text, one
+    trailing newline dropped): the values, read here and never on the command line."""
+    values: dict[str, str] = {}
+    for item in items:
+        key, sep, path = item.partition("=")
+        if key in values:
+            raise BadInput(f"--secret-env {shown(key)}: given twice")
+        if problem := env_problem(key, ""):
+            raise BadInput(f"--secret-env {shown(key)}: {problem}")
+        if sep:
+            try:
+                text = Path(path).expanduser().read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise BadInput(f"--secret-env {shown(key)}: cannot read {shown(path)}: {exc}") from None
+            values[key] = text.removesuffix("\n")
+        elif key in os.environ:
+            values[key] = os.environ[key]
+        else:
+            raise BadInput(f"--secret-env {shown(key)}: not set in this environment (or give NAME=FILE)")
+    return values
 
 
 def run_spec(
@@ -385,8 +641,16 @@ def run_spec(
     workdir: str | None,
     tp: int = 1,
     pp: int = 1,
+    python: str | None = None,
+    no_python: bool = False,
+    max_restarts: int | None = None,
+    sealed_env: dict[str, list[str]] | None = None,
+    check_local: bool = False,
 ) -> JobSpec:
-    """The job spec ``trainguard run`` submits; bad input raises BadInput or SpecError naming it."""
+    """The job spec ``trainguard run`` submits; bad input raises BadInput or SpecError naming it.
+
+    ``check_local``: the machines share this file system (the local stack): a relative script
+    missing here is bad input now, not a ``setup`` incident later."""
     for field, value in (
         ("--nnodes", nnodes),
         ("--nproc-per-node", nproc_per_node),
@@ -406,27 +670,52 @@ def run_spec(
         if problem:
             raise BadInput(f"--env {shown(key)}: {problem}")
         overrides[key] = value
+    for key in sealed_env or {}:
+        if key in overrides:
+            raise BadInput(f"--secret-env {shown(key)}: also given with --env")
     if module is None and not script_args:
         raise BadInput("SCRIPT: give the training script (or -m MODULE)")
+    if module is not None and (no_python or not module):
+        raise BadInput("--module: give a module name" if not module else "--no-python: not with -m MODULE")
+    if no_python and python is not None:
+        raise BadInput("--python: not with --no-python (the script is a program of its own)")
     world = nnodes * nproc_per_node
     if world % (tp * pp):
         raise BadInput(f"--tp/--pp: tp*pp = {tp * pp} must divide nnodes*nproc-per-node = {world}")
+    target = module or script_args[0]
     data: dict[str, Any] = {
-        "name": name or job_name_for(module or script_args[0]),
-        "nodes": nnodes,
-        "ranks_per_node": nproc_per_node,
+        "name": name or unique_job_name(target),
+        "nnodes": nnodes,
+        "nproc_per_node": nproc_per_node,
         "topology": {"tp": tp, "pp": pp, "dp": world // (tp * pp)},
         "env": overrides,
-        "workdir": str(Path(workdir or os.getcwd()).absolute()),
-        "args": script_args if module is not None else script_args[1:],
+        "sealed_env": sealed_env or {},
     }
-    if module is not None:
-        data["module"] = module
+    if workdir is not None:
+        data["workdir"] = str(Path(workdir).expanduser().absolute())
+    if max_restarts is not None:
+        data["detection"] = {"max_attempts": torchrun.max_attempts_for(max_restarts)}
+    if no_python:
+        data["entrypoint"] = list(script_args)
     else:
-        data["script"] = script_args[0]
+        data["args"] = script_args if module is not None else script_args[1:]
+        data["module" if module is not None else "script"] = target
+        if python is not None:
+            data["python"] = python
     if checkpoint_dir is not None:
         data["checkpoint_dir"] = checkpoint_dir
-    return parse_spec(data)
+    spec = parse_spec(data)
+    if check_local and module is None and not no_python and "workdir" in data:
+        script = Path(data["workdir"]) / target
+        if not script.is_file():
+            raise BadInput(f"SCRIPT: {target} not found in {data['workdir']}")
+    return spec
+
+
+def unique_job_name(target: str) -> str:
+    """A name no earlier job has: the script's (``train_gpt.py`` -> ``train-gpt``) and a random
+    suffix, so that running a script again starts a new job, never resumes an old one."""
+    return f"{job_name_for(target)[:56]}-{secrets.token_hex(3)}"
 
 
 def job_name_for(target: str) -> str:
@@ -639,7 +928,7 @@ def logs(
 
 @app.command()
 @handles_errors
-def stop(job: JobName, state_dir: StateDir = None) -> None:
+def stop(job: JobName, state_dir: StateDir = None, json_out: JsonFlag = False) -> None:
     """Stop a job; its last complete checkpoint stays, and submitting it again resumes there."""
     check_job_id(job)
 
@@ -648,6 +937,9 @@ def stop(job: JobName, state_dir: StateDir = None) -> None:
         await handle.stop()
 
     _run(go())
+    if json_out:
+        _print_json({"job_id": job, "requested": "stop"})
+        return
     out.print(f"stop requested for {job}")
 
 
@@ -657,6 +949,7 @@ def cancel(
     job: JobName,
     reason: Annotated[str | None, typer.Option(help="recorded as the job's verdict")] = None,
     state_dir: StateDir = None,
+    json_out: JsonFlag = False,
 ) -> None:
     """End a job now: its ranks stop without waiting for uploads in flight, its machines go back
     to the pool, its committed checkpoints stay. It ends `stopped`, the verdict naming the cancel."""
@@ -666,6 +959,9 @@ def cancel(
         await (await _client(state_dir)).job(job).cancel(f"cancelled: {reason}" if reason else None)
 
     _run(go())
+    if json_out:
+        _print_json({"job_id": job, "requested": "cancel"})
+        return
     out.print(f"cancel requested for {job}")
 
 
@@ -970,8 +1266,10 @@ _BADPUT_COLUMNS = ("startup", "detection", "diagnosis", "recovery", "recompute",
 @app.command()
 @handles_errors
 def simulate(
-    machines: Annotated[int, typer.Option(help="machines in the job")],
-    gpus_per_machine: Annotated[int, typer.Option(help="GPUs (ranks) per machine")],
+    machines: Annotated[int, typer.Option("--nnodes", "--machines", help="machines in the job")],
+    gpus_per_machine: Annotated[
+        int, typer.Option("--nproc-per-node", "--gpus-per-machine", help="GPUs (ranks) per machine")
+    ],
     days: Annotated[float, typer.Option(help="simulated days")],
     seed: Annotated[int, typer.Option(help="seed of the failure trace")] = 0,
     config: Annotated[

@@ -1,15 +1,17 @@
 """``trainguard logs``: every rank's output, from every machine the job ran on.
 
 Finished attempts come from the bucket (each machine uploaded its ranks' output when its
-attempt ended, an evicted machine before it was released); the running attempt comes live
-from the agents (``trainguard.services.rank_logs.tail``), and ``--follow`` keeps asking them.
+attempt ended, an evicted machine before it was released), read by a controller
+(``trainguard.services.rank_logs.stored``: the client needs no S3 credentials); the running
+attempt comes live from the agents (``trainguard.services.rank_logs.tail``), and ``--follow``
+keeps asking them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from temporalio.client import ActivityFailureError
@@ -17,9 +19,8 @@ from temporalio.exceptions import TemporalError
 
 from trainguard.client import TERMINAL_PHASES, JobStatus, TrainguardClient
 from trainguard.domain.messages import node_queue
-from trainguard.domain.rank_logs import LogChunk, TailLogsInput, offset_key
+from trainguard.domain.rank_logs import LogChunk, ReadLogsInput, StoredLog, TailLogsInput, offset_key
 from trainguard.services import rank_logs
-from trainguard.services.storage import S3Store
 
 FOLLOW_EVERY_S = 1.0
 STREAM_NAMES = {"out": "stdout", "err": "stderr"}
@@ -48,7 +49,13 @@ class LogPrinter:
         self.json_out = json_out
         self.docs: list[dict[str, Any]] = []  # --json without --follow: one document at the end
 
-    def block(self, attempt: int, node: str, rank: int, stream: str, text: str, source: str) -> None:
+    def block(
+        self, attempt: int, node: str, rank: int, stream: str, text: str, source: str, more: bool = False
+    ) -> None:
+        """One stream's text; ``more``: the rest of the stream the previous block began."""
+        if self.json_out and more and self.docs:
+            self.docs[-1]["text"] += text
+            return
         if self.json_out:
             self.docs.append(
                 {
@@ -61,7 +68,10 @@ class LogPrinter:
                 }
             )
             return
-        self.write(f"==> attempt {attempt} · {node} · rank {rank} · {STREAM_NAMES[stream]} ({source}) <==\n")
+        if not more:
+            self.write(
+                f"==> attempt {attempt} · {node} · rank {rank} · {STREAM_NAMES[stream]} ({source}) <==\n"
+            )
         self.write(text if not text or text.endswith("\n") else text + "\n")
 
     def live(self, attempt: int, node: str, c: LogChunk) -> None:
@@ -78,6 +88,21 @@ class LogPrinter:
         self.docs = []
 
 
+async def _stored(tg: TrainguardClient, req: ReadLogsInput) -> AsyncIterator[StoredLog]:
+    """Every uploaded piece, asking a controller page by page."""
+    while True:
+        try:
+            res = await rank_logs.stored(tg.temporal, req)
+        except ActivityFailureError as exc:
+            raise RuntimeError(f"no controller read the job's logs: {exc.cause or exc}") from None
+        for piece in res.pieces:
+            yield piece
+        if not res.more or not res.pieces:
+            return
+        last = res.pieces[-1]
+        req = req.model_copy(update={"after_key": last.obj.key, "after_offset": last.offset + len(last.text)})
+
+
 async def show(
     tg: TrainguardClient,
     job: str,
@@ -90,14 +115,13 @@ async def show(
     handle = tg.job(job)
     st = await handle.status()
     check_range(st, rank, attempt)
-    store = S3Store(tg.settings)
     running = st["phase"] not in TERMINAL_PHASES
     live_attempt = st["attempt"] if running else None
-    for o in await asyncio.to_thread(rank_logs.uploaded, store, job, attempt, rank):
+    async for piece in _stored(tg, ReadLogsInput(job_id=job, attempt=attempt, rank=rank)):
+        o = piece.obj
         if o.attempt == live_attempt:
             continue  # its machines serve it live, below
-        text = await asyncio.to_thread(rank_logs.read, store, o)
-        printer.block(o.attempt, o.node, o.rank, o.stream, text, store.uri(o.key))
+        printer.block(o.attempt, o.node, o.rank, o.stream, piece.text, piece.uri, piece.offset > 0)
     if live_attempt is None or (attempt is not None and attempt != live_attempt):
         printer.finish()
         return

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +25,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from trainguard.domain.spec import JobSpec
-from trainguard.face.cli import app
+from trainguard.face import torchrun
+from trainguard.face.cli import app, unoptional, value_word
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
 _MARKER_RE = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- end: \2 -->)", re.S)
@@ -77,23 +77,8 @@ def _info(hint: Any) -> tuple[Any, Any]:
     return hint, None
 
 
-def _unoptional(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0] if len(args) == 1 else tp
-    return tp
-
-
-_TYPE_WORDS = {int: "INTEGER", float: "NUMBER", str: "TEXT", Path: "PATH"}
-
-
 def _value_word(param: Any, base: Any) -> str:
-    if param.metavar is not None:
-        return str(param.metavar)
-    tp = _unoptional(base)
-    if typing.get_origin(tp) is list:
-        tp = typing.get_args(tp)[0]
-    return _TYPE_WORDS.get(tp, "VALUE")
+    return str(param.metavar) if param.metavar is not None else value_word(base)
 
 
 def _param_row(param: Any, hint: Any) -> tuple[str, str] | None:
@@ -179,7 +164,7 @@ def cli_section() -> str:
 
 def field_model(annotation: Any) -> type[BaseModel] | None:
     """The model a field holds (``Topology``, ``NotifySpec | None``), or None."""
-    tp = _unoptional(annotation)
+    tp = unoptional(annotation)
     return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
 
@@ -204,8 +189,8 @@ def _bounds(c: dict[str, Any]) -> str:
 
 
 def _type_text(tp: Any, c: dict[str, Any], anchor: Callable[[type[BaseModel]], str]) -> str:
-    nullable = _unoptional(tp) is not tp
-    tp = _unoptional(tp)
+    nullable = unoptional(tp) is not tp
+    tp = unoptional(tp)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if (model := field_model(tp)) is not None:
         text = anchor(model)
@@ -245,6 +230,13 @@ def _default_text(f: FieldInfo) -> str:
     return f"`{json.dumps(value)}`"
 
 
+def spec_field_name(name: str, f: FieldInfo) -> str:
+    """The name a spec field is documented under: the first of its validation aliases (torchrun's
+    word, ``nnodes``), else its own."""
+    choices = getattr(f.validation_alias, "choices", None)
+    return str(choices[0]) if choices else name
+
+
 def spec_models(model: type[BaseModel] = JobSpec, path: str = "") -> list[tuple[str, type[BaseModel]]]:
     """(dotted path, model) of the spec and every model inside it, outermost first."""
     out = [(path, model)]
@@ -272,14 +264,30 @@ def spec_section() -> str:
             if not f.description:
                 raise ValueError(f"spec field {full} has no description: the reference says what it means")
             typ = _type_text(f.annotation, _constraints(f), anchor)
-            rows.append((f"`{full}`", _cell(typ), _default_text(f), _cell(" ".join(f.description.split()))))
+            meaning = " ".join(f.description.split())
+            shown = spec_field_name(name, f)
+            if shown != name:  # the documented name first; the model's own is still read
+                meaning += f"; `{name}` is read too"
+                full = f"{path}.{shown}" if path else shown
+            rows.append((f"`{full}`", _cell(typ), _default_text(f), _cell(meaning)))
         lines += [*_table(("field", "type", "default", "meaning"), rows), ""]
     return "\n".join(lines)
 
 
 # -- the page ----------------------------------------------------------------------------------
 
-SECTIONS: dict[str, Callable[[], str]] = {"cli": cli_section, "spec": spec_section}
+
+def torchrun_section() -> str:
+    """torchrun's options ``trainguard run`` accepts and ignores, and why each is not needed."""
+    rows = [(", ".join(f"`{o}`" for o in n.options), _cell(n.why)) for n in torchrun.NOT_NEEDED]
+    return "\n".join(_table(("torchrun option", "why trainguard does not need it"), rows)) + "\n"
+
+
+SECTIONS: dict[str, Callable[[], str]] = {
+    "cli": cli_section,
+    "spec": spec_section,
+    "torchrun": torchrun_section,
+}
 
 
 def render(text: str) -> str:

@@ -96,6 +96,9 @@ class Context:
         self.defer_grad_flag = False
         self._grad_flags: GradFlagWatcher | None = None
         self._owns_group = True  # init() made the default process group (not a framework)
+        # Where this rank computes: its own GPU (LOCAL_RANK's) under NCCL, else the CPU. Put the
+        # model and every tensor a collective sees here (``model.to(ctx.device)``).
+        self.device = torch.device("cpu")
         # The memory-snapshot interval: fixed, or agreed by every rank (see _vote) when the job
         # gives a cost budget instead.
         self._every = env.ckpt_every
@@ -571,6 +574,8 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> Context:
     ctx = Context(env)
     ctx._owns_group = not dist.is_initialized()
     if not ctx._owns_group:
+        if dist.get_backend() == "nccl":
+            ctx.device = torch.device("cuda", torch.cuda.current_device())
         # A framework (Accelerate, Lightning, the script itself) made the process group
         # already: adopt it, as long as it is the job's.
         if (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
@@ -582,7 +587,10 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> Context:
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
+            # The launcher bound it already (trainguard.runtime.launch.bind_device); a rank started
+            # otherwise binds here.
             torch.cuda.set_device(env.local_rank)
+            ctx.device = torch.device("cuda", env.local_rank)
         _join_group(env, backend, timeout_s)
     ctx._make_groups()
     if env.restore_peers and env.resume_step is not None:

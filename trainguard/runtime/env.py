@@ -22,10 +22,29 @@ REPORT_FD = "TG_REPORT_FD"
 AGENT_PRIVATE_PREFIXES = ("TRAINGUARD_", "AWS_", "TG_")
 
 
+# NCCL's error handling in every rank unless the agent's or the job's environment says otherwise.
+# A collective that fails or passes its timeout (init_process_group's `timeout`: 10 min by default,
+# tg.init's `timeout_s`) ends the process at once, without first aborting the communicator, which can
+# hang (3: torch's own default since 2.2, set here so an older torch or a site default does not turn
+# it off): the agent then sees a rank exit instead of a hung job. The watchdog's monitor kills a rank
+# whose watchdog itself is stuck. trainguard's own hang detection acts in seconds, long before these
+# timeouts; they are the backstop for a rank the agent cannot reach.
+NCCL_DEFAULTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    "TORCH_NCCL_ENABLE_MONITORING": "1",
+}
+
+
 def inheritable_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The agent's environment less its private variables: the base of every rank's environment."""
+    """The agent's environment less its private variables."""
     e = os.environ if environ is None else environ
     return {k: v for k, v in e.items() if not k.startswith(AGENT_PRIVATE_PREFIXES)}
+
+
+def rank_base_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The base of every rank's environment (the job's own ``env`` goes over it): the agent's
+    inheritable environment over :data:`NCCL_DEFAULTS`."""
+    return {**NCCL_DEFAULTS, **inheritable_environ(environ)}
 
 
 class RankEnv(BaseModel):

@@ -5,6 +5,9 @@
 
 runs the script as ``python SCRIPT ARGS`` would, after installing, when torch is there:
 
+- the rank's GPU: with CUDA, ``torch.cuda.set_device(LOCAL_RANK)`` (:func:`rank_device`), so
+  ``cuda``, NCCL and ``torch.cuda.current_device()`` mean this rank's own GPU from the first line
+  of the script, as in a script that does it first thing under torchrun;
 - a global optimizer step hook: a ``step`` report on the agent's pipe (``TG_REPORT_FD``), at most
   every ``REPORT_EVERY_S``, with the step and the mean step time since the last report: progress,
   hang detection in seconds, fail-slow comparison;
@@ -84,6 +87,24 @@ def _sibling(name: str) -> ModuleType:
 
 protocol = _sibling("protocol")  # first: the reporter imports it, by that name where loaded by path
 reporter = _sibling("reporter")
+
+
+def rank_device(local_rank: int, device_count: int) -> int | None:
+    """The CUDA device a rank binds to: the one of its ``LOCAL_RANK`` (torchrun's convention: rank
+    ``i`` of a machine uses its GPU ``i``); None when the machine has no such GPU (no CUDA, or
+    more ranks than GPUs: the script chooses)."""
+    return local_rank if 0 <= local_rank < device_count else None
+
+
+def bind_device(torch: ModuleType, environ: Any = os.environ) -> int | None:
+    """Make this rank's GPU the current CUDA device (before the script runs); the index, or None."""
+    local = str(environ.get("LOCAL_RANK", ""))
+    if not local.isdigit() or not torch.cuda.is_available():
+        return None
+    index = rank_device(int(local), torch.cuda.device_count())
+    if index is not None:
+        torch.cuda.set_device(index)
+    return index
 
 
 class _Params:
@@ -335,6 +356,7 @@ def install() -> Launcher | None:
     except ImportError:  # not a torch script: the exception report is all there is to install
         pass
     else:
+        bind_device(torch)
         if hasattr(optimizer_module, "register_optimizer_step_post_hook"):  # torch >= 2.0
             launcher.install(torch)
     atexit.register(launcher.at_exit)

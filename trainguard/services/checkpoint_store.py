@@ -18,15 +18,18 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from trainguard.domain.checkpoints import (
+    MANIFEST,
     Manifest,
     Part,
     attempt_in_marker,
     attempt_marker,
     attempt_marker_key,
+    attempt_of_key,
     check_commit,
     check_rank_range,
     checkpoint_ref,
     choose_latest,
+    earlier_run,
     job_prefix,
     manifest_complete,
     manifest_key,
@@ -193,12 +196,19 @@ def latest(
     world_size: int,
     max_step: int | None = None,
     cache: ManifestCache | None = None,
+    min_attempt: int | None = None,
 ) -> CheckpointRef | None:
-    """The newest complete checkpoint, optionally no newer than ``max_step``; a parts
-    checkpoint's ref lists no shards (``checkpoint_shards`` gives them by range of ranks)."""
+    """The newest complete checkpoint, optionally no newer than ``max_step``, and written by
+    ``min_attempt`` or a later attempt (a fresh run of a name used before resumes none of the
+    earlier run's); a parts checkpoint's ref lists no shards (``checkpoint_shards`` gives them
+    by range of ranks)."""
     cache = cache or ManifestCache()
     seen = scan(store, jprefix)
-    found = [m for m in _manifests(store, seen, cache) if max_step is None or m.step <= max_step]
+    found = [
+        m
+        for m in _manifests(store, seen, cache)
+        if (max_step is None or m.step <= max_step) and not earlier_run(m.attempt, min_attempt)
+    ]
     m = choose_latest(found, world_size, seen.sizes, _parts(store, found, seen, cache))
     if m is None:
         return None
@@ -309,7 +319,10 @@ def commit(
     if etag:
         cache.put(mkey, etag, data)
     seen.written(mkey, inp.step, etag)
-    prune(store, jprefix, inp.world_size, inp.keep, inp.verified_step, cache=cache, seen=seen)
+    prune(
+        store, jprefix, inp.world_size, inp.keep, inp.verified_step, cache=cache, seen=seen,
+        min_attempt=inp.min_attempt,
+    )  # fmt: skip
     return checkpoint_ref(manifest, store.uri(mkey))
 
 
@@ -336,12 +349,19 @@ def prune(
     verified_step: int | None = None,
     cache: ManifestCache | None = None,
     seen: Listing | None = None,
+    min_attempt: int | None = None,
 ) -> list[int]:
     """Delete the steps ``steps_to_prune`` names, judged from one listing (``seen``: the caller's,
-    else a new one) and the manifests and parts it shows (``cache``: read only those not read before)."""
+    else a new one) and the manifests and parts it shows (``cache``: read only those not read before).
+
+    With ``min_attempt`` (a fresh run that has just committed a checkpoint of its own), an
+    earlier run's manifests, parts and shards go first: that run's checkpoints are replaced, not
+    kept beside this one's."""
     cache = cache or ManifestCache()
     seen = seen or scan(store, jprefix)
     found = _manifests(store, seen, cache)
+    if min_attempt is not None:
+        found = _drop_earlier_run(store, seen, found, min_attempt)
     parts = _parts(store, found, seen, cache)
     complete = {m.step for m in found if manifest_complete(m, world_size, seen.sizes, parts)}
     doomed = steps_to_prune(set(seen.by_step), complete, keep, verified_step)
@@ -353,6 +373,31 @@ def prune(
             store.delete([mkey])
         store.delete([k for k in keys if k != mkey])
     return doomed
+
+
+def _drop_earlier_run(
+    store: ObjectStore, seen: Listing, found: list[Manifest], min_attempt: int
+) -> list[Manifest]:
+    """Delete an earlier run's manifests, then its parts and shards; the manifests left, and
+    ``seen`` as it stands after."""
+    stale = [m for m in found if earlier_run(m.attempt, min_attempt)]
+    keys = [manifest_key(seen.jprefix, m.step) for m in stale]
+    keys += [
+        k
+        for step_keys in seen.by_step.values()
+        for k in step_keys
+        if not k.endswith(MANIFEST) and earlier_run(attempt_of_key(k), min_attempt)
+    ]
+    if keys:
+        store.delete(keys)
+    gone = set(keys)
+    for step in list(seen.by_step):
+        seen.by_step[step] = [k for k in seen.by_step[step] if k not in gone]
+        if not seen.by_step[step]:
+            del seen.by_step[step]
+    for k in gone:
+        seen.sizes.pop(k, None)
+    return [m for m in found if m not in stale]
 
 
 def checkpoint_shards(store: ObjectStore, mkey: str, first_rank: int, ranks: int) -> list[ShardInfo]:

@@ -1,8 +1,9 @@
 """Reading rank output back: what agents uploaded (S3), and the live tail from the agents.
 
-The live tail is the agents' ``tail_logs`` activity run as a standalone activity on the
-machine's task queue (``Client.execute_activity``): agents listen on no port, and no workflow
-history grows however long someone follows.
+Clients read both through Temporal, as standalone activities (``Client.execute_activity``): the
+uploaded output from a controller (``read_logs``, which holds the S3 credentials a laptop may
+not), the live tail from the agents (``tail_logs`` on the machine's task queue: agents listen on
+no port). No workflow history grows however long someone follows.
 """
 
 from __future__ import annotations
@@ -13,7 +14,16 @@ import uuid
 from temporalio.client import Client
 
 from trainguard.contract import calls
-from trainguard.domain.rank_logs import LogObject, TailLogsInput, TailLogsResult, job_logs_prefix, parse_key
+from trainguard.domain.messages import CONTROLLER_QUEUE
+from trainguard.domain.rank_logs import (
+    LogObject,
+    ReadLogsInput,
+    ReadLogsResult,
+    TailLogsInput,
+    TailLogsResult,
+    job_logs_prefix,
+    parse_key,
+)
 from trainguard.services.storage import S3Store
 
 
@@ -38,4 +48,11 @@ async def tail(client: Client, task_queue: str, req: TailLogsInput) -> TailLogsR
     """New output of the job's ranks on one machine, from its agent (standalone activity)."""
     return await calls.tail_logs.standalone(
         client, req, id=f"tail-logs-{req.job_id}-{uuid.uuid4().hex[:12]}", task_queue=task_queue
+    )
+
+
+async def stored(client: Client, req: ReadLogsInput) -> ReadLogsResult:
+    """Uploaded output of a job's ranks, read by a controller (standalone activity)."""
+    return await calls.read_logs.standalone(
+        client, req, id=f"read-logs-{req.job_id}-{uuid.uuid4().hex[:12]}", task_queue=CONTROLLER_QUEUE
     )

@@ -16,6 +16,7 @@ Production Temporal:
 | ``TRAINGUARD_TEMPORAL_API_KEY`` | API key (Temporal Cloud), sent as a bearer token |
 | ``TRAINGUARD_POOL`` | the machine pool agents join and jobs take from (default ``trainguard-pool``) |
 | ``TRAINGUARD_PAYLOAD_KEY`` or ``..._PAYLOAD_KEY_FILE`` | encrypt every payload (``services.codec``) |
+| ``TRAINGUARD_SECRET_KEY`` or ``..._SECRET_KEY_FILE`` | agents: the key ``--secret-env`` values open with |
 
 Temporal's own environment configuration (``temporalio.envconfig``) is read too: the
 ``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``, ``TEMPORAL_API_KEY``, ``TEMPORAL_TLS*``
@@ -73,6 +74,9 @@ class Settings(BaseModel):
     # The payload codec's key (base64 text, ``trainguard.services.codec.new_key()``), or a file holding it.
     payload_key: SecretStr | None = None
     payload_key_file: str | None = None
+    # Agents: the machine key sealed secret values are opened with (``trainguard.services.sealed``).
+    secret_key: SecretStr | None = None
+    secret_key_file: str | None = None
     s3_endpoint: str | None = None
     s3_bucket: str = "trainguard"
     s3_region: str = "us-east-1"
@@ -82,6 +86,9 @@ class Settings(BaseModel):
     state_dir: Path = DEFAULT_STATE_DIR
     # The machine pool (one per cluster or Slurm allocation) that agents join and jobs take from.
     pool: str = POOL_WORKFLOW_ID
+    # Temporal is the local stack's (`trainguard up` on this host): its machines share this
+    # host's file system, so `trainguard run` starts ranks in the directory it was typed in.
+    local_stack: bool = False
 
     @classmethod
     def load(cls, state_dir: str | Path | None = None) -> Settings:
@@ -89,19 +96,24 @@ class Settings(BaseModel):
         sd = state_dir_from_env(state_dir)
         values: dict[str, str] = {}
         record = sd / "stack.json"
+        local: str | None = None
         if record.exists():
             # The stack writes the environment that points a client at it (infra/stack.py:
             # Stack.save); read as plain JSON so that settings never import the dev stack.
             try:
                 env = json.loads(record.read_text())["client_env"]
                 values.update({k: v for k, v in env.items() if isinstance(v, str)})
+                local = values.get("TRAINGUARD_TEMPORAL_ADDRESS")
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 pass
         values.update(temporal_envconfig(os.environ))
         values.update({k: v for k, v in os.environ.items() if k.startswith(("TRAINGUARD_", "AWS_"))})
         if state_dir is not None:
             values["TRAINGUARD_STATE_DIR"] = str(sd)
-        return cls.from_mapping(values, sd)
+        settings = cls.from_mapping(values, sd)
+        if local is not None and settings.temporal_address == local:
+            settings = settings.model_copy(update={"local_stack": True})
+        return settings
 
     @classmethod
     def from_mapping(cls, env: dict[str, str], state_dir: Path | None = None) -> Settings:
@@ -122,8 +134,9 @@ class Settings(BaseModel):
                 "TRAINGUARD_TEMPORAL_TLS_CERT: a client certificate needs its key "
                 "(TRAINGUARD_TEMPORAL_TLS_KEY), and a key its certificate"
             )
-        if get("TRAINGUARD_PAYLOAD_KEY") and get("TRAINGUARD_PAYLOAD_KEY_FILE"):
-            raise SettingsError("TRAINGUARD_PAYLOAD_KEY: set it or TRAINGUARD_PAYLOAD_KEY_FILE, not both")
+        for name in ("PAYLOAD_KEY", "SECRET_KEY"):
+            if get(f"TRAINGUARD_{name}") and get(f"TRAINGUARD_{name}_FILE"):
+                raise SettingsError(f"TRAINGUARD_{name}: set it or TRAINGUARD_{name}_FILE, not both")
         return cls(
             temporal_address=get("TRAINGUARD_TEMPORAL_ADDRESS") or "127.0.0.1:7233",
             namespace=get("TRAINGUARD_NAMESPACE") or "default",
@@ -135,6 +148,8 @@ class Settings(BaseModel):
             temporal_api_key=secret("TRAINGUARD_TEMPORAL_API_KEY"),
             payload_key=secret("TRAINGUARD_PAYLOAD_KEY"),
             payload_key_file=get("TRAINGUARD_PAYLOAD_KEY_FILE"),
+            secret_key=secret("TRAINGUARD_SECRET_KEY"),
+            secret_key_file=get("TRAINGUARD_SECRET_KEY_FILE"),
             s3_endpoint=get("TRAINGUARD_S3_ENDPOINT"),
             s3_bucket=get("TRAINGUARD_S3_BUCKET") or "trainguard",
             s3_region=get("AWS_DEFAULT_REGION") or "us-east-1",
@@ -169,6 +184,7 @@ class Settings(BaseModel):
             ("TRAINGUARD_TEMPORAL_TLS_CA", self.temporal_tls_ca),
             ("TRAINGUARD_TEMPORAL_TLS_SERVER_NAME", self.temporal_tls_server_name),
             ("TRAINGUARD_PAYLOAD_KEY_FILE", self.payload_key_file),
+            ("TRAINGUARD_SECRET_KEY_FILE", self.secret_key_file),
         ):
             if val:
                 env[key] = val
@@ -176,20 +192,28 @@ class Settings(BaseModel):
             env["TRAINGUARD_TEMPORAL_API_KEY"] = self.temporal_api_key.get_secret_value()
         if self.payload_key:
             env["TRAINGUARD_PAYLOAD_KEY"] = self.payload_key.get_secret_value()
+        if self.secret_key:
+            env["TRAINGUARD_SECRET_KEY"] = self.secret_key.get_secret_value()
         return env
 
     def payload_key_text(self) -> str | None:
         """The payload codec's key as configured (read from its file if one is named), or None."""
-        if self.payload_key is not None:
-            return self.payload_key.get_secret_value()
-        if self.payload_key_file is None:
-            return None
-        try:
-            return Path(self.payload_key_file).expanduser().read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise SettingsError(
-                f"TRAINGUARD_PAYLOAD_KEY_FILE: cannot read {self.payload_key_file}: {exc}"
-            ) from None
+        return _key_text("TRAINGUARD_PAYLOAD_KEY", self.payload_key, self.payload_key_file)
+
+    def secret_key_text(self) -> str | None:
+        """The agents' machine key for sealed secret values (read from its file if one is named)."""
+        return _key_text("TRAINGUARD_SECRET_KEY", self.secret_key, self.secret_key_file)
+
+
+def _key_text(variable: str, value: SecretStr | None, file: str | None) -> str | None:
+    if value is not None:
+        return value.get_secret_value()
+    if file is None:
+        return None
+    try:
+        return Path(file).expanduser().read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"{variable}_FILE: cannot read {file}: {exc}") from None
 
 
 def _path(source: object, variable: str) -> str | None:

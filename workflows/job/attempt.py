@@ -66,6 +66,7 @@ async def latest_checkpoint(s: JobState, attempt: int | None = None) -> Checkpoi
             world_size=spec.world_size,
             max_step=s.bounds.max_resume_step,
             attempt=attempt,
+            min_attempt=s.min_attempt,
         )
     )
 
@@ -161,6 +162,8 @@ class Attempt:
             resume=run.resume,
             restore_peers=dict(run.peers),
             attach_only=attach,
+            first_attempt=self.s.first_attempt,
+            fresh=self.s.fresh,
         )
 
     def _start_ranks(

@@ -82,8 +82,9 @@ class Groups:
         return group_ranges(len(self.s.nodes), self.inp.group_size)
 
     def group_id(self, attempt: int, group: int) -> str:
-        # Unique per run of the job (a resubmitted job counts attempts from 1 again); no "/", so a
-        # history can be kept in a file named after its workflow id.
+        # Unique per run of the job by its first run id (a run from before attempts were numbered
+        # on across runs of a name counted from 1 again); no "/", so a history can be kept in a
+        # file named after its workflow id.
         info = workflow.info()
         return f"{info.workflow_id}.{info.first_execution_run_id[:8]}.attempt-{attempt}.group-{group}"
 

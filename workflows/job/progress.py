@@ -257,6 +257,7 @@ class Progress:
                 verified_step=self.s.replicas.agreed_step,
                 gauges=self.vis.gauges(),
                 attempt=attempt,
+                min_attempt=self.s.min_attempt,
             ),
             summary=f"commit checkpoint step {step}",
         )

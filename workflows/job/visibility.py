@@ -7,9 +7,9 @@ from __future__ import annotations
 from datetime import datetime
 
 from temporalio import workflow
-from temporalio.common import SearchAttributeKey
 
 from trainguard.contract import calls
+from trainguard.contract import search_attributes as sa
 from workflows.job import patches
 
 with workflow.unsafe.imports_passed_through():
@@ -17,11 +17,11 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.domain.job_state import Incident, IncidentTelemetryInput, JobInput, JobState, Phase
     from trainguard.domain.messages import JobGauges
 
-SA_PHASE = SearchAttributeKey.for_keyword("TgPhase")
-SA_STEP = SearchAttributeKey.for_int("TgStep")
-SA_ETTR = SearchAttributeKey.for_float("TgEttr")
-SA_CODE_VERSION = SearchAttributeKey.for_keyword("TgCodeVersion")
-SA_INCIDENTS = SearchAttributeKey.for_int("TgIncidents")
+SA_PHASE = sa.PHASE
+SA_STEP = sa.STEP
+SA_ETTR = sa.ETTR
+SA_CODE_VERSION = sa.CODE_VERSION
+SA_INCIDENTS = sa.INCIDENTS
 
 
 class Visibility:

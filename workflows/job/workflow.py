@@ -61,6 +61,9 @@ class TrainingJobWorkflow:
         self.inp = inp
         self.s = inp.state or JobState(
             spec=inp.spec,
+            attempt=inp.previous_attempt,
+            first_attempt=inp.previous_attempt + 1,
+            fresh=inp.fresh,
             history=JobHistory(
                 code_versions=[CodeVersion(version=inp.spec.code_version, note="submitted")],
                 current_version=inp.spec.code_version,

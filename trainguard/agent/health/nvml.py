@@ -8,6 +8,7 @@ behave like a GPU machine with nothing to report.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
@@ -107,6 +108,24 @@ _THERMAL_REASONS: tuple[tuple[str, str], ...] = (
 _THERMAL_HYSTERESIS_C = 3  # a hot GPU counts as cooled only this far below the threshold
 
 _SKIP = object()  # a query that gave no reading (unsupported or failed): keep the previous verdict
+
+
+def count_gpus() -> int:
+    """The GPUs NVML sees on this machine (0 without NVML or a driver): what the agent reports to
+    the pool, for ``trainguard run --nproc-per-node gpu``."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no pynvml, no library, no driver: no GPU to count
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:
+        return 0
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
 
 
 class _DeviceLost(Exception):
