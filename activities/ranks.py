@@ -192,6 +192,7 @@ class RankActivities:
         if sess is None or not sess.live_pids():
             return False
         await sess.kill()
+        await sess.wait_end()
         if req.persist:
             await sess.persist_newest()
         return True

@@ -9,10 +9,11 @@ for the layout in S3):
   (the coordinator's, written after every rank's parts) uploads it and writes the manifest once
   every part ``.metadata`` names is in S3, from whichever machine wrote it.
 
-Uploads run beside the ranks; manifests go last and the newest ``keep`` stay. Before ranks start,
-:meth:`ScriptCheckpoints.restore` puts the newest complete checkpoint of every name into the
-directory where this machine lacks it (a spare after an eviction, a fresh machine), and never
-an incomplete one.
+Uploads run beside the ranks; manifests go last and the newest ``keep`` stay; each one stored is
+handed to ``on_stored`` (the session's progress reports tell the job). Before ranks start,
+:meth:`ScriptCheckpoints.restore` puts the checkpoints the job chose (``RunRanksInput.script_restore``;
+none chosen: the newest complete one of every name) into the directory where this machine lacks
+them (a spare after an eviction, a fresh machine), and never an incomplete one.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 
 from trainguard.domain import script_checkpoints as sc
 from trainguard.domain.checkpoints import earlier_run
+from trainguard.domain.messages import ScriptCheckpointRef
 from trainguard.domain.script_checkpoints import DCP_METADATA, ScriptFile, ScriptManifest
 from trainguard.services.checkpoint_store import newest_attempt
 from trainguard.services.storage import S3Store
@@ -115,6 +117,8 @@ class ScriptCheckpoints:
         keep: int,
         pids: Callable[[], list[int]],
         min_attempt: int | None = None,
+        step: Callable[[], int | None] = lambda: None,
+        on_stored: Callable[[ScriptCheckpointRef], None] = lambda ref: None,
     ) -> None:
         # A fresh run's first attempt: saves of earlier attempts are an earlier run's, never restored.
         self.min_attempt = min_attempt
@@ -127,6 +131,8 @@ class ScriptCheckpoints:
         self.attempt = attempt
         self.keep = keep
         self.pids = pids
+        self.step = step  # the step this machine's ranks have all reported (None: none yet)
+        self.on_stored = on_stored  # called from the look's thread
         self.last: dict[Path, tuple[int, int]] = {}  # the look before: path -> (mtime_ns, size)
         self.uploaded: dict[str, tuple[int, int]] = {}  # key -> (mtime_ns, size) sent
         self.committed: set[str] = set()  # manifest keys known to exist
@@ -168,6 +174,7 @@ class ScriptCheckpoints:
         self.store.put_json(key, m.model_dump(mode="json"))
         self.committed.add(key)
         log.info("script checkpoint %s (order %d) of %s stored", m.name, m.order, self.job)
+        self.on_stored(sc.ref_of(m, self.store.uri(key)))
         manifests, sizes = self._list()
         for old in sc.to_prune(manifests, sizes, self.keep):
             # The manifest first: a half-deleted checkpoint must never look complete.
@@ -185,31 +192,39 @@ class ScriptCheckpoints:
             node=self.node,
             files=files,
             created_at=datetime.now(UTC).isoformat(),
+            step=self.step(),
         )
 
     # -- restore ---------------------------------------------------------------------
-    def _local_has(self, m: ScriptManifest) -> bool:
-        """This machine holds ``m`` (or a newer complete save of the same name)."""
+    def _local_has(self, m: ScriptManifest, exact: bool) -> bool:
+        """This machine holds ``m`` or, unless ``exact`` (the job chose ``m``: every machine
+        resumes from the same save), a newer complete save of the same name."""
         entry = self.dir / m.name
         if m.kind == "file":
             st = _stat(entry)
             if st is None or not entry.is_file():
                 return False
-            return (st == (m.order, m.files[0].size)) or (st[0] > m.order and readable_whole(entry))
+            newer = not exact and st[0] > m.order and readable_whole(entry)
+            return st == (m.order, m.files[0].size) or newer
         meta = _stat(entry / DCP_METADATA)
-        if meta is not None and meta[0] > m.order:
+        if meta is not None and meta[0] > m.order and not exact:
             return True  # a newer save of this directory, written here
         return all((st := _stat(self.dir / f.path)) is not None and st[1] == f.size for f in m.files)
 
-    def restore(self, record: Path) -> list[ScriptManifest]:
-        """Bring the newest complete checkpoint of every name here where this machine lacks it."""
+    def restore(self, record: Path, chosen: list[ScriptCheckpointRef] | None = None) -> list[ScriptManifest]:
+        """Bring the checkpoints the job ``chosen`` here where this machine lacks them (none
+        chosen: the newest complete one of every name, or a newer one this machine holds)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         before = sorted(p.name for p in self.dir.iterdir())
         manifests, sizes = self._list()
         manifests = [m for m in manifests if not earlier_run(m.attempt, self.min_attempt)]
-        restored = []
-        for m in sc.newest_per_name(manifests, sizes):
-            if self._local_has(m):
+        wanted, warnings = sc.to_restore(manifests, sizes, chosen or [])
+        for warning in warnings:
+            log.warning("%s of %s", warning, self.job)
+        restored, held = [], []
+        for m in wanted:
+            if self._local_has(m, exact=bool(chosen)):
+                held.append(m.name)
                 continue
             for f in m.files:
                 path = self.dir / f.path
@@ -222,11 +237,14 @@ class ScriptCheckpoints:
                     self.known.add((m.name, st[0]))
             restored.append(m)
             log.info("restored script checkpoint %s (order %d) of %s from S3", m.name, m.order, self.job)
-        if restored:
+        if restored or chosen or warnings:
             record.write_text(
                 json.dumps(
                     {
                         "before": before,
+                        "chosen": [{"name": r.name, "order": r.order} for r in chosen or []],
+                        "warnings": warnings,
+                        "held": held,
                         "restored": [
                             {"name": m.name, "order": m.order, "node": m.node, "attempt": m.attempt,
                              "uris": [self.store.uri(f.key) for f in m.files]}

@@ -70,8 +70,10 @@ __all__ = [
     "JobStart",
     "JobStatus",
     "JobSummary",
+    "NewestCheckpointDoc",
     "NoMachineKey",
     "ResultDoc",
+    "ScriptCheckpointDoc",
     "SyncClient",
     "SyncJobHandle",
     "TrainguardClient",
@@ -90,6 +92,24 @@ __all__ = [
 class CheckpointDoc(TypedDict):
     step: int
     tier: Literal["memory", "peer", "s3"]
+    uri: str
+
+
+class ScriptCheckpointDoc(TypedDict):
+    name: str
+    format: Literal["file", "dcp"]
+    step: int | None
+    at: str
+    uri: str
+    size: int
+    attempt: int
+
+
+class NewestCheckpointDoc(TypedDict):
+    kind: Literal["runtime", "script"]
+    name: str | None
+    step: int | None
+    at: str | None
     uri: str
 
 
@@ -156,6 +176,8 @@ class JobStatus(TypedDict, total=False):
     world_size: int
     pool: str
     checkpoint: CheckpointDoc | None
+    script_checkpoints: list[ScriptCheckpointDoc]
+    newest_checkpoint: NewestCheckpointDoc | None
     resumed_from_step: int | None
     attempt_started_at: str | None
     attempt_first_step_at: str | None

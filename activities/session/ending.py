@@ -56,6 +56,7 @@ class Ending:
                 incident=None if ok else s.incident,
                 memory=self.snapshots.memory_shards(),
                 backups=self.snapshots.backup_shards(),
+                script_ckpts=list(self.progress.scripts_unsent),
             )
         )
 

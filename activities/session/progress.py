@@ -26,7 +26,7 @@ from temporalio.client import Client
 from activities.session.snapshots import Snapshots
 from activities.session.state import SessionState
 from trainguard.contract import job
-from trainguard.domain.messages import ProgressReport
+from trainguard.domain.messages import ProgressReport, ScriptCheckpointRef
 from trainguard.domain.protection import CpuBeside
 from trainguard.domain.report_interval import report_interval, uploads_are_news
 from trainguard.runtime import protocol
@@ -77,6 +77,10 @@ class ProgressReporter:
         self.trail_file: TextIO | None = None  # steps.tsv, opened at the first step
         self.first_step_sent = False  # a report carrying first_step_at reached the workflow
         self.hash_sent: int | None = None  # the newest replica hash step that reached it
+        # The machine's step as of the last batch of records (None before the first): read by
+        # the script checkpoints' look, in its own thread.
+        self.step_now: int | None = None
+        self.scripts_unsent: list[ScriptCheckpointRef] = []  # stored, no report carried them yet
 
     # -- the ranks' step records ------------------------------------------------------
     def on_step(self, rank: int, rec: protocol.Step) -> None:
@@ -114,6 +118,7 @@ class ProgressReporter:
         if self.stepped:
             self.stepped = False
             self.cpu_at_step = time.process_time()
+            self.step_now = self.machine_step
 
     def note_step_wall(self, step: int, wall: datetime) -> None:
         """When a local rank first reported ``step``, for the newest STEP_WALL_KEPT steps: an
@@ -181,6 +186,7 @@ class ProgressReporter:
             snapshot_cost_s=interval["cost_s"] if interval else None,
             snapshot_settle_s=interval.get("settle_s") if interval else None,
             snapshot_persist_every=interval.get("persist") if interval else None,
+            script_ckpts=list(self.scripts_unsent),
         )
 
     def _agent_cost(self) -> float:
@@ -208,14 +214,20 @@ class ProgressReporter:
                 self.first_step_sent = True
             last_sent = time.monotonic()
 
+    def script_stored(self, ref: ScriptCheckpointRef) -> None:
+        """One of the script's own checkpoints is in S3: the job hears of it (news, as uploads)."""
+        self.scripts_unsent.append(ref)
+        self.s.changed.set()
+
     def news(self) -> bool:
         """What the workflow acts on soon, whichever machine has it: the attempt's first step
-        (the job is back), uploaded shards (a checkpoint commits once every machine's are in; a
+        (the job is back), uploaded shards and stored script checkpoints (a checkpoint commits
+        once every machine's are in, and the next attempt restores the newest the job knows; a
         job of groups' ride on routine reports: ``uploads_are_news``), a replica hash step not
         sent yet (the replicas are compared at the same step)."""
         if self.first_step_at is not None and not self.first_step_sent:
             return True
-        if self.snapshots.unsent and uploads_are_news(self.s.spec.nodes):
+        if (self.snapshots.unsent or self.scripts_unsent) and uploads_are_news(self.s.spec.nodes):
             return True
         complete = [st for st, h in self.hashes.items() if len(h) == len(self.s.inp.ranks)]
         return bool(complete) and max(complete) != self.hash_sent
@@ -231,6 +243,7 @@ class ProgressReporter:
             return False
         sent = set(report.shards)
         self.snapshots.unsent = [s for s in self.snapshots.unsent if s not in sent]
+        self.scripts_unsent = self.scripts_unsent[len(report.script_ckpts) :]
         self.hash_sent = report.hash_step if report.hash_step is not None else self.hash_sent
         return report.first_step_at is not None
 

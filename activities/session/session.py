@@ -6,7 +6,7 @@ session and reports on it; when the workflow continues as new, the old activity 
 nobody attaches to within ``orphan_timeout_s`` kills its ranks, so ranks never outlive their job.
 
 Its life: ``start`` (the setup checked, the resume checkpoint staged, the script's own
-checkpoints restored, every rank spawned with a reader on its pipe, then the uploads, the
+checkpoints the job chose restored, every rank spawned with a reader on its pipe, then the uploads, the
 progress reports and the watch as tasks), then ``_supervise`` until every rank has exited
 (a failure stops the rest), then the end: the last report, the script's last checkpoints, the
 exit's incident, the machine probed after a death, the result.
@@ -24,11 +24,11 @@ from typing import Any
 
 from activities.drills import DrillState
 from activities.health import HealthMonitor
-from activities.script_checkpoints import RESTORE_RECORD, ScriptCheckpoints
+from activities.script_checkpoints import FLUSH_WAIT_S, RESTORE_RECORD, ScriptCheckpoints
 from activities.session.ending import Ending
 from activities.session.incidents import Incidents
 from activities.session.process import RankProcesses
-from activities.session.progress import ProgressReporter, SignalFn
+from activities.session.progress import FINAL_REPORT_TIMEOUT_S, ProgressReporter, SignalFn
 from activities.session.reports import Reports
 from activities.session.snapshots import Snapshots
 from activities.session.state import SessionState
@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 READ_TO_THE_END_S = 2.0
 # Kinds of incident a rank's death raises: the machine is probed once more for the cause.
 _DEATHS = ("crash", "comm", "oom", RENDEZVOUS_KIND)
+# How long a stop waits for the end's work once the ranks are gone (the script's last
+# checkpoints: a look, the coordinator's wait for other machines' DCP parts, the last report).
+END_WAIT_S = FLUSH_WAIT_S + FINAL_REPORT_TIMEOUT_S + 5.0
 
 
 class RankSession:
@@ -72,10 +75,15 @@ class RankSession:
         self.reports = Reports(s, self.process, self.snapshots, self.progress, self.incidents)
         self.watch = Watch(s, self.process, self.incidents, health)
         d = s.script_ckpt_dir
+        loop = asyncio.get_running_loop()
         self.script_ckpts = (
             ScriptCheckpoints(
                 store, inp.ckpt_prefix, d, inp.job_id, inp.node.name, inp.attempt, s.spec.checkpoint.keep,
-                self.process.pids, inp.first_attempt if inp.fresh else None,
+                self.process.pids,
+                inp.first_attempt if inp.fresh else None,
+                step=lambda: self.progress.step_now,
+                # From the look's thread: the report is built on the loop.
+                on_stored=lambda ref: loop.call_soon_threadsafe(self.progress.script_stored, ref),
             )
             if d is not None and not inp.dry_run
             else None
@@ -137,6 +145,13 @@ class RankSession:
     async def kill(self) -> None:
         await self.ending.kill()
 
+    async def wait_end(self) -> None:
+        """Until the end's work is done, bounded: a stop returns once the job heard of the
+        script's last checkpoints (the next attempt restores what the job knows)."""
+        if self.state.started:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.state.ended.wait(), END_WAIT_S)
+
     async def flush(self) -> None:
         """Send the latest progress now (the workflow is about to start another attempt)."""
         await self.progress.flush()
@@ -157,7 +172,9 @@ class RankSession:
             await self.snapshots.stage_resume()
         if self.script_ckpts is not None:
             try:
-                await asyncio.to_thread(self.script_ckpts.restore, s.log_dir / RESTORE_RECORD)
+                await asyncio.to_thread(
+                    self.script_ckpts.restore, s.log_dir / RESTORE_RECORD, s.inp.script_restore
+                )
             except Exception as exc:  # a storage outage: the script starts from what is here
                 log.warning("restoring the script's checkpoints of %s failed: %s", s.inp.job_id, exc)
             self._script_task = s.spawn(self.script_ckpts.run(), "script-ckpt")
@@ -201,12 +218,23 @@ class RankSession:
         await self._end(failed)
 
     async def _end(self, failed: bool) -> None:
+        try:
+            await self._ending(failed)
+        finally:
+            self.state.ended.set()
+
+    async def _ending(self, failed: bool) -> None:
         s = self.state
         missing = [r for r in s.inp.ranks if r in s.runtime_ranks and r not in s.final_hashes]
         ok = not failed and not missing and not s.killed and s.incident is None
         if ok:
             await self.progress.last_report()
         await self._flush_script_ckpts()
+        if s.done and self.progress.scripts_unsent:
+            # Settled before the ranks ended (hung ranks kept for their stacks): no result will
+            # carry the script's last checkpoints, a last report does.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.progress.flush(), FINAL_REPORT_TIMEOUT_S)
         if s.incident is None and not s.killed and (failed or missing):
             s.incident = self.incidents.at_exit(missing)
         if s.incident is not None and s.incident.kind in _DEATHS:

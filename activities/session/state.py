@@ -29,6 +29,8 @@ class SessionState:
         self.result: asyncio.Future[RunRanksResult] = asyncio.get_running_loop().create_future()
         self.tasks: list[asyncio.Task[Any]] = []  # cancelled when the ranks are gone
         self.changed = asyncio.Event()  # progress no report has carried yet
+        # The end's work is done (the script's last checkpoints stored and the job told of them).
+        self.ended = asyncio.Event()
         self.monitor = TrainingMonitor(self.spec.detection, inp.ranks, time.monotonic())
         self.started_wall = datetime.now(UTC)
         self.incident: IncidentReport | None = None  # the first confirmed one (or its cause)

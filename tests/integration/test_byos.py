@@ -32,6 +32,11 @@ def rank_lines(stack_dir: Path, job: str, pattern: str) -> dict[tuple[int, int],
     return found
 
 
+def chosen_saves(record: dict[str, Any]) -> set[tuple[str, int]]:
+    """The script checkpoints the job chose for an attempt, as a machine's restore record says."""
+    return {(c["name"], c["order"]) for c in record["chosen"]}
+
+
 async def test_plain_ddp_script_crash_and_hang_then_completes(
     tg: TrainguardClient, settings: Settings, stack_dir: Path, tmp_path: Path, healthy_pool: None
 ) -> None:
@@ -159,6 +164,9 @@ async def test_dcp_script_nan_then_lost_gpu_resumes_on_spare_from_s3(
     other = stack_dir / "nodes" / st["nodes"]["1"] / "jobs" / job_name
     record = json.loads((other / "attempt-0002" / "script-ckpt-restore.json").read_text())
     assert "step-20" in {r["name"] for r in record["restored"]}, record
+    # The job chose what the restart restored: the saves its agents told it of, exactly those.
+    assert record["chosen"] and record["warnings"] == [], record
+    assert chosen_saves(record) >= {(r["name"], r["order"]) for r in record["restored"]}, record
     # The spare: its directory held nothing of the job; the save came from S3.
     spare = final["nodes"]["0"]
     assert spare not in st["nodes"].values()
@@ -170,6 +178,17 @@ async def test_dcp_script_nan_then_lost_gpu_resumes_on_spare_from_s3(
     newest = max(int(n.removeprefix("step-")) for n in restored)
     assert newest >= 30, record
     assert all(u.startswith("s3://") for u in restored[f"step-{newest}"]["uris"]), record
+    assert chosen_saves(record) >= {(r["name"], r["order"]) for r in record["restored"]}, record
+    assert f"step-{newest}" in {c["name"] for c in record["chosen"]}, record
+    # Status names the script's checkpoints the job knows and the newest of either kind: the
+    # script's newest save (the script checkpoints nothing through the runtime).
+    names = {c["name"]: c for c in final["script_checkpoints"]}
+    newest_known = max(names, key=lambda n: int(n.removeprefix("step-")))
+    assert final["checkpoint"] is None and int(newest_known.removeprefix("step-")) >= newest, names
+    assert final["newest_checkpoint"]["kind"] == "script", final["newest_checkpoint"]
+    assert final["newest_checkpoint"]["name"] == newest_known, final["newest_checkpoint"]
+    assert names[newest_known]["format"] == "dcp" and names[newest_known]["uri"].endswith("manifest.json")
+    assert final["newest_checkpoint"]["uri"] == names[newest_known]["uri"]
     attempt = int(record_path.parent.name.removeprefix("attempt-"))
     on_spare = [resumed[(attempt, rank)][-1] for rank in (0, 1)]
     assert all(line.endswith(f"resumed from step {newest}") for line in on_spare), resumed

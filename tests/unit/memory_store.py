@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from trainguard.domain import checkpoints
@@ -47,6 +48,15 @@ class MemoryStore:
 
     def _etag(self, key: str) -> str:
         return hashlib.md5(repr(self.objects[key]).encode()).hexdigest()
+
+    def put_file(self, key: str, path: Path, sha256: str | None = None) -> tuple[int, str]:
+        data = path.read_bytes()
+        self.objects[key] = data
+        return len(data), hashlib.sha256(data).hexdigest()
+
+    def get_file(self, key: str, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(self.objects[key])
 
     def delete(self, keys: list[str]) -> None:
         for k in keys:

@@ -41,7 +41,7 @@ class Progress:
     def drain(self) -> None:
         pass
 
-    def note_memory(self, r: RunRanksResult) -> None:
+    def note_kept(self, r: RunRanksResult) -> None:
         pass
 
 

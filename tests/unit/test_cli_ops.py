@@ -135,3 +135,26 @@ def test_status_text_shows_the_badput_and_the_protection_chosen(capsys: pytest.C
     # The S3 stride, where status has it.
     s3 = {**st["protection"], "persist_every_steps": 900}
     assert cli._cost_rows({"protection": s3})[-1][1].endswith("up to 9.5 s; S3 every 900 steps")
+
+
+def test_status_text_names_the_newest_checkpoint_of_either_kind() -> None:
+    from trainguard.face import cli
+
+    runtime = {"step": 20, "tier": "s3", "uri": "s3://b/j/step-20"}
+    script = {"name": "ckpt.pt", "format": "file", "step": 30, "at": "2026-11-28T10:00:00+00:00",
+              "uri": "s3://b/j/script-ckpt/ckpt.pt/v-1/manifest.json", "size": 9, "attempt": 1}  # fmt: skip
+    newest = {"kind": "script", "name": "ckpt.pt", "step": 30, "at": script["at"], "uri": script["uri"]}
+    rows = cli._checkpoint_rows(
+        {"checkpoint": runtime, "script_checkpoints": [script], "newest_checkpoint": newest}
+    )
+    assert rows == [
+        ("checkpoint", f"script's ckpt.pt, step 30 at {script['at']} {script['uri']}"),
+        ("runtime checkpoint", "step 20 (s3) s3://b/j/step-20"),
+        ("script checkpoints", "ckpt.pt (step 30)"),
+    ]
+    # The runtime's is the newest; a controller of the previous release names only it.
+    newer = {"kind": "runtime", "name": None, "step": 40, "at": None, "uri": "s3://b/j/step-40"}
+    rows = cli._checkpoint_rows({"checkpoint": {**runtime, "step": 40}, "newest_checkpoint": newer})
+    assert rows == [("checkpoint", "step 40 (s3) s3://b/j/step-20")]
+    assert cli._checkpoint_rows({"checkpoint": runtime}) == [("checkpoint", "step 20 (s3) s3://b/j/step-20")]
+    assert cli._checkpoint_rows({}) == []

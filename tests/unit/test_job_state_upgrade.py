@@ -24,10 +24,12 @@ from trainguard.domain.code_versions import CodeEvent, CodeRelease, CodeVersions
 from trainguard.domain.job_parts import FailSlow, Protection, ReplicaCheck, ResumeBounds, Snapshots
 from trainguard.domain.job_state import JobInput, JobState, status_json
 from trainguard.domain.job_state_flat import FLAT, FlatFields
-from trainguard.domain.messages import NodeInfo, ShardInfo
+from trainguard.domain.messages import NodeInfo, ScriptCheckpointRef, ShardInfo
 from trainguard.domain.spec import JobSpec
 from trainguard.services.temporal import wire_data_converter
 
+# Status keys this release added: the script's own checkpoints (JobState.scripts).
+NEW_STATUS = {"script_checkpoints", "newest_checkpoint"}
 HISTORIES = Path(__file__).resolve().parents[1] / "replay" / "histories"
 CONVERTER = wire_data_converter.payload_converter
 T0 = datetime(2026, 11, 26, 8, 0, tzinfo=UTC)
@@ -214,9 +216,28 @@ def test_the_previous_release_reads_the_same_values_and_continues_the_job(previo
     # It read every moved field's value from the flat fields this release wrote.
     for flat in FLAT:
         assert previous["read"][flat] == part_value(state, flat), flat
-    # Its status document is this release's, field for field.
-    assert previous["status"] == json.loads(json.dumps(status_json(state, NOW)))
+    # Its status document is this release's, field for field (less what this release added).
+    ours = json.loads(json.dumps(status_json(state, NOW)))
+    assert previous["status"] == {k: v for k, v in ours.items() if k not in NEW_STATUS}
     # The state it continued the job with (flat only) comes back whole.
     assert "bounds" not in previous["continued"]["state"]
     back = receive(json.dumps(previous["continued"]).encode()).state
     assert back == state
+
+
+def test_the_script_checkpoints_a_previous_controller_drops_leave_the_restore_to_s3(
+    previous_code: Path,
+) -> None:
+    """JobState.scripts is new, not moved: the previous release drops it when it continues the job,
+    and this release reads the job back knowing none (its next attempt restores the newest
+    complete one per name in S3, as the previous release's did)."""
+    state = every_part_set()
+    ref = ScriptCheckpointRef(
+        name="ckpt.pt", kind="file", order=5, attempt=3, step=100, size=9, created_at=T0, uri="s3://b/m.json"
+    )
+    state.scripts.note([ref], keep=3)
+    assert receive(send(JobInput(spec=state.spec, state=state))).state.scripts.chosen() == [ref]  # type: ignore[union-attr]
+    previous = previous_controller(previous_code, send(JobInput(spec=state.spec, state=state)))
+    back = receive(json.dumps(previous["continued"]).encode()).state
+    assert back is not None and back.scripts.chosen() == []
+    assert back.model_dump(exclude={"scripts"}) == state.model_dump(exclude={"scripts"})

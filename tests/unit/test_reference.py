@@ -222,6 +222,21 @@ def sample_state() -> JobState:
             "attempt": 2,
             "nodes": [{"name": "node-2", "task_queue": "node-node-2"}, {"name": "node-3", "task_queue": "q"}],
             "checkpoint": {"step": 20, "tier": "s3", "uri": "s3://b/demo/step-20"},
+            # This release's part: the script's own checkpoints.
+            "scripts": {
+                "newest": {
+                    "ckpt.pt": {
+                        "name": "ckpt.pt",
+                        "kind": "file",
+                        "order": 7,
+                        "attempt": 2,
+                        "step": 20,
+                        "size": 9,
+                        "created_at": T0,
+                        "uri": "s3://b/demo/script-ckpt/ckpt.pt/v-7/manifest.json",
+                    }
+                }
+            },
             "incidents": [incident],
             "result": {"final_step": 20, "param_hash": "sha256:00"},
             "code_history": [{**event, "how": "submitted", "version": "v1", "applied_at": T0}],
@@ -248,6 +263,8 @@ def test_the_sdks_status_types_name_the_same_keys() -> None:
     assert set(hints(client.JobStatus)) == set(st)
     assert set(hints(client.IncidentDoc)) == set(st["incidents"][0])
     assert set(hints(client.CheckpointDoc)) == set(st["checkpoint"])
+    assert set(hints(client.ScriptCheckpointDoc)) == set(st["script_checkpoints"][0])
+    assert set(hints(client.NewestCheckpointDoc)) == set(st["newest_checkpoint"])
     assert set(hints(client.ResultDoc)) == set(st["result"])
     assert set(hints(client.ProtectionDoc)) == set(st["protection"])
     assert set(hints(client.PendingCodeDoc)) == set(st["pending_code_version"])

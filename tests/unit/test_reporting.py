@@ -89,6 +89,7 @@ async def _send_times(
     progress.first_step_at = datetime.now(UTC)
     progress.first_step_sent = False
     progress.snapshots = SimpleNamespace(unsent=[])
+    progress.scripts_unsent = []
     progress.hashes = {}
     progress.hash_sent = None
     progress.s.changed.set()

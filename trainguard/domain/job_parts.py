@@ -11,6 +11,8 @@
   cost (``Progress``);
 - ``snapshots`` (:class:`Snapshots`): each machine's memory snapshots and peer backups
   (``Progress``);
+- ``scripts`` (:class:`KnownScriptCheckpoints`): the newest of the script's own checkpoints per
+  name the agents stored, what the next attempt restores (``Progress``);
 - ``code`` (``trainguard.domain.code_versions.CodeVersions``): the code versions (the
   workflow's ``update_code`` and ``apply_version``).
 
@@ -26,7 +28,7 @@ from pydantic import BaseModel
 
 from trainguard.domain import protection
 from trainguard.domain.detection import SlowStreak, fail_slow_round
-from trainguard.domain.messages import ProgressReport, ShardInfo
+from trainguard.domain.messages import ProgressReport, ScriptCheckpointRef, ShardInfo
 from trainguard.domain.spec import CheckpointSpec, DetectionSpec
 
 
@@ -189,3 +191,28 @@ class Snapshots(BaseModel):
     def clear(self) -> None:
         self.memory.clear()
         self.backups.clear()
+
+
+class KnownScriptCheckpoints(BaseModel):
+    """The script's own checkpoints the agents stored (``--checkpoint-dir``): the newest per name,
+    at most the newest ``keep`` of them (S3 keeps no more: ``script_checkpoints.to_prune``). Not
+    in the previous release's state: a job it continued knows none until the next one is stored
+    (its next attempt restores the newest per name in S3, as before)."""
+
+    newest: dict[str, ScriptCheckpointRef] = {}
+
+    def note(self, refs: list[ScriptCheckpointRef], keep: int) -> None:
+        for ref in refs:
+            known = self.newest.get(ref.name)
+            if known is None or ref.order > known.order:
+                self.newest[ref.name] = ref
+        if len(self.newest) > keep:
+            kept = sorted(self.newest.values(), key=lambda r: r.order, reverse=True)[: max(keep, 1)]
+            self.newest = {r.name: r for r in kept}
+
+    def chosen(self) -> list[ScriptCheckpointRef]:
+        return sorted(self.newest.values(), key=lambda r: r.name)
+
+    def latest(self) -> ScriptCheckpointRef | None:
+        """The newest one stored, of any name."""
+        return max(self.newest.values(), key=lambda r: r.order, default=None)

@@ -7,7 +7,7 @@ the shape docs/reference.md promises; the CLI, the SDK and the UI all read it.
 from __future__ import annotations
 
 import hashlib
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -16,7 +16,14 @@ from trainguard.domain import ettr, protection
 from trainguard.domain.code_versions import CodeVersions
 from trainguard.domain.detection import RENDEZVOUS_KIND
 from trainguard.domain.groups import GROUP_SIZE
-from trainguard.domain.job_parts import FailSlow, Protection, ReplicaCheck, ResumeBounds, Snapshots
+from trainguard.domain.job_parts import (
+    FailSlow,
+    KnownScriptCheckpoints,
+    Protection,
+    ReplicaCheck,
+    ResumeBounds,
+    Snapshots,
+)
 from trainguard.domain.job_state_flat import FlatFields
 from trainguard.domain.messages import (
     POOL_WORKFLOW_ID,
@@ -26,6 +33,7 @@ from trainguard.domain.messages import (
     InjectResult,
     JobGauges,
     NodeInfo,
+    ScriptCheckpointRef,
     ShardInfo,
 )
 from trainguard.domain.policy import Decision, IncidentFacts, JobHistory
@@ -169,9 +177,13 @@ class IncidentTelemetryInput(BaseModel):
 
 
 class CheckpointStatus(BaseModel):
+    """The runtime's checkpoint the job resumes from next (or resumed from, in memory)."""
+
     step: int
     tier: Literal["memory", "peer", "s3"] = "s3"
     uri: str
+    # When it was committed (workflow time); None for a restore point in memory, or from before.
+    at: datetime | None = None
 
 
 class JobResult(BaseModel):
@@ -190,6 +202,8 @@ class RunningAttempt(BaseModel):
     first_step_at: datetime | None = None
     # Ranks restoring a peer's backup of their shard: dst rank -> (rank holding it, sha256).
     peers: dict[int, tuple[int, str]] = {}
+    # The script's own checkpoints its machines restore (trainguard.domain.restore_point).
+    scripts: list[ScriptCheckpointRef] = []
 
 
 class JobState(FlatFields):
@@ -235,6 +249,7 @@ class JobState(FlatFields):
     code: CodeVersions = CodeVersions()
     protection: Protection = Protection()
     snapshots: Snapshots = Snapshots()
+    scripts: KnownScriptCheckpoints = KnownScriptCheckpoints()
 
     @property
     def min_attempt(self) -> int | None:
@@ -260,7 +275,9 @@ def status_json(state: JobState, now: datetime) -> dict[str, Any]:
         "nodes": {str(i): n.name for i, n in enumerate(state.nodes)},
         "world_size": state.spec.world_size,
         "pool": state.spec.pool or POOL_WORKFLOW_ID,
-        "checkpoint": state.checkpoint.model_dump(mode="json") if state.checkpoint else None,
+        "checkpoint": state.checkpoint.model_dump(mode="json", exclude={"at"}) if state.checkpoint else None,
+        "script_checkpoints": [_script_checkpoint(r) for r in state.scripts.chosen()],
+        "newest_checkpoint": newest_checkpoint(state),
         "resumed_from_step": state.resumed_from_step,
         # The running attempt: when its ranks were launched and when its first step came.
         "attempt_started_at": _iso(state.running.started_at if state.running else None),
@@ -301,6 +318,37 @@ def _protection(state: JobState) -> dict[str, Any]:
         "persist_every_steps": kept.persist_every(ckpt, every),
         "persist_every_s": ckpt.persist_floor_s,
     }
+
+
+def _script_checkpoint(ref: ScriptCheckpointRef) -> dict[str, Any]:
+    return {
+        "name": ref.name,
+        "format": ref.kind,
+        "step": ref.step,
+        "at": ref.created_at.isoformat(),
+        "uri": ref.uri,
+        "size": ref.size,
+        "attempt": ref.attempt,
+    }
+
+
+def newest_checkpoint(state: JobState) -> dict[str, Any] | None:
+    """The newest checkpoint of either kind: the runtime's shards (``checkpoint``) or one of the
+    script's own (``script_checkpoints``); the larger step first (a script checkpoint's is the
+    step its machine had reached when it was stored, None counting as none), then the later time."""
+    found: list[tuple[tuple[int, datetime], dict[str, Any]]] = []
+    if state.checkpoint is not None:
+        c = state.checkpoint
+        doc = {"kind": "runtime", "name": None, "step": c.step, "at": _iso(c.at), "uri": c.uri}
+        found.append(((c.step, c.at or _NEVER), doc))
+    s = state.scripts.latest()
+    if s is not None:
+        doc = {"kind": "script", "name": s.name, "step": s.step, "at": s.created_at.isoformat(), "uri": s.uri}
+        found.append((((s.step if s.step is not None else -1), s.created_at), doc))
+    return max(found, key=lambda f: f[0])[1] if found else None
+
+
+_NEVER = datetime.min.replace(tzinfo=UTC)
 
 
 def _iso(t: datetime | None) -> str | None:

@@ -388,6 +388,24 @@ class CheckpointRef(Msg):
     parts: int = 0
 
 
+class ScriptCheckpointRef(Msg):
+    """One of a script's own checkpoints (``--checkpoint-dir``), complete in S3: what the agent
+    tells the job of it, and what the job hands the next attempt to restore
+    (``trainguard.domain.script_checkpoints`` has the layout; ``uri`` is its manifest's)."""
+
+    name: str
+    kind: str  # "file" | "dcp"
+    # The writing machine's modification time (ns) of the save: newer saves of a name have larger.
+    order: int
+    attempt: int
+    # The newest step every rank of the writing machine had reported when it was stored (the
+    # save's own step is not known to the agent): None before the first step.
+    step: int | None = None
+    size: int = 0
+    created_at: datetime
+    uri: str
+
+
 class PartRef(Msg):
     """One group's part of a checkpoint step: the shards of ranks ``first_rank`` to
     ``first_rank + ranks - 1``, listed in the object at ``key``."""
@@ -501,6 +519,9 @@ class RunRanksInput(Msg):
     # A fresh run of a name used before: saves of attempts before first_attempt are an earlier
     # run's, never restored, and the machine's own copy of the script's checkpoint dir is emptied.
     fresh: bool = False
+    # The script's own checkpoints to restore before the ranks start, as the job chose them
+    # (``trainguard.domain.restore_point``); empty: the newest complete one per name in S3.
+    script_restore: list[ScriptCheckpointRef] = []
 
 
 class RankExit(Msg):
@@ -524,6 +545,9 @@ class RunRanksResult(Msg):
     backups: list[ShardInfo] = []  # other machines' snapshots kept here
     # attach_only found no such ranks here: the agent restarted since it started them.
     gone: bool = False
+    # The script's own checkpoints this machine stored that no progress report carried (those of
+    # its last look, after the ranks ended, among them).
+    script_ckpts: list[ScriptCheckpointRef] = []
 
 
 class ProgressReport(Msg):
@@ -558,6 +582,8 @@ class ProgressReport(Msg):
     snapshot_settle_s: float | None = None
     # Steps between S3 persists the ranks derived with the interval (a multiple of it).
     snapshot_persist_every: int | None = None
+    # The script's own checkpoints this machine stored since its last report.
+    script_ckpts: list[ScriptCheckpointRef] = []
 
 
 # -- groups of a large job's machines (workflows.job.group) ------------------------

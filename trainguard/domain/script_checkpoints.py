@@ -10,14 +10,21 @@ directory (``.metadata`` written last, by the coordinator, once every rank's par
 
 ``order`` is the writing machine's modification time (ns) of the file, or of the DCP ``.metadata``:
 newer saves have larger orders. A checkpoint exists only when its manifest exists and every file
-it lists is stored with the recorded size; a restore takes, for every name, the newest such one.
+it lists is stored with the recorded size. The job is told of every one stored
+(``ScriptCheckpointRef``) and chooses what the next attempt restores
+(``trainguard.domain.restore_point``): exactly those (:func:`to_restore`); a job that chose none
+(it knows none yet, or a controller of the previous release) gets, for every name, the newest one.
 Limitation: a DCP directory rewritten in place under the same name shares its parts' keys with
 the previous save; scripts that save DCP into a new directory per step (the usual way) are exact.
 """
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from pydantic import BaseModel, ConfigDict
+
+from trainguard.domain.messages import ScriptCheckpointRef
 
 SUBDIR = "script-ckpt"
 MANIFEST = "manifest.json"
@@ -44,6 +51,22 @@ class ScriptManifest(BaseModel):
     node: str
     files: list[ScriptFile]
     created_at: str
+    # The newest step the writing machine's ranks had all reported when it was stored (None: none yet).
+    step: int | None = None
+
+
+def ref_of(m: ScriptManifest, uri: str) -> ScriptCheckpointRef:
+    """What the job is told of a stored checkpoint (``uri``: its manifest's)."""
+    return ScriptCheckpointRef(
+        name=m.name,
+        kind=m.kind,
+        order=m.order,
+        attempt=m.attempt,
+        step=m.step,
+        size=sum(f.size for f in m.files),
+        created_at=datetime.fromisoformat(m.created_at),
+        uri=uri,
+    )
 
 
 def prefix(job_prefix: str) -> str:
@@ -90,3 +113,26 @@ def to_prune(manifests: list[ScriptManifest], sizes: dict[str, int], keep: int) 
     save by its step keeps ``keep`` of them; one that rewrites ``ckpt.pt``, ``keep`` versions)."""
     done = sorted((m for m in manifests if complete(m, sizes)), key=lambda m: m.order, reverse=True)
     return done[keep:]
+
+
+def to_restore(
+    manifests: list[ScriptManifest], sizes: dict[str, int], chosen: list[ScriptCheckpointRef]
+) -> tuple[list[ScriptManifest], list[str]]:
+    """What a machine restores: the checkpoints the job ``chosen`` (none chosen: the newest
+    complete one of every name), never an incomplete one; a chosen one missing or incomplete in
+    S3 gives way to the newest complete one of its name, with a warning (the second value)."""
+    newest = {m.name: m for m in newest_per_name(manifests, sizes)}
+    if not chosen:
+        return sorted(newest.values(), key=lambda m: m.name), []
+    found = {(m.name, m.order): m for m in manifests if complete(m, sizes)}
+    out: list[ScriptManifest] = []
+    warnings: list[str] = []
+    for ref in sorted(chosen, key=lambda r: r.name):
+        m = found.get((ref.name, ref.order))
+        if m is None:
+            m = newest.get(ref.name)
+            instead = f"order {m.order}" if m is not None else "nothing"
+            warnings.append(f"script checkpoint {ref.name} (order {ref.order}) incomplete: {instead} instead")
+        if m is not None:
+            out.append(m)
+    return out, warnings

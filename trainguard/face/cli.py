@@ -760,6 +760,26 @@ def _cost_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def _checkpoint_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
+    """The newest checkpoint of either kind first (the runtime's shards or one of the script's
+    own), then the other kind's; a controller of the previous release names the runtime's only."""
+    runtime, scripts = st.get("checkpoint"), st.get("script_checkpoints") or []
+    newest = st.get("newest_checkpoint")
+    rows = []
+    if runtime:
+        rows.append(("runtime checkpoint", f"step {runtime['step']} ({runtime['tier']}) {runtime['uri']}"))
+    if scripts:
+        rows.append(("script checkpoints", ", ".join(f"{c['name']} (step {c['step']})" for c in scripts)))
+    if newest and newest["kind"] == "script":
+        at = f" at {newest['at']}" if newest.get("at") else ""
+        rows.insert(
+            0, ("checkpoint", f"script's {newest['name']}, step {newest['step']}{at} {newest['uri']}")
+        )
+    elif runtime:
+        rows[0] = ("checkpoint", rows[0][1])
+    return rows
+
+
 def _print_status(st: dict[str, Any]) -> None:
     t = Table(title=f"job {st['job_id']}", show_header=False)
     t.add_row("phase", st["phase"])
@@ -770,9 +790,8 @@ def _print_status(st: dict[str, Any]) -> None:
     for row in _cost_rows(st):
         t.add_row(*row)
     t.add_row("machines", ", ".join(f"{k}: {v}" for k, v in st["nodes"].items()))
-    if st.get("checkpoint"):
-        c = st["checkpoint"]
-        t.add_row("checkpoint", f"step {c['step']} ({c['tier']}) {escape(c['uri'])}")
+    for row in _checkpoint_rows(st):
+        t.add_row(*(escape(v) for v in row))
     if st.get("waiting"):
         t.add_row("waiting for", escape(st["waiting"]))
     if st.get("verdict"):

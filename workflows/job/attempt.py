@@ -1,4 +1,5 @@
-"""One attempt: pick the restore point, start ``run_ranks`` on every machine (each on its own
+"""One attempt: pick the restore point (``trainguard.domain.restore_point``: the runtime's shards
+and the script's own checkpoints), start ``run_ranks`` on every machine (each on its own
 task queue), fold their progress in while they run, and return how the attempt ended."""
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from workflows.job.progress import Progress, apply_version
 from workflows.job.visibility import Visibility
 
 with workflow.unsafe.imports_passed_through():
-    from trainguard.domain import checkpoints
+    from trainguard.domain import checkpoints, restore_point
     from trainguard.domain.code_versions import spec_for
     from trainguard.domain.fencing import REATTACH_PICKUP_S as FENCED_PICKUP_S
     from trainguard.domain.job_state import CheckpointStatus, JobInput, JobState, RunningAttempt
@@ -100,7 +101,7 @@ class Attempt:
         s.bounds.attempt_over(s.attempt, s.ledger.high_water_step)
         s.attempt += 1
         s.progress_at_attempt_start = s.ledger.high_water_step
-        resume = await latest_checkpoint(s, s.attempt)
+        s3 = await latest_checkpoint(s, s.attempt)
         kept = self.progress.snapshots()
         in_memory = checkpoints.memory_restore_point(
             kept.memory,
@@ -110,18 +111,13 @@ class Attempt:
             s.bounds.max_resume_step,
             kept.backups,
         )
-        peers: dict[int, tuple[int, str]] = {}
-        if in_memory is not None and (
-            resume is None
-            or in_memory[0].step > resume.step
-            or (in_memory[0].step == resume.step and workflow.patched(patches.MEMORY_ON_TIE))
-        ):
-            # The machines still hold a step in memory (their own or a peer's backup) at least as
-            # new as S3's: no download, and less recompute when it is newer.
-            resume, peers = in_memory
-        if resume is not None:
-            tier = ("peer" if peers else "memory") if checkpoints.is_memory(resume) else "s3"
-            s.checkpoint = CheckpointStatus(step=resume.step, tier=tier, uri=resume.uri)
+        point = restore_point.choose(
+            s3, in_memory, s.scripts.chosen(), memory_on_tie=lambda: workflow.patched(patches.MEMORY_ON_TIE)
+        )
+        resume, peers = point.resume, point.peers
+        if resume is not None and point.tier is not None:
+            at = s.checkpoint.at if s.checkpoint is not None and s.checkpoint.uri == resume.uri else None
+            s.checkpoint = CheckpointStatus(step=resume.step, tier=point.tier, uri=resume.uri, at=at)
         master = await calls.pick_master_port(
             PortInput(job_id=spec.name, attempt=s.attempt),
             task_queue=s.nodes[0].task_queue,
@@ -129,8 +125,9 @@ class Attempt:
         )
         started = workflow.now()
         s.running = RunningAttempt(
-            attempt=s.attempt, master=master, resume=resume, started_at=started, peers=peers
-        )
+            attempt=s.attempt, master=master, resume=resume, started_at=started, peers=peers,
+            scripts=point.scripts,
+        )  # fmt: skip
         s.step = resume.step if resume else 0
         s.resumed_from_step = resume.step if resume else None
         for part in (s.slow, s.protection, s.replicas):
@@ -164,6 +161,7 @@ class Attempt:
             attach_only=attach,
             first_attempt=self.s.first_attempt,
             fresh=self.s.fresh,
+            script_restore=list(run.scripts),
         )
 
     def _start_ranks(
@@ -278,7 +276,7 @@ class Attempt:
                 limit = None if at_once else calls.PERSIST_AT_STOP_LIMIT.total_seconds()
                 await groups.stop(persist=not at_once, limit_s=limit)
                 for r in groups.results():
-                    progress.note_memory(r)
+                    progress.note_kept(r)
                 progress.drain()
                 if not at_once:
                     await progress.wait_commits()
@@ -288,7 +286,7 @@ class Attempt:
                 self.vis.set_phase("recovering")
                 await groups.stop()
                 for r in groups.results():
-                    progress.note_memory(r)
+                    progress.note_kept(r)
                 self.s.running = None
                 return AttemptOutcome(kind="update")
             if progress.found is not None or groups.failing():
@@ -332,7 +330,7 @@ class Attempt:
         for h in handles.values():
             # Machines whose ranks stop_ranks ended returned a result: it names their snapshots.
             with contextlib.suppress(ActivityError, CancelledError):
-                self.progress.note_memory(h.result())
+                self.progress.note_kept(h.result())
         self.progress.drain()
         if wait_commits or not workflow.patched(patches.UPDATE_AT_ONCE):
             # Checkpoints already uploaded are committed, so the status names the one a resubmit uses.

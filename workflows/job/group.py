@@ -5,7 +5,8 @@ most that many machines, so no workflow keeps more activities pending than a gro
 and no workflow hears from every machine. A group starts ``run_ranks`` on its machines with its
 own id as the place to report, so the agents' progress comes here; it keeps what each machine
 reports (when it was heard from, its compute time, checkpoint blocking, its ranks' shards and
-parameter hashes) and re-attaches a machine whose heartbeats timed out, as the job does for a
+parameter hashes; the script checkpoints it stored go on to the job with the next summary) and
+re-attaches a machine whose heartbeats timed out, as the job does for a
 small job. The job hears from it (the ``group`` signal, by workflow id, so a job that continued as
 new still hears): at once when its first step comes, a machine fails, or its ranks' shards of a
 checkpoint step are all stored (a part, committed here); otherwise a summary at most every
@@ -38,6 +39,7 @@ with workflow.unsafe.imports_passed_through():
         ProgressReport,
         ReplicaRun,
         RunRanksResult,
+        ScriptCheckpointRef,
         ShardInfo,
         StopRanksInput,
     )
@@ -75,6 +77,9 @@ class RanksGroupWorkflow:
         self.news_hashes: tuple[int, list[ReplicaRun]] | None = None
         self.news_failed: list[RunRanksResult] = []
         self.news_lost: dict[str, str] = {}
+        # The script's own checkpoints the machines stored since the last news, newest per name:
+        # they ride on the next summary (routine, as a large job's uploads do).
+        self.news_scripts: dict[str, ScriptCheckpointRef] = {}
         self.parts: set[int] = set()  # steps whose part is committed (or being committed)
         self.commits: set[int] = set()
         self.summary_at: float | None = None
@@ -210,6 +215,10 @@ class RanksGroupWorkflow:
                     self.shards.setdefault(shard.step, {})[shard.rank] = shard
             if r.hash_step is not None and r.hashes:
                 self.hashes.setdefault(r.hash_step, {}).update(r.hashes)
+            for ref in r.script_ckpts:
+                known = self.news_scripts.get(ref.name)
+                if known is None or ref.order > known.order:
+                    self.news_scripts[ref.name] = ref
         self._commit_parts()
         for step in sorted(self.hashes):
             if len(self.hashes[step]) >= len(self.ranks):
@@ -326,6 +335,8 @@ class RanksGroupWorkflow:
             running=sum(not h.done() for n, h in self.handles.items() if n not in self._unheard()),
         )
         self.news_parts, self.news_hashes, self.news_failed, self.news_lost = [], None, [], {}
+        if news.progress is not None:
+            self.news_scripts = {}
         return news
 
     def _summary(self) -> ProgressReport | None:
@@ -342,6 +353,7 @@ class RanksGroupWorkflow:
                 "hashes": {},
                 "hash_step": None,
                 "compute_s": None,
+                "script_ckpts": sorted(self.news_scripts.values(), key=lambda r: r.name),
                 "ckpt_block_s": max((b[0] for b in blocks), default=0.0),
                 "protection_s": max((b[1] for b in blocks), default=0.0),
             }

@@ -268,7 +268,7 @@ def name_cause(
             reports.append(machine_lost(name, r))
             continue
         results.append(r)
-        progress.note_memory(r)
+        progress.note_kept(r)
         if (report := report_of(name, r)) is not None:
             reports.append(report)
     return rank_reports(s, reports, results, finding)

@@ -1,8 +1,9 @@
 """Progress: folding the machines' reports into the job state.
 
 Steps and the ETTR ledger, memory snapshots and peer backups, checkpoint shards (committed
-once every rank's arrived), checkpoint blocking time, and the two detections that need every
-machine's reports at once (replica mismatch, fail-slow; decided by ``trainguard.domain.detection``).
+once every rank's arrived), the script's own checkpoints the agents stored, checkpoint blocking
+time, and the two detections that need every machine's reports at once (replica mismatch,
+fail-slow; decided by ``trainguard.domain.detection``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ with workflow.unsafe.imports_passed_through():
         PartRef,
         ProgressReport,
         RunRanksResult,
+        ScriptCheckpointRef,
     )
     from trainguard.domain.policy import apply_code_version, mark_progress
     from trainguard.domain.topology import place_ranks
@@ -73,7 +75,7 @@ class Progress:
             latest = r.at if latest is None else max(latest, r.at)
             self.last_seen[r.node] = workflow.now()
             self.note_shards(r)
-            self.note_memory(r)
+            self.note_kept(r)
             self._note_step(r)
             self._note_ckpt_block(r)
             self._note_replicas(r)
@@ -141,8 +143,17 @@ class Progress:
             if grown > 0:
                 self.s.ledger = ettr.reclassify(self.s.ledger, bucket, grown)
 
-    def note_memory(self, r: ProgressReport | RunRanksResult) -> None:
+    def note_kept(self, r: ProgressReport | RunRanksResult) -> None:
+        """What a machine keeps, as its report or result says: its memory snapshots, the peer
+        backups, and the script's own checkpoints it stored (the next attempt restores those)."""
         self.snapshots().note(r.node, r.memory, r.backups)
+        self.note_scripts(r.script_ckpts)
+
+    def note_scripts(self, refs: list[ScriptCheckpointRef]) -> None:
+        """The script's own checkpoints an agent stored, of any attempt (a save a stale attempt
+        made is never stored: ``activities.script_checkpoints``); folded in as they come, so a
+        hung attempt's last saves, reported after its result, still count for the next one."""
+        self.s.scripts.note(refs, self.s.spec.checkpoint.keep)
 
     def snapshots(self) -> Snapshots:
         """Each machine's newest memory snapshots and the backups it keeps, as last reported."""
@@ -272,7 +283,7 @@ class Progress:
             self.s.pending_shards.pop(step, None)
         else:
             if self.s.checkpoint is None or ref.step >= self.s.checkpoint.step:
-                self.s.checkpoint = CheckpointStatus(step=ref.step, tier="s3", uri=ref.uri)
+                self.s.checkpoint = CheckpointStatus(step=ref.step, tier="s3", uri=ref.uri, at=workflow.now())
             self.s.pending_shards = {s: v for s, v in self.s.pending_shards.items() if s > step}
             self.parts = {s: v for s, v in self.parts.items() if s > step}
             # A clean attempt's commit lifts the corruption's bound up to its step.

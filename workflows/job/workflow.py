@@ -88,11 +88,14 @@ class TrainingJobWorkflow:
     @workflow.signal(name=contract.job.progress.name)
     def report_progress(self, report: ProgressReport) -> None:
         self.progress.inbox.append(report)
+        self.progress.note_scripts(report.script_ckpts)
 
     @workflow.signal(name=contract.job.group.name)
     def group_news(self, news: GroupNews) -> None:
         """What a group of a large job's machines tells the job (workflows.job.group)."""
         self.attempt.groups.inbox.append(news)
+        if news.progress is not None:
+            self.progress.note_scripts(news.progress.script_ckpts)
 
     @workflow.signal(name=contract.job.drill.name)
     def drill(self, record: InjectResult) -> None:
@@ -223,6 +226,7 @@ class TrainingJobWorkflow:
     async def _complete(self, results: list[RunRanksResult]) -> dict[str, Any]:
         for r in results:
             self.progress.note_shards(r)
+            self.progress.note_kept(r)
         self.progress.start_commits()
         await self.progress.wait_commits()
         hashes: dict[int, str] = {}
