@@ -19,11 +19,13 @@ from temporalio.client import Client
 
 from activities.drills import DrillState
 from activities.health import HealthMonitor
+from activities.isolation import RankIsolation
 from activities.rank_logs import LogActivities
 from activities.session import RankSession, RestoreUnavailable, Sessions, SetupProblem
 from activities.session.progress import discard, to_workflow
 from activities.warm_pool import WarmPool
 from trainguard.agent.ports import free_port
+from trainguard.agent.rank_user import RankUser
 from trainguard.contract import calls
 from trainguard.domain.messages import (
     Endpoint,
@@ -58,9 +60,13 @@ class RankActivities:
         node_name: str = "",
         memory_dir: Path | None = None,
         warm: WarmPool | None = None,
+        user: RankUser | None = None,
+        isolation: RankIsolation | None = None,
     ) -> None:
         self.memory_dir = memory_dir
         self.warm = warm
+        self.user = user  # who the ranks run as (None: the agent's own user)
+        self.isolation = isolation
         self.rank_nice = rank_nice
         self.node_name = node_name
         self.client = client
@@ -119,9 +125,12 @@ class RankActivities:
                 self.rank_nice,
                 self.memory_dir,
                 self.warm,
+                self.user,
             )
             self.sessions.add(sess)
             try:
+                if self.isolation is not None:
+                    await self.isolation.admit(inp.job_id)
                 await sess.start()
             except RestoreUnavailable as exc:
                 # Not this machine's fault: the workflow restarts from another copy.

@@ -11,6 +11,7 @@ its own record holds, never anything found by name.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -19,6 +20,7 @@ import signal
 import socket
 import string
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -62,6 +64,15 @@ def _secret_key() -> SecretStr:
     return SecretStr(secrets.token_urlsafe(30))
 
 
+def _rank_user() -> str | None:
+    # Switching users needs root; a stack started by anyone else runs ranks as its own user.
+    return RANK_USER if os.geteuid() == 0 else None
+
+
+# The unprivileged user the local stack's ranks run as (created by `up` when missing).
+RANK_USER = "trainguard-rank"
+
+
 class StackConfig(BaseModel):
     """Where one local stack keeps its state and which loopback ports it listens on.
 
@@ -78,6 +89,8 @@ class StackConfig(BaseModel):
     headless: bool = False
     # Rank processes each agent keeps started (torch imported) for fast restarts.
     warm_ranks: int = Field(default=2, ge=0, le=64)
+    # Who the ranks run as (trainguard.agent.rank_user); None: the stack's own user.
+    rank_user: str | None = Field(default_factory=_rank_user)
     temporal_port: int
     temporal_http_port: int
     temporal_ui_port: int = 8233
@@ -186,6 +199,13 @@ class StackConfig(BaseModel):
     @property
     def logs_dir(self) -> Path:
         return self.state_dir / "logs"
+
+    @property
+    def ranks_dir(self) -> Path:
+        """Where the machines keep what their ranks may reach: outside the state dir, which
+        holds the stack's credentials and is its user's alone (mode 0700)."""
+        tag = hashlib.sha1(str(self.state_dir).encode()).hexdigest()[:12]
+        return Path(tempfile.gettempdir()) / "trainguard-ranks" / tag
 
     def to_json_dict(self) -> dict[str, Any]:
         """The persisted form: unlike model_dump, it holds the real secret key."""

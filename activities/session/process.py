@@ -24,6 +24,7 @@ import psutil
 from activities.drills import DrillState
 from activities.session.state import SessionState
 from activities.warm_pool import WarmPool
+from trainguard.agent.rank_user import reachable, shared_dir
 from trainguard.domain.messages import RankExit
 from trainguard.runtime.env import RankEnv, inheritable_environ
 from trainguard.runtime.launch import __file__ as LAUNCHER
@@ -134,12 +135,32 @@ class RankProcesses:
         self.exit_cpu: dict[int, float] = {}  # of those, their process tree's CPU seconds at the last look
 
     # -- start -----------------------------------------------------------------------
+    def make_dirs(self) -> None:
+        """The attempt's directories. With a rank user, what the ranks write is theirs (the
+        snapshots, a home and a temp dir of the job's own, each rank's output file) inside
+        root's directories they cannot change (the job's gates, the output directory)."""
+        s = self.s
+        if s.user is None:
+            s.log_dir.mkdir(parents=True, exist_ok=True)
+            s.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            return
+        shared_dir(s.log_dir)
+        for d in (s.ckpt_dir, s.home_dir, s.tmp_dir):
+            s.user.private_dir(d)
+        for rank in s.inp.ranks:
+            for stream in ("out", "err"):
+                path = s.log_dir / f"rank-{rank:05d}.{stream}"
+                path.touch()
+                s.user.own(path)
+
     def check_setup(self) -> None:
         """What the spec names must be there on this machine, where the ranks run."""
         s = self.s
         where = f"on {s.inp.node.name}"
         if not s.workdir.is_dir():
             raise SetupProblem(f"workdir {s.workdir} does not exist {where}")
+        if s.user is not None and (stop := reachable(s.workdir, s.user)) is not None:
+            raise SetupProblem(f"workdir {s.workdir}: user {s.user.name} cannot enter {stop} {where}")
         argv = resolve_argv(s.spec.entrypoint)
         if re.fullmatch(r"python[0-9.]*", Path(argv[0]).name):
             args = [a for a in argv[1:] if a not in HARMLESS_FLAGS]
@@ -148,7 +169,9 @@ class RankProcesses:
                 if not script.is_file():
                     raise SetupProblem(f"script {args[0]} not found in workdir {s.workdir} {where}")
         d = s.script_ckpt_dir
-        if d is not None:
+        if d is not None and s.user is not None:
+            self._check_rank_ckpt_dir(d, where)
+        elif d is not None:
             try:
                 d.mkdir(parents=True, exist_ok=True)
                 probe = d / f".tg-write-probe-{os.getpid()}"
@@ -159,12 +182,37 @@ class RankProcesses:
                     f"checkpoint dir {d} cannot be written {where}: {exc.strerror or exc}"
                 ) from None
 
+    def _check_rank_ckpt_dir(self, d: Path, where: str) -> None:
+        """The script's checkpoint directory, for ranks running as the rank user: one under the
+        job's own directory is made theirs; an absolute one must be writable by them, below
+        directories they cannot replace (else a link swapped in would point the agent's
+        uploads elsewhere; rank_files.py)."""
+        s = self.s
+        user = s.user
+        assert user is not None
+        if d.is_relative_to(s.job_dir):
+            user.private_dir(d)
+            return
+        for parent in d.parents:
+            if user.can_write(parent) or (parent.exists() and parent.stat().st_uid == user.uid):
+                raise SetupProblem(
+                    f"checkpoint dir {d}: user {user.name} can change {parent} {where}; "
+                    "use a directory below root's own, or a relative checkpoint_dir"
+                )
+        if not d.exists():
+            d.mkdir(parents=True)
+            user.own(d)
+        if not user.can_write(d):
+            raise SetupProblem(f"checkpoint dir {d} cannot be written by user {user.name} {where}")
+
     def rank_env(self, local_rank: int, rank: int, report_fd: int) -> dict[str, str]:
         s, spec = self.s, self.s.spec
         env = inheritable_environ()
         if spec.ranks_per_node > 1 and "OMP_NUM_THREADS" not in env:
             # As torchrun does for several processes per machine (the job's env may set it).
             env["OMP_NUM_THREADS"] = "1"
+        if s.user is not None:
+            env.update(s.user.environ(s.home_dir, s.tmp_dir))
         env.update(spec.env)
         bin_dir = str(Path(sys.executable).parent)
         env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
@@ -262,6 +310,7 @@ class RankProcesses:
                 pass_fds=(w_fd,),
                 start_new_session=True,  # its own process group: killpg reaches its children
                 preexec_fn=functools.partial(rank_preexec, self.rank_nice),
+                **(s.user.spawn_kwargs() if s.user is not None else {}),  # type: ignore[arg-type]
             )
         finally:
             os.close(w_fd)

@@ -34,6 +34,7 @@ from activities.session.snapshots import Snapshots
 from activities.session.state import SessionState
 from activities.session.watch import Watch
 from activities.warm_pool import WarmPool
+from trainguard.agent.rank_user import RankUser
 from trainguard.domain.detection import RENDEZVOUS_KIND
 from trainguard.domain.messages import RunRanksInput, RunRanksResult
 from trainguard.domain.spec import JobSpec
@@ -61,9 +62,10 @@ class RankSession:
         rank_nice: int = 0,
         memory_dir: Path | None = None,
         warm: WarmPool | None = None,
+        user: RankUser | None = None,
     ) -> None:
         # The parts, each built on those before it (see the package's docstring).
-        self.state = s = SessionState(inp, workdir, code_dir, memory_dir)
+        self.state = s = SessionState(inp, workdir, code_dir, memory_dir, user)
         self.process = RankProcesses(s, drills, warm, rank_nice)
         self.snapshots = Snapshots(s, store)
         self.progress = ProgressReporter(s, self.snapshots, send_progress)
@@ -75,7 +77,7 @@ class RankSession:
         self.script_ckpts = (
             ScriptCheckpoints(
                 store, inp.ckpt_prefix, d, inp.job_id, inp.node.name, inp.attempt, s.spec.checkpoint.keep,
-                self.process.pids,
+                self.process.pids, s.files,
             )
             if d is not None and not inp.dry_run
             else None
@@ -150,8 +152,7 @@ class RankSession:
     # -- start -----------------------------------------------------------------------------
     async def start(self) -> None:
         s = self.state
-        s.log_dir.mkdir(parents=True, exist_ok=True)
-        s.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.process.make_dirs()
         self.process.check_setup()
         if s.inp.resume is not None:
             await self.snapshots.stage_resume()

@@ -28,7 +28,8 @@ def test_put_file_with_the_writers_hash_is_checked_by_the_server(settings: Setti
     try:
         assert store.put_file(f"{prefix}/a", path, digest) == (len(data), digest)
         back = tmp_path / "back.pt"
-        store.get_file(f"{prefix}/a", back)
+        with back.open("wb") as f:
+            store.get_fileobj(f"{prefix}/a", f)
         assert back.read_bytes() == data
         # Bytes that changed after they were hashed (or a wrong hash) are refused, not stored.
         with pytest.raises(ClientError, match="BadDigest"):

@@ -219,10 +219,11 @@ def up(
     """Start the local stack: Temporal dev server, SeaweedFS S3, a controller, node agents."""
     from infra.local import bring_up
     from infra.netns import NetnsError
+    from trainguard.agent.rank_user import RankUserError
 
     try:
         addresses = bring_up(state_dir_from_env(state_dir), nodes=nodes, standby=standby, netns=netns)
-    except NetnsError as exc:
+    except (NetnsError, RankUserError) as exc:
         _fail(1, str(exc))
     if json_out:
         _print_json(addresses)

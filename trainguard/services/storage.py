@@ -13,7 +13,7 @@ import ipaddress
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
 import boto3
@@ -105,11 +105,10 @@ class S3Store:
             self._client.upload_file(str(path), self.bucket, key, ExtraArgs=meta)
         return size, digest
 
-    def get_file(self, key: str, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".part")
-        self._client.download_file(self.bucket, key, str(tmp))
-        tmp.replace(path)
+    def get_fileobj(self, key: str, f: BinaryIO) -> None:
+        """Download ``key`` into the open file ``f``: the caller chose where and how it is opened
+        (``trainguard.agent.rank_files``: a new file beside the one it replaces)."""
+        self._client.download_fileobj(self.bucket, key, f)
 
     def put_json(self, key: str, data: Any) -> str | None:
         """Write ``data`` as JSON; returns the object's ETag."""

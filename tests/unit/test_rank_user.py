@@ -1,0 +1,148 @@
+"""Ranks as another Unix user: what a rank can reach on its machine, tried with real processes
+of the local stack's rank user (root creates it; elsewhere these tests are skipped)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from activities.isolation import RankIsolation
+from activities.session import Sessions
+from activities.warm_pool import WarmPool
+from infra.local import rank_user_ready
+from infra.stack import RANK_USER
+from trainguard.agent.rank_files import RankFiles, UnsafeRankFile
+from trainguard.agent.rank_user import GATE_OPEN, GATE_SHUT, RankUser, processes_of, reachable
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
+
+
+@pytest.fixture(scope="module")
+def user() -> RankUser:
+    return rank_user_ready(RANK_USER, REPO)
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A directory the rank user may enter (pytest's own are root's alone)."""
+    d = Path(tempfile.mkdtemp(prefix="tg-rank-test-"))
+    d.chmod(0o711)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def run_as(user: RankUser, code: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=cwd or "/",
+        env={"PATH": os.environ["PATH"]},
+        **user.spawn_kwargs(),  # type: ignore[arg-type]
+    )
+
+
+def test_a_rank_user_process_cannot_read_its_starters_environment(user: RankUser) -> None:
+    secret = "agent-secret-value"
+    code = f"import os; print(open('/proc/{os.getpid()}/environ','rb').read().count(b'{secret}'))"
+    os.environ["TG_TEST_SECRET"] = secret
+    try:
+        done = run_as(user, code)
+    finally:
+        del os.environ["TG_TEST_SECRET"]
+    assert done.returncode != 0 and "PermissionError" in done.stderr
+    groups = run_as(user, "import os; print(os.getuid(), os.getgid(), os.getgroups())")
+    assert groups.stdout.split() == [str(user.uid), str(user.gid), "[]"]  # root's groups dropped
+
+
+def test_the_agent_never_reads_or_writes_through_a_link_the_rank_planted(
+    user: RankUser, tmp_path: Path
+) -> None:
+    gate, other = tmp_path / "jobs" / "a", tmp_path / "jobs" / "b"
+    secret = tmp_path / "stack.json"
+    secret.write_text("root's secret")
+    ckpt = user.private_dir(gate / "ckpt")
+    (other / "ckpt").mkdir(parents=True)
+    their = other / "ckpt" / "rank-00000.pt"
+    their.write_text("another job's shard")
+    user.own(their)
+    files = RankFiles(user, [gate])
+
+    mine = ckpt / "mine.pt"
+    mine.write_text("own")
+    user.own(mine)
+    with files.reading(mine) as p:
+        assert p.read_text() == "own"  # the rank's own plain file
+
+    (ckpt / "link.pt").symlink_to(secret)
+    (ckpt / "step-0000000010").symlink_to(other / "ckpt", target_is_directory=True)
+    os.link(their, ckpt / "hard.pt")  # as root: the rank itself may not link another's file
+    root_file = ckpt / "roots.pt"
+    root_file.write_text("written by root")
+    for planted in ("link.pt", "step-0000000010/rank-00000.pt", "hard.pt", "roots.pt"):
+        with pytest.raises(UnsafeRankFile), files.reading(ckpt / planted):
+            pass
+    with pytest.raises(UnsafeRankFile), files.reading(tmp_path / "elsewhere.pt"):  # outside the gates
+        pass
+
+    # A restore replaces the link; the file it pointed at is untouched.
+    files.write(ckpt / "link.pt", lambda f: f.write(b"restored"), mtime_ns=7)
+    assert secret.read_text() == "root's secret"
+    st = (ckpt / "link.pt").lstat()
+    assert (ckpt / "link.pt").read_bytes() == b"restored" and (st.st_uid, st.st_mtime_ns) == (user.uid, 7)
+    with pytest.raises(UnsafeRankFile):  # nor through a linked directory
+        files.write(ckpt / "step-0000000010" / "rank-00000.pt", lambda f: f.write(b"x"))
+    with pytest.raises(UnsafeRankFile):
+        files.unlink(ckpt / "step-0000000010" / "rank-00000.pt")
+    assert their.read_text() == "another job's shard"
+
+
+async def test_admitting_a_job_opens_its_gates_only_and_ends_what_the_user_left_running(
+    user: RankUser, shared_tmp: Path
+) -> None:
+    rank_dir, memory = shared_tmp / "ranks", shared_tmp / "memory"
+    (rank_dir / "jobs" / "old-job").mkdir(parents=True)
+    leftover = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        start_new_session=True,
+        **user.spawn_kwargs(),  # type: ignore[arg-type]
+    )
+    try:
+        assert leftover.pid in {p.pid for p in processes_of(user)}
+        isolation = RankIsolation(user, rank_dir, memory, Sessions())
+        await isolation.admit("new-job")
+        assert leftover.wait(timeout=5) == -9  # killed, left for its parent to reap
+    finally:
+        leftover.kill()
+    for jobs in (rank_dir / "jobs", memory / "jobs"):
+        assert (jobs / "new-job").stat().st_mode & 0o777 == GATE_OPEN
+        assert reachable(jobs / "new-job", user) is None
+    assert (rank_dir / "jobs" / "old-job").stat().st_mode & 0o777 == GATE_SHUT
+    assert reachable(rank_dir / "jobs" / "old-job" / "ckpt", user) == rank_dir / "jobs" / "old-job"
+
+
+async def test_warm_processes_another_job_ran_beside_are_retired(user: RankUser, tmp_path: Path) -> None:
+    pool = WarmPool(1, tmp_path / "warm", lambda: None, refill_delay_s=3600.0, user=user)
+    warm = await pool._spawn()
+    pool.ready.append(warm)
+    try:
+        assert pool.admit("job-a") == [warm.proc.pid]  # nothing ran beside it yet: job-a's now
+        assert warm.job == "job-a"
+        assert pool.admit("job-a") == [warm.proc.pid]
+        assert pool.admit("job-b") == []  # job-a's ranks could have tampered with it
+        assert await asyncio.wait_for(warm.proc.wait(), 10) == -9
+    finally:
+        await pool.stop()
+        if warm.proc.returncode is None:
+            warm.proc.kill()
+            await warm.proc.wait()

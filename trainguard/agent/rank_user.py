@@ -1,0 +1,262 @@
+"""The Unix user a machine's ranks run as, and what that user may reach on the machine.
+
+A user's script runs on a machine whose agent holds the cluster's keys (S3, Temporal). With a
+rank user (the agent's ``--rank-user``: one per pool, every agent of the pool started with it)
+the agent, root, starts every rank as that user, with no supplementary group: it cannot read
+the agent's ``/proc/<pid>/environ`` (another user's process) nor a credential file (0600, the
+agent's), and its environment holds none (``trainguard.runtime.env.inheritable_environ``).
+
+What a rank may write, it owns; everything else of the machine's is root's. Every job's files
+sit behind a gate, ``jobs/<job>`` owned by root: mode 0711 while that job runs here, 0700
+otherwise, so a rank never reaches what another job left on the machine (its snapshots, its
+script's checkpoints, its output). Every job of a pool runs as the same user, so before a job's
+gate opens the processes that user still runs here, other than live ranks, are killed: what an
+earlier job left behind (a daemon that left its process group) would otherwise read the new
+job's files as their owner (``activities/isolation.py`` does this for each session).
+
+Without a rank user ranks run as the agent's own user, as before (a deployment that cannot
+switch users isolates ranks in a container of their own: docs/deploy.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import signal
+import stat
+import struct
+import subprocess
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+# A job's gate while its ranks run here (traversable, not listable) and otherwise (root's only).
+GATE_OPEN = 0o711
+GATE_SHUT = 0o700
+# How often a sweep looks again for processes a fork raced past its kill.
+SWEEP_ROUNDS = 5
+TEST = shutil.which("test") or "/usr/bin/test"
+
+
+class RankUserError(RuntimeError):
+    """The rank user cannot be used as configured; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class RankUser:
+    name: str
+    uid: int
+    gid: int
+
+    @classmethod
+    def lookup(cls, name: str) -> RankUser:
+        try:
+            pw = pwd.getpwnam(name)
+        except KeyError:
+            raise RankUserError(f"--rank-user: no user {name!r} on this machine") from None
+        if pw.pw_uid == 0:
+            raise RankUserError(f"--rank-user: {name!r} is root; ranks need an unprivileged user")
+        if os.geteuid() != 0:
+            raise RankUserError(
+                f"--rank-user: starting ranks as {name!r} needs root (the agent runs as uid {os.geteuid()})"
+            )
+        return cls(name=name, uid=pw.pw_uid, gid=pw.pw_gid)
+
+    def spawn_kwargs(self) -> dict[str, object]:
+        """``subprocess``'s arguments that start a child as this user, root's groups dropped."""
+        return {"user": self.uid, "group": self.gid, "extra_groups": []}
+
+    def environ(self, home: Path, tmp: Path) -> dict[str, str]:
+        """Who the rank is, with a home and a temp dir of its job's own: Python's user site,
+        torch's compile caches and pip's cache live there, where no other job plants a file."""
+        return {"USER": self.name, "LOGNAME": self.name, "HOME": str(home), "TMPDIR": str(tmp)}
+
+    def own(self, path: Path) -> None:
+        """Hand ``path`` (not a link's target) to this user."""
+        os.chown(path, self.uid, self.gid, follow_symlinks=False)
+
+    def own_tree(self, path: Path, below: Path) -> None:
+        """Hand ``path`` and its directories up to (not including) ``below`` to this user: a file
+        the agent wrote where a rank must be able to replace it (a restored checkpoint)."""
+        here = path
+        while here != below and below in here.parents:
+            self.own(here)
+            here = here.parent
+
+    def private_dir(self, path: Path) -> Path:
+        """``path`` created if missing, owned by this user, mode 0700."""
+        path.mkdir(parents=True, exist_ok=True)
+        self.own(path)
+        path.chmod(0o700)
+        return path
+
+    def can(self, path: Path, *tests: str) -> bool:
+        """Whether ``test <tests> path`` holds for this user (``-x``: enter, ``-w``: write), asked
+        of the kernel as this user: mode bits, ACLs and every directory on the way."""
+        argv = [TEST]
+        for t in tests:
+            argv += [*(["-a"] if len(argv) > 1 else []), t, str(path)]
+        done = subprocess.run(argv, timeout=10, **self.spawn_kwargs())  # type: ignore[call-overload]
+        return done.returncode == 0
+
+    def can_write(self, path: Path) -> bool:
+        """Whether this user may create files in the directory ``path``."""
+        return self.can(path, "-w", "-x")
+
+
+def reachable(path: Path, user: RankUser) -> Path | None:
+    """None when ``user`` can enter every directory down to ``path``; else the first that stops it."""
+    if user.can(path, "-x"):
+        return None
+    for d in [*reversed(path.parents), path]:
+        if not user.can(d, "-x"):
+            return d
+    return None
+
+
+# posix_acl_xattr (linux/posix_acl_xattr.h): a version, then (tag, perm, id) entries by tag and id.
+_ACL_XATTR = "system.posix_acl_access"
+_ACL_VERSION = 2
+_USER_OBJ, _USER, _GROUP_OBJ, _GROUP, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
+_ENTRY = struct.Struct("<HHI")
+_NOID = 0xFFFFFFFF  # the id of an entry that names nobody (owner, owning group, mask, other)
+
+
+def let_through(user: RankUser, path: Path) -> list[Path]:
+    """Let ``user`` enter every directory down to ``path`` that stops it, by an ACL entry naming
+    that user alone (execute: enter, not list): a Python under root's home, say, which the
+    ranks must run. Returns the directories changed. The local stack and tests only."""
+    changed = []
+    for d in [*reversed(path.parents), *([path] if path.is_dir() else [])]:
+        if user.can(d, "-x"):
+            continue
+        _add_acl_entry(d, user.uid, 0o1)
+        changed.append(d)
+    return changed
+
+
+def _add_acl_entry(path: Path, uid: int, perm: int) -> None:
+    mode = stat.S_IMODE(path.stat().st_mode)
+    try:
+        data = os.getxattr(path, _ACL_XATTR)
+        entries = [_ENTRY.unpack_from(data, at) for at in range(4, len(data), _ENTRY.size)]
+    except OSError:  # none yet: the one the mode bits stand for
+        entries = [
+            (_USER_OBJ, mode >> 6 & 7, _NOID),
+            (_GROUP_OBJ, mode >> 3 & 7, _NOID),
+            (_OTHER, mode & 7, _NOID),
+        ]
+    named = {(t, i): p for t, p, i in entries if t in (_USER, _GROUP)}
+    named[(_USER, uid)] = named.get((_USER, uid), 0) | perm
+    plain = {t: p for t, p, _ in entries if t in (_USER_OBJ, _GROUP_OBJ, _OTHER)}
+    # The mask bounds every named entry and the owning group: their union, so none loses a right.
+    mask = plain[_GROUP_OBJ]
+    for p in named.values():
+        mask |= p
+    out = [(t, plain[t], _NOID) for t in (_USER_OBJ, _GROUP_OBJ, _OTHER)] + [(_MASK, mask, _NOID)]
+    out = sorted(out + [(t, p, i) for (t, i), p in named.items()], key=lambda e: (e[0], e[2]))
+    os.setxattr(path, _ACL_XATTR, struct.pack("<I", _ACL_VERSION) + b"".join(_ENTRY.pack(*e) for e in out))
+
+
+def gate(path: Path, open_: bool) -> None:
+    """A job's gate directory, root's: open (0711) while its ranks run here, else shut (0700)."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chown(path, 0, 0)
+    path.chmod(GATE_OPEN if open_ else GATE_SHUT)
+
+
+def shared_dir(path: Path) -> Path:
+    """A root directory ranks pass through but cannot list or write: 0711."""
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(GATE_OPEN)
+    return path
+
+
+def processes_of(user: RankUser) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["uids"]):
+        uids = p.info.get("uids")
+        if uids is not None and user.uid in (uids.real, uids.effective):
+            out.append(p)
+    return out
+
+
+def sweep(user: RankUser, keep_groups: Iterable[int]) -> list[int]:
+    """Kill every process of ``user`` outside the process groups ``keep_groups`` (live ranks,
+    warm processes); returns the pids killed. Looked for again a few times: a process forking
+    as it is killed leaves a child the first look did not see."""
+    keep = set(keep_groups)
+    killed: list[int] = []
+    for _ in range(SWEEP_ROUNDS):
+        strays = []
+        for p in processes_of(user):
+            with contextlib.suppress(psutil.Error):
+                if os.getpgid(p.pid) not in keep:
+                    strays.append(p)
+        if not strays:
+            break
+        for p in strays:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+            killed.append(p.pid)
+        _wait_gone(strays, 2.0)
+    return killed
+
+
+def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> None:
+    """Until each of ``procs`` is gone or a zombie, without reaping one: a child of the agent's
+    (a warm process) is reaped by whoever started it."""
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        while time.monotonic() < deadline:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.Error:
+                break
+            time.sleep(0.01)
+
+
+def ensure_user(name: str) -> RankUser:
+    """The rank user, created when missing (the local stack and the tests, as root): a system
+    user with no home, no login shell and a group of its own."""
+    if not _exists(name):
+        done = subprocess.run(
+            ["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent",
+             "--shell", "/usr/sbin/nologin", name],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )  # fmt: skip
+        # Two stacks starting at once: the other one created it first.
+        if done.returncode not in (0, 9):
+            raise RankUserError(f"--rank-user: could not create user {name!r}: {done.stderr.strip()}")
+        deadline = time.monotonic() + 5.0
+        while not _exists(name) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return RankUser.lookup(name)
+
+
+def _exists(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
+def readable_by_others(paths: Iterable[Path]) -> list[str]:
+    """Those of ``paths`` (credential files) that a user other than their owner may read, as
+    ``'<path> (mode 0644)'``: a rank could read them."""
+    out = []
+    for path in paths:
+        with contextlib.suppress(OSError):
+            mode = stat.S_IMODE(path.stat().st_mode)
+            if mode & 0o044:
+                out.append(f"{path} (mode {mode:04o})")
+    return out
