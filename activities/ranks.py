@@ -36,7 +36,7 @@ from trainguard.domain.messages import (
     StopRanksInput,
 )
 from trainguard.domain.policy import SETUP_KIND
-from trainguard.services.storage import S3Store
+from trainguard.services.storage import JobStores
 
 HEARTBEAT_EVERY = timedelta(seconds=2)
 # How long ranks keep running with no activity attached (covers continue-as-new).
@@ -48,7 +48,7 @@ class RankActivities:
     def __init__(
         self,
         client: Client,
-        store: S3Store,
+        stores: JobStores,
         workdir: Path,
         code_dir: Path,
         host: str,
@@ -72,7 +72,7 @@ class RankActivities:
         self.client = client
         self.health = health
         self.drills = drills
-        self.store = store
+        self.stores = stores  # each job's files through its own credentials
         self.workdir = workdir
         self.code_dir = code_dir
         self.host = host
@@ -114,11 +114,12 @@ class RankActivities:
                 return self._stopped_result(inp)
             await self.sessions.stop_older(inp.job_id, inp.attempt, inp.chain)
             send = discard if inp.dry_run else to_workflow(self.client, inp.workflow_id)
+            store = await asyncio.to_thread(self.stores.for_job, inp.job_id, inp.ckpt_prefix)
             sess = RankSession(
                 inp,
                 self.workdir,
                 self.code_dir,
-                self.store,
+                store,
                 send,
                 self.health,
                 self.drills,

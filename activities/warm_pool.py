@@ -107,8 +107,7 @@ class WarmPool:
                 pass_fds=(w_fd,),
                 env=self.env,
                 start_new_session=True,
-                preexec_fn=self.preexec,
-                **(self.user.spawn_kwargs() if self.user is not None else {}),  # type: ignore[arg-type]
+                preexec_fn=self.preexec,  # as a rank: the rank user's (rank_preexec)
             )
         except BaseException:
             os.close(r_fd)

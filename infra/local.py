@@ -30,7 +30,7 @@ from pathlib import Path
 from infra import netns as netns_mod
 from infra.netns import NetnsPlan
 from infra.processes import wait_for
-from infra.stack import Stack, StackConfig, addresses, client_env
+from infra.stack import Stack, StackConfig, addresses, agent_env, client_env
 from trainguard.agent.ports import LOOPBACK, port_is_free
 from trainguard.agent.rank_user import RankUser, RankUserError, ensure_user, let_through
 from trainguard.client import TrainguardClient
@@ -90,7 +90,13 @@ def start_agent(
     ]
     if stack.config.rank_user:
         argv += ["--rank-user", stack.config.rank_user, "--rank-dir", str(stack.config.ranks_dir / name)]
-    env = {**process_env(stack.config), **release_env(release)}
+        if plan is None:  # on loopback, the ranks' own: see netns.ranks_namespace
+            argv += ["--rank-netns", str(netns_mod.ranks_namespace(stack.config.state_dir))]
+    # An earlier release's agent knows no job role: it keeps the stack's own credentials.
+    own = agent_env(stack.config) if release is None else {}
+    env = {**process_env(stack.config), **own, **release_env(release)}
+    if stack.config.rank_user and plan is None:
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks' namespace has no other interface
     if plan is not None:
         env.update(netns_env(stack.config, plan))
         node = plan.node(name)
@@ -102,9 +108,8 @@ def start_agent(
 
 
 def netns_env(cfg: StackConfig, plan: NetnsPlan) -> dict[str, str]:
-    """client_env as seen from inside a namespace: the servers through the relay on the bridge."""
+    """Where an agent inside a namespace finds the servers: through the relay on the bridge."""
     return {
-        **client_env(cfg),
         "TRAINGUARD_TEMPORAL_ADDRESS": f"{plan.bridge_ip}:{cfg.temporal_port}",
         "TRAINGUARD_S3_ENDPOINT": f"http://{plan.bridge_ip}:{cfg.s3_port}",
     }
@@ -240,6 +245,8 @@ def bring_down(state_dir: Path) -> list[str]:
     stopped = stack.down() if stack is not None else []
     if stack is not None:
         shutil.rmtree(stack.config.ranks_dir, ignore_errors=True)
+        if stack.config.rank_user:
+            netns_mod.remove_ranks_namespace(state_dir)
     # The agents' memory snapshots may live outside the state dir (tmpfs).
     for record in (state_dir / "nodes").glob("*/memory_dir"):
         with contextlib.suppress(OSError):

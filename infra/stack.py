@@ -10,6 +10,7 @@ its own record holds, never anything found by name.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import json
@@ -114,6 +115,11 @@ class StackConfig(BaseModel):
     ui_codec_endpoint: str | None = None
     access_key: str = Field(default_factory=_access_key)
     secret_key: SecretStr = Field(default_factory=_secret_key)
+    # The agents' own S3 identity: no right but assuming the job role (s3_identities).
+    agent_access_key: str = Field(default_factory=_access_key)
+    agent_secret_key: SecretStr = Field(default_factory=_secret_key)
+    # Signs the job credentials SeaweedFS's STS hands out (iam.json).
+    sts_signing_key: SecretStr = Field(default_factory=lambda: SecretStr(secrets.token_urlsafe(32)))
 
     _PORT_FIELDS: ClassVar[tuple[str, ...]] = (
         "temporal_port",
@@ -208,9 +214,10 @@ class StackConfig(BaseModel):
         return Path(tempfile.gettempdir()) / "trainguard-ranks" / tag
 
     def to_json_dict(self) -> dict[str, Any]:
-        """The persisted form: unlike model_dump, it holds the real secret key."""
+        """The persisted form: unlike model_dump, it holds the real secret keys."""
         data = self.model_dump(mode="json")
-        data["secret_key"] = self.secret_key.get_secret_value()
+        for name in ("secret_key", "agent_secret_key", "sts_signing_key"):
+            data[name] = getattr(self, name).get_secret_value()
         return data
 
 
@@ -238,6 +245,23 @@ def client_env(config: StackConfig) -> dict[str, str]:
         "AWS_ACCESS_KEY_ID": config.access_key,
         "AWS_SECRET_ACCESS_KEY": config.secret_key.get_secret_value(),
         "AWS_DEFAULT_REGION": _S3_REGION,
+    }
+
+
+# The role every agent assumes per job, its rights cut down to that job's prefixes
+# (trainguard.services.storage.JobStores); the agents' identity may assume it, nothing more.
+JOB_ROLE = "arn:aws:iam::role/TrainguardJob"
+AGENT_IDENTITY = "trainguard-agent"
+
+
+def agent_env(config: StackConfig) -> dict[str, str]:
+    """client_env for a node agent: its own S3 identity, which reaches a job's files only through
+    the job role, scoped to that job."""
+    return {
+        **client_env(config),
+        "AWS_ACCESS_KEY_ID": config.agent_access_key,
+        "AWS_SECRET_ACCESS_KEY": config.agent_secret_key.get_secret_value(),
+        "TRAINGUARD_S3_JOB_ROLE": JOB_ROLE,
     }
 
 
@@ -324,6 +348,7 @@ def seaweed_argv(config: StackConfig, binary: str | None = None) -> list[str]:
         "-s3.port.iceberg", str(config.iceberg_port),
         "-s3.port.lance", str(config.lance_port),
         "-s3.config", str(config.state_dir / "s3.json"),
+        "-s3.iam.config", str(config.state_dir / "iam.json"),
     ]  # fmt: skip
 
 
@@ -345,8 +370,9 @@ def _seaweed_sockets(config: StackConfig) -> list[Path]:
 
 
 def s3_identities(config: StackConfig) -> dict[str, Any]:
-    """SeaweedFS S3 identity file: one identity; no anonymous identity, so unsigned
-    requests are refused."""
+    """SeaweedFS S3 identity file: the stack's own identity (controllers, the CLI: every
+    bucket), and the agents', with no right of its own (each job's files go through the job
+    role, iam_config). No anonymous identity, so unsigned requests are refused."""
     return {
         "identities": [
             {
@@ -358,8 +384,59 @@ def s3_identities(config: StackConfig) -> dict[str, Any]:
                     }
                 ],
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-            }
+            },
+            {
+                "name": AGENT_IDENTITY,
+                "credentials": [
+                    {
+                        "accessKey": config.agent_access_key,
+                        "secretKey": config.agent_secret_key.get_secret_value(),
+                    }
+                ],
+                "actions": [],
+            },
         ]
+    }
+
+
+def iam_config(config: StackConfig) -> dict[str, Any]:
+    """SeaweedFS's STS and IAM roles (``-s3.iam.config``): the job role, which only the agents'
+    identity may assume, with every object of the bucket as its most; each assumption cuts it
+    down to one job's prefixes (its session policy). Denied unless allowed."""
+    objects = {
+        "Effect": "Allow",
+        "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+        "Resource": [f"arn:aws:s3:::{config.bucket}/*"],
+    }
+    listing = {"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": [f"arn:aws:s3:::{config.bucket}"]}
+    trust = {
+        "Effect": "Allow",
+        "Principal": {"AWS": f"arn:aws:iam::000000000000:user/{AGENT_IDENTITY}"},
+        "Action": ["sts:AssumeRole"],
+    }
+    signing = base64.b64encode(config.sts_signing_key.get_secret_value().encode()).decode()
+    return {
+        "sts": {
+            "tokenDuration": "1h",
+            "maxSessionLength": "12h",
+            "issuer": "trainguard-stack",
+            "signingKey": signing,
+        },
+        "policy": {"defaultEffect": "Deny"},
+        "roles": [
+            {
+                "roleName": JOB_ROLE.rsplit("/", 1)[1],
+                "roleArn": JOB_ROLE,
+                "trustPolicy": {"Version": "2012-10-17", "Statement": [trust]},
+                "attachedPolicies": ["TrainguardJobObjects"],
+            }
+        ],
+        "policies": [
+            {
+                "name": "TrainguardJobObjects",
+                "document": {"Version": "2012-10-17", "Statement": [objects, listing]},
+            }
+        ],
     }
 
 
@@ -584,6 +661,7 @@ class Stack:
             self._check_ports_free(SEAWEEDFS, weed_ports)
             (cfg.state_dir / "seaweed").mkdir(exist_ok=True)
             write_private(cfg.state_dir / "s3.json", json.dumps(s3_identities(cfg), indent=2))
+            write_private(cfg.state_dir / "iam.json", json.dumps(iam_config(cfg), indent=2))
             self._spawn(SEAWEEDFS, seaweed_argv(cfg), None, cfg.state_dir)
 
         ready: dict[str, float] = {}

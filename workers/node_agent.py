@@ -55,7 +55,7 @@ from trainguard.domain.fencing import HEARTBEAT_THROTTLE_S
 from trainguard.domain.messages import NODE_NAME_RE, NodeInfo, node_queue
 from trainguard.services import pool_client, telemetry
 from trainguard.services.settings import Settings
-from trainguard.services.storage import S3Store
+from trainguard.services.storage import JobStores
 from trainguard.services.temporal import connect
 from workers.common import add_metrics_port, run_until_signalled, setup_logging, start_metrics
 from workers.memory_trace import trace_memory_if_asked
@@ -127,17 +127,17 @@ async def main(
     sessions = Sessions()
     health = HealthMonitor(probes(name, [workdir, memory_dir], drills, gpus, sessions.rank_pids, nic))
     health.start()
-    store = S3Store(settings)
-    warm = WarmPool(warm_ranks, workdir / "warm", functools.partial(rank_preexec, rank_nice), user=user)
+    stores = JobStores(settings)  # each job's files through credentials of its own
+    warm = WarmPool(warm_ranks, workdir / "warm", functools.partial(rank_preexec, rank_nice, user), user=user)
     isolation = RankIsolation(user, rank_dir, memory_dir, sessions, warm)
     await isolation.startup()  # before the warm processes: it kills every process of the rank user
     warm.start()
-    logs = LogActivities(name, store, sessions)
+    logs = LogActivities(name, stores, sessions)
     ranks = RankActivities(
-        client, store, rank_dir, code_dir, host, health, drills, sessions, logs,
+        client, stores, rank_dir, code_dir, host, health, drills, sessions, logs,
         rank_nice=rank_nice, node_name=name, memory_dir=memory_dir, warm=warm, user=user, isolation=isolation,
     )  # fmt: skip
-    stacks = StackActivities(store, name, sessions)
+    stacks = StackActivities(node_name=name, sessions=sessions, stores=stores)
     diagnostics = DiagnosticActivities(name, health, drills)
     worker = Worker(
         client,
@@ -268,6 +268,12 @@ def cli() -> None:
         help="start ranks as this unprivileged user (root only; one per pool; default TRAINGUARD_RANK_USER)",
     )
     parser.add_argument(
+        "--rank-netns",
+        type=Path,
+        default=None,
+        help="with --rank-user: a network namespace (a path such as /run/netns/NAME) to start ranks in",
+    )
+    parser.add_argument(
         "--rank-dir",
         type=Path,
         default=None,
@@ -285,7 +291,7 @@ def cli() -> None:
     user = None
     try:
         if args.rank_user:
-            user = RankUser.lookup(args.rank_user)
+            user = RankUser.lookup(args.rank_user, args.rank_netns)
             exposed = readable_by_others(credential_files(Settings.load()))
             if exposed:
                 raise RankUserError(f"credentials the ranks could read: {', '.join(exposed)}; chmod 600")

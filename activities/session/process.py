@@ -24,7 +24,7 @@ import psutil
 from activities.drills import DrillState
 from activities.session.state import SessionState
 from activities.warm_pool import WarmPool
-from trainguard.agent.rank_user import reachable, shared_dir
+from trainguard.agent.rank_user import RankUser, reachable, shared_dir, swappable
 from trainguard.domain.messages import RankExit
 from trainguard.runtime.env import RankEnv, inheritable_environ
 from trainguard.runtime.launch import __file__ as LAUNCHER
@@ -48,9 +48,12 @@ class SetupProblem(RuntimeError):
     checkpoint directory that cannot be written. No restart changes it."""
 
 
-def rank_preexec(nice: int) -> None:
-    """In the child: get SIGKILL if the agent dies, so ranks never run unsupervised; and
-    optionally yield the CPU to the agent and controller (stacks that share a host)."""
+def rank_preexec(nice: int, user: RankUser | None = None) -> None:
+    """In the child: become the rank user (``trainguard.agent.rank_user``); get SIGKILL if the
+    agent dies, so ranks never run unsupervised (set after the user changed, which clears it);
+    and optionally yield the CPU to the agent and controller (stacks that share a host)."""
+    if user is not None:
+        user.become()
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if nice:
@@ -193,14 +196,23 @@ class RankProcesses:
         if d.is_relative_to(s.job_dir):
             user.private_dir(d)
             return
-        for parent in d.parents:
-            if user.can_write(parent) or (parent.exists() and parent.stat().st_uid == user.uid):
-                raise SetupProblem(
-                    f"checkpoint dir {d}: user {user.name} can change {parent} {where}; "
-                    "use a directory below root's own, or a relative checkpoint_dir"
-                )
+        # Vetted before anything is made: root must never create (and hand over) a directory
+        # through a link the rank user planted on the way.
+        open_to = swappable(d, user)
+        if open_to is not None:
+            raise SetupProblem(
+                f"checkpoint dir {d}: user {user.name} can replace what is in {open_to} {where}; "
+                "use a directory below root's own, or a relative checkpoint_dir"
+            )
+        if not d.parent.is_dir():
+            raise SetupProblem(f"checkpoint dir {d}: {d.parent} does not exist {where}")
         if not d.exists():
-            d.mkdir(parents=True)
+            try:
+                d.mkdir()
+            except OSError as exc:
+                raise SetupProblem(
+                    f"checkpoint dir {d} cannot be written {where}: {exc.strerror or exc}"
+                ) from None
             user.own(d)
         if not user.can_write(d):
             raise SetupProblem(f"checkpoint dir {d} cannot be written by user {user.name} {where}")
@@ -309,8 +321,7 @@ class RankProcesses:
                 stderr=err,
                 pass_fds=(w_fd,),
                 start_new_session=True,  # its own process group: killpg reaches its children
-                preexec_fn=functools.partial(rank_preexec, self.rank_nice),
-                **(s.user.spawn_kwargs() if s.user is not None else {}),  # type: ignore[arg-type]
+                preexec_fn=functools.partial(rank_preexec, self.rank_nice, s.user),
             )
         finally:
             os.close(w_fd)

@@ -4,19 +4,24 @@ of the local stack's rank user (root creates it; elsewhere these tests are skipp
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from activities.isolation import RankIsolation
 from activities.session import Sessions
+from activities.session.process import rank_preexec
 from activities.warm_pool import WarmPool
+from infra import netns
 from infra.local import rank_user_ready
 from infra.stack import RANK_USER
 from trainguard.agent.rank_files import RankFiles, UnsafeRankFile
@@ -132,10 +137,12 @@ async def test_admitting_a_job_opens_its_gates_only_and_ends_what_the_user_left_
 
 
 async def test_warm_processes_another_job_ran_beside_are_retired(user: RankUser, tmp_path: Path) -> None:
-    pool = WarmPool(1, tmp_path / "warm", lambda: None, refill_delay_s=3600.0, user=user)
+    preexec = functools.partial(rank_preexec, 0, user)
+    pool = WarmPool(1, tmp_path / "warm", preexec, refill_delay_s=3600.0, user=user)
     warm = await pool._spawn()
     pool.ready.append(warm)
     try:
+        assert psutil.Process(warm.proc.pid).uids().real == user.uid
         assert pool.admit("job-a") == [warm.proc.pid]  # nothing ran beside it yet: job-a's now
         assert warm.job == "job-a"
         assert pool.admit("job-a") == [warm.proc.pid]
@@ -146,3 +153,34 @@ async def test_warm_processes_another_job_ran_beside_are_retired(user: RankUser,
         if warm.proc.returncode is None:
             warm.proc.kill()
             await warm.proc.wait()
+
+
+def test_a_rank_in_the_ranks_namespace_reaches_no_server_of_the_host(
+    user: RankUser, shared_tmp: Path
+) -> None:
+    """The local stack's ranks have a loopback of their own: the servers on the host's are out of
+    reach, while ranks still reach one another."""
+    ns = netns.ranks_namespace(shared_tmp)
+    server = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = server.getsockname()[1]
+        code = (
+            "import socket\n"
+            "try:\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=5); print('reached')\n"
+            "except OSError as e:\n"
+            "    print(type(e).__name__)\n"
+            "s = socket.create_server(('127.0.0.1', 0)); c = socket.create_connection(s.getsockname())\n"
+            "print('own loopback ok')\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            preexec_fn=functools.partial(rank_preexec, 0, RankUser.lookup(user.name, ns)),
+        )
+        assert done.stdout.split() == ["ConnectionRefusedError", "own", "loopback", "ok"], done.stderr
+    finally:
+        server.close()
+        netns.remove_ranks_namespace(shared_tmp)

@@ -21,6 +21,8 @@ switch users isolates ranks in a container of their own: docs/deploy.md).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import itertools
 import os
 import pwd
 import shutil
@@ -41,6 +43,11 @@ GATE_SHUT = 0o700
 # How often a sweep looks again for processes a fork raced past its kill.
 SWEEP_ROUNDS = 5
 TEST = shutil.which("test") or "/usr/bin/test"
+CLONE_NEWNET = 0x40000000
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL("libc.so.6", use_errno=True)
 
 
 class RankUserError(RuntimeError):
@@ -52,9 +59,12 @@ class RankUser:
     name: str
     uid: int
     gid: int
+    # A network namespace ranks run in (the local stack's: a loopback of their own, no route to
+    # the stack's servers, whose dev versions check no credentials); None: the agent's.
+    netns: Path | None = None
 
     @classmethod
-    def lookup(cls, name: str) -> RankUser:
+    def lookup(cls, name: str, netns: Path | None = None) -> RankUser:
         try:
             pw = pwd.getpwnam(name)
         except KeyError:
@@ -65,11 +75,28 @@ class RankUser:
             raise RankUserError(
                 f"--rank-user: starting ranks as {name!r} needs root (the agent runs as uid {os.geteuid()})"
             )
-        return cls(name=name, uid=pw.pw_uid, gid=pw.pw_gid)
+        if netns is not None and not netns.exists():
+            raise RankUserError(f"--rank-netns: no network namespace at {netns}")
+        return cls(name=name, uid=pw.pw_uid, gid=pw.pw_gid, netns=netns)
 
     def spawn_kwargs(self) -> dict[str, object]:
-        """``subprocess``'s arguments that start a child as this user, root's groups dropped."""
+        """``subprocess``'s arguments that start a child as this user, root's groups dropped
+        (the rank namespace aside: ``become`` does both)."""
         return {"user": self.uid, "group": self.gid, "extra_groups": []}
+
+    def become(self) -> None:
+        """In a child, before it runs anything: into the ranks' network namespace (root's right,
+        so first), then this user, with no supplementary group (root's dropped)."""
+        if self.netns is not None:
+            fd = os.open(self.netns, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if _libc().setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns {self.netns}")
+            finally:
+                os.close(fd)
+        os.setgroups([])
+        os.setgid(self.gid)
+        os.setuid(self.uid)
 
     def environ(self, home: Path, tmp: Path) -> dict[str, str]:
         """Who the rank is, with a home and a temp dir of its job's own: Python's user site,
@@ -116,6 +143,23 @@ def reachable(path: Path, user: RankUser) -> Path | None:
     for d in [*reversed(path.parents), path]:
         if not user.can(d, "-x"):
             return d
+    return None
+
+
+def swappable(path: Path, user: RankUser) -> Path | None:
+    """The first directory on the way to ``path`` in which ``user`` could replace the entry that
+    leads on (with a link to elsewhere), or None: one it may write, unless sticky (``/tmp``) with
+    that entry another user's."""
+    way = [*reversed(path.parents), path]
+    for here, next_ in itertools.pairwise(way):
+        if not user.can_write(here):
+            continue
+        try:
+            theirs = next_.lstat().st_uid != user.uid
+        except FileNotFoundError:
+            theirs = False  # the user could make it first
+        if not (here.stat().st_mode & stat.S_ISVTX and theirs):
+            return here
     return None
 
 

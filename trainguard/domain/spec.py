@@ -401,6 +401,10 @@ class JobSpec(_Frozen):
             value = getattr(self, field)
             if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in value):
                 raise FieldProblem(field, "contains control characters")
+        d = self.checkpoint_dir
+        if d is not None and not d.startswith("/") and ".." in d.split("/"):
+            # A relative one is the job's own, in its directory on each machine: never another's.
+            raise FieldProblem("checkpoint_dir", "a relative directory may not climb out ('..')")
         seen: set[str] = set()
         for i, key in enumerate(self.secret_env):
             if key in seen:

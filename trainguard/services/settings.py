@@ -15,6 +15,9 @@ Production Temporal:
 | ``TRAINGUARD_TEMPORAL_TLS_SERVER_NAME`` | name the server certificate is checked against (SNI) |
 | ``TRAINGUARD_TEMPORAL_API_KEY`` | API key (Temporal Cloud), sent as a bearer token |
 | ``TRAINGUARD_POOL`` | the machine pool agents join and jobs take from (default ``trainguard-pool``) |
+| ``TRAINGUARD_S3_JOB_ROLE`` | agents: the role assumed per job, cut to its prefixes (``JobStores``) |
+| ``TRAINGUARD_S3_STS_ENDPOINT`` | where that role is assumed (default: the S3 endpoint; AWS: its own STS) |
+| ``TRAINGUARD_RANK_USER`` | agents: the unprivileged user ranks run as (``--rank-user``) |
 | ``TRAINGUARD_PAYLOAD_KEY`` or ``..._PAYLOAD_KEY_FILE`` | encrypt every payload (``services.codec``) |
 
 Temporal's own environment configuration (``temporalio.envconfig``) is read too: the
@@ -79,6 +82,9 @@ class Settings(BaseModel):
     aws_access_key_id: str | None = None
     # SecretStr: repr, logs and status never show it.
     aws_secret_access_key: SecretStr | None = None
+    # Agents: each job's files go through this role's credentials, scoped to the job's prefixes.
+    s3_job_role: str | None = None
+    s3_sts_endpoint: str | None = None
     state_dir: Path = DEFAULT_STATE_DIR
     # The machine pool (one per cluster or Slurm allocation) that agents join and jobs take from.
     pool: str = POOL_WORKFLOW_ID
@@ -140,6 +146,8 @@ class Settings(BaseModel):
             s3_region=get("AWS_DEFAULT_REGION") or "us-east-1",
             aws_access_key_id=get("AWS_ACCESS_KEY_ID"),
             aws_secret_access_key=secret("AWS_SECRET_ACCESS_KEY"),
+            s3_job_role=get("TRAINGUARD_S3_JOB_ROLE"),
+            s3_sts_endpoint=get("TRAINGUARD_S3_STS_ENDPOINT"),
             state_dir=Path(get("TRAINGUARD_STATE_DIR") or state_dir or DEFAULT_STATE_DIR),
             pool=get("TRAINGUARD_POOL") or POOL_WORKFLOW_ID,
         )
@@ -169,6 +177,8 @@ class Settings(BaseModel):
             ("TRAINGUARD_TEMPORAL_TLS_CA", self.temporal_tls_ca),
             ("TRAINGUARD_TEMPORAL_TLS_SERVER_NAME", self.temporal_tls_server_name),
             ("TRAINGUARD_PAYLOAD_KEY_FILE", self.payload_key_file),
+            ("TRAINGUARD_S3_JOB_ROLE", self.s3_job_role),
+            ("TRAINGUARD_S3_STS_ENDPOINT", self.s3_sts_endpoint),
         ):
             if val:
                 env[key] = val
