@@ -208,7 +208,7 @@ class RankProcesses:
             raise SetupProblem(f"checkpoint dir {d}: {d.parent} does not exist {where}")
         if not d.exists():
             try:
-                d.mkdir()
+                d.mkdir(exist_ok=True)  # the other machines of a shared filesystem make it too
             except OSError as exc:
                 raise SetupProblem(
                     f"checkpoint dir {d} cannot be written {where}: {exc.strerror or exc}"

@@ -6,12 +6,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -34,15 +31,6 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs
 @pytest.fixture(scope="module")
 def user() -> RankUser:
     return rank_user_ready(RANK_USER, REPO)
-
-
-@pytest.fixture
-def shared_tmp() -> Iterator[Path]:
-    """A directory the rank user may enter (pytest's own are root's alone)."""
-    d = Path(tempfile.mkdtemp(prefix="tg-rank-test-"))
-    d.chmod(0o711)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def run_as(user: RankUser, code: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
