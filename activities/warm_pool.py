@@ -142,9 +142,11 @@ class WarmPool:
 
     def admit(self, job: str) -> list[int]:
         """``job``'s ranks are about to start here: retire the processes another job's ran
-        beside; the others are ``job``'s from now on. Returns the pids kept."""
+        beside; the others are ``job``'s from now on. Returns the pids of the processes it
+        started (kept or retired: it waits for each of them itself)."""
+        mine = [w.proc.pid for w in self.ready]
         if self.user is None:
-            return [w.proc.pid for w in self.ready]
+            return mine
         for w in [w for w in self.ready if w.job not in (None, job)]:
             self.ready.remove(w)
             if w.proc.returncode is None:
@@ -155,7 +157,7 @@ class WarmPool:
         for w in self.ready:
             w.job = job
         self._refill(self.refill_delay_s)
-        return [w.proc.pid for w in self.ready]
+        return mine
 
     @staticmethod
     def _close(w: WarmProc) -> None:

@@ -43,14 +43,20 @@ from activities.isolation import RankIsolation
 from activities.rank_logs import LogActivities
 from activities.ranks import RankActivities
 from activities.session import Sessions
-from activities.session.process import rank_preexec
 from activities.stacks import StackActivities
 from activities.warm_pool import WarmPool
 from trainguard.agent.health.events import Probe
 from trainguard.agent.health.host import HostProbe
 from trainguard.agent.health.link import LinkProbe
 from trainguard.agent.health.nvml import NvmlProbe
-from trainguard.agent.rank_user import RankUser, RankUserError, reachable, readable_by_others, shared_dir
+from trainguard.agent.rank_user import (
+    RankUser,
+    RankUserError,
+    rank_preexec,
+    reachable,
+    readable_by_others,
+    shared_dir,
+)
 from trainguard.domain.fencing import HEARTBEAT_THROTTLE_S
 from trainguard.domain.messages import NODE_NAME_RE, NodeInfo, node_queue
 from trainguard.services import pool_client, telemetry
@@ -274,6 +280,13 @@ def cli() -> None:
         help="with --rank-user: a network namespace (a path such as /run/netns/NAME) to start ranks in",
     )
     parser.add_argument(
+        "--rank-host",
+        type=Path,
+        default=None,
+        help="with --rank-user: the socket of a rank host that starts the ranks in a container of "
+        "their own (python -m trainguard.agent.rank_host)",
+    )
+    parser.add_argument(
         "--rank-dir",
         type=Path,
         default=None,
@@ -291,10 +304,12 @@ def cli() -> None:
     user = None
     try:
         if args.rank_user:
-            user = RankUser.lookup(args.rank_user, args.rank_netns)
+            user = RankUser.lookup(args.rank_user, args.rank_netns, args.rank_host)
             exposed = readable_by_others(credential_files(Settings.load()))
             if exposed:
                 raise RankUserError(f"credentials the ranks could read: {', '.join(exposed)}; chmod 600")
+        elif args.rank_host or args.rank_netns:
+            raise RankUserError("--rank-host and --rank-netns need --rank-user")
         workdir.mkdir(parents=True, exist_ok=True)
         rank_dir = prepare_rank_dir(workdir, args.rank_dir or workdir, user)
     except RankUserError as exc:
@@ -310,7 +325,7 @@ def cli() -> None:
             args.gpus,
             args.rank_nice,
             args.nic,
-            args.warm_ranks,
+            0 if args.rank_host else args.warm_ranks,  # a rank host's ranks start cold
             args.pool,
             args.metrics_port,
             user,

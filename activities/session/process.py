@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import functools
 import logging
 import os
@@ -18,13 +17,15 @@ import re
 import signal
 import sys
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 
 from activities.drills import DrillState
 from activities.session.state import SessionState
 from activities.warm_pool import WarmPool
-from trainguard.agent.rank_user import RankUser, reachable, shared_dir, swappable
+from trainguard.agent.rank_host import RemoteRank
+from trainguard.agent.rank_user import rank_preexec, reachable, shared_dir, swappable
 from trainguard.domain.messages import RankExit
 from trainguard.runtime.env import RankEnv, inheritable_environ
 from trainguard.runtime.launch import __file__ as LAUNCHER
@@ -46,18 +47,6 @@ EXIT_CPU_ALIVE_S = 1.0
 class SetupProblem(RuntimeError):
     """The job cannot start on this machine as specified: a missing script or workdir, a
     checkpoint directory that cannot be written. No restart changes it."""
-
-
-def rank_preexec(nice: int, user: RankUser | None = None) -> None:
-    """In the child: become the rank user (``trainguard.agent.rank_user``); get SIGKILL if the
-    agent dies, so ranks never run unsupervised (set after the user changed, which clears it);
-    and optionally yield the CPU to the agent and controller (stacks that share a host)."""
-    if user is not None:
-        user.become()
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if nice:
-        os.nice(nice)
 
 
 def resolve_argv(argv: list[str]) -> list[str]:
@@ -105,7 +94,20 @@ def tree_cpu_s(pid: int) -> float:
     return total
 
 
-async def stop_groups(procs: list[asyncio.subprocess.Process]) -> None:
+class RankProcess(Protocol):
+    """A rank's process as the session uses it: a child of the agent's, or one a rank host
+    started (``trainguard.agent.rank_host.RemoteRank``)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+
+async def stop_groups(procs: list[RankProcess]) -> None:
     """SIGTERM the process groups of ``procs`` still running, SIGKILL what is left after a grace."""
     live = [p for p in procs if p.returncode is None]
     for p in live:
@@ -130,7 +132,7 @@ class RankProcesses:
         self.warm = warm
         self.rank_nice = rank_nice
         self.warm_started = 0  # ranks of this attempt that took a warm process
-        self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.procs: dict[int, RankProcess] = {}
         self.exits: dict[int, RankExit] = {}
         self.we_killed: set[int] = set()
         self.exiting: set[int] = set()  # ranks whose launcher said their script is over
@@ -217,9 +219,13 @@ class RankProcesses:
         if not user.can_write(d):
             raise SetupProblem(f"checkpoint dir {d} cannot be written by user {user.name} {where}")
 
-    def rank_env(self, local_rank: int, rank: int, report_fd: int) -> dict[str, str]:
+    def rank_env(
+        self, local_rank: int, rank: int, report_fd: int, base: dict[str, str] | None = None
+    ) -> dict[str, str]:
+        """``base``: what the rank's environment starts from (default: the agent's, less what
+        is its own)."""
         s, spec = self.s, self.s.spec
-        env = inheritable_environ()
+        env = inheritable_environ() if base is None else dict(base)
         if spec.ranks_per_node > 1 and "OMP_NUM_THREADS" not in env:
             # As torchrun does for several processes per machine (the job's env may set it).
             env["OMP_NUM_THREADS"] = "1"
@@ -311,7 +317,16 @@ class RankProcesses:
         r_fd, w_fd = os.pipe()
         out = out_path.open("ab")
         err = err_path.open("ab")
+        host = s.user.host if s.user is not None else None
         try:
+            if host is not None:  # started in the ranks' own container, from its environment
+                env = self.rank_env(local_rank, rank, w_fd, base={})
+                fds = (out.fileno(), err.fileno(), w_fd)
+                remote = await RemoteRank.start(
+                    host, through_launcher(argv), env, str(s.workdir), fds, self.rank_nice
+                )
+                self.procs[rank] = remote
+                return r_fd
             proc = await asyncio.create_subprocess_exec(
                 *through_launcher(argv),
                 cwd=str(s.workdir),

@@ -93,12 +93,19 @@ def read_agent_files(files: list[Path]) -> None:
         d / n for d in state_dirs for n in ("stack.json", "s3.json", "iam.json", "temporal.sqlite")
     ]
     for f in candidates:
-        if f.is_dir() or str(f).endswith("ranks"):
+        if _is_dir(f):
             attempt(f"list {f}", lambda f=f: os.listdir(f))
             continue
         data = attempt(f"read {f}", lambda f=f: f.read_bytes()[: 1 << 20])
         if data and any(m.encode() in data for m in MARKERS):
             report["found"].append(f"credentials in {f}")
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # a directory on the way it may not enter
+        return False
 
 
 def other_jobs_local(victim: str, ckpt_dir: Path, snapshots: Path) -> None:

@@ -16,13 +16,13 @@ import pytest
 
 from activities.isolation import RankIsolation
 from activities.session import Sessions
-from activities.session.process import rank_preexec
 from activities.warm_pool import WarmPool
 from infra import netns
 from infra.local import rank_user_ready
 from infra.stack import RANK_USER
 from trainguard.agent.rank_files import RankFiles, UnsafeRankFile
-from trainguard.agent.rank_user import GATE_OPEN, GATE_SHUT, RankUser, processes_of, reachable
+from trainguard.agent.rank_host import RemoteRank, host_process
+from trainguard.agent.rank_user import GATE_OPEN, GATE_SHUT, RankUser, leftovers, rank_preexec, reachable
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
@@ -111,10 +111,10 @@ async def test_admitting_a_job_opens_its_gates_only_and_ends_what_the_user_left_
         **user.spawn_kwargs(),  # type: ignore[arg-type]
     )
     try:
-        assert leftover.pid in {p.pid for p in processes_of(user)}
+        assert leftover.pid in {p.pid for p in leftovers(user, [], os.getpid())}
         isolation = RankIsolation(user, rank_dir, memory, Sessions())
         await isolation.admit("new-job")
-        assert leftover.wait(timeout=5) == -9  # killed, left for its parent to reap
+        assert not psutil.pid_exists(leftover.pid)  # killed, and reaped by its parent
     finally:
         leftover.kill()
     for jobs in (rank_dir / "jobs", memory / "jobs"):
@@ -134,7 +134,8 @@ async def test_warm_processes_another_job_ran_beside_are_retired(user: RankUser,
         assert pool.admit("job-a") == [warm.proc.pid]  # nothing ran beside it yet: job-a's now
         assert warm.job == "job-a"
         assert pool.admit("job-a") == [warm.proc.pid]
-        assert pool.admit("job-b") == []  # job-a's ranks could have tampered with it
+        # job-a's ranks could have tampered with it: retired, and still the pool's to reap
+        assert pool.admit("job-b") == [warm.proc.pid] and warm not in pool.ready
         assert await asyncio.wait_for(warm.proc.wait(), 10) == -9
     finally:
         await pool.stop()
@@ -172,3 +173,53 @@ def test_a_rank_in_the_ranks_namespace_reaches_no_server_of_the_host(
     finally:
         server.close()
         netns.remove_ranks_namespace(shared_tmp)
+
+
+async def test_a_rank_host_starts_ranks_as_its_user_and_ends_them_with_their_agent(
+    user: RankUser, shared_tmp: Path
+) -> None:
+    """The ranks' own container: the rank host starts each rank the agent asks for, with the
+    agent's descriptors for its output and reports, says its exit, and kills it when the agent's
+    connection goes."""
+    sock = user.private_dir(shared_tmp / "run") / "ranks.sock"  # the ranks' container's volume
+    host = subprocess.Popen(
+        [sys.executable, "-m", "trainguard.agent.rank_host", "--socket", str(sock)],
+        cwd=REPO,
+        preexec_fn=functools.partial(rank_preexec, 0, user),
+    )
+    try:
+        for _ in range(600):  # its interpreter starting on a loaded machine
+            if sock.exists():
+                break
+            await asyncio.sleep(0.05)
+        assert host_process(sock) == (host.pid, user.uid)
+        out = shared_tmp / "out"
+        r, w = os.pipe()
+        code = (
+            "import os, sys\n"
+            "os.write(int(os.environ['TG_REPORT_FD']), b'hi'); print(os.getuid()); sys.exit(3)"
+        )
+        with out.open("wb") as f:
+            rank = await RemoteRank.start(
+                sock, [sys.executable, "-c", code], {}, "/", (f.fileno(), f.fileno(), w), 0
+            )
+        os.close(w)
+        assert await asyncio.wait_for(rank.wait(), 30) == 3 and rank.returncode == 3
+        assert os.read(r, 100) == b"hi" and out.read_text().strip() == str(user.uid)
+        os.close(r)
+
+        sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+        with out.open("wb") as f:
+            killed = await RemoteRank.start(sock, sleeper, {}, "/", (f.fileno(), f.fileno(), f.fileno()), 0)
+            orphan = await RemoteRank.start(sock, sleeper, {}, "/", (f.fileno(), f.fileno(), f.fileno()), 0)
+        os.killpg(killed.pid, 9)  # the agent stops a rank as it stops its own children
+        assert await asyncio.wait_for(killed.wait(), 30) == -9
+        orphan._writer.close()  # the agent is gone
+        for _ in range(200):
+            if not psutil.pid_exists(orphan.pid):
+                break
+            await asyncio.sleep(0.05)
+        assert not psutil.pid_exists(orphan.pid)
+    finally:
+        host.kill()
+        host.wait()

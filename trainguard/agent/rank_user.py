@@ -44,6 +44,7 @@ GATE_SHUT = 0o700
 SWEEP_ROUNDS = 5
 TEST = shutil.which("test") or "/usr/bin/test"
 CLONE_NEWNET = 0x40000000
+PR_SET_CHILD_SUBREAPER = 36
 
 
 def _libc() -> ctypes.CDLL:
@@ -62,9 +63,12 @@ class RankUser:
     # A network namespace ranks run in (the local stack's: a loopback of their own, no route to
     # the stack's servers, whose dev versions check no credentials); None: the agent's.
     netns: Path | None = None
+    # The socket of a rank host (trainguard.agent.rank_host) that starts the ranks, already this
+    # user, in a container of their own; None: the agent starts them.
+    host: Path | None = None
 
     @classmethod
-    def lookup(cls, name: str, netns: Path | None = None) -> RankUser:
+    def lookup(cls, name: str, netns: Path | None = None, host: Path | None = None) -> RankUser:
         try:
             pw = pwd.getpwnam(name)
         except KeyError:
@@ -77,7 +81,7 @@ class RankUser:
             )
         if netns is not None and not netns.exists():
             raise RankUserError(f"--rank-netns: no network namespace at {netns}")
-        return cls(name=name, uid=pw.pw_uid, gid=pw.pw_gid, netns=netns)
+        return cls(name=name, uid=pw.pw_uid, gid=pw.pw_gid, netns=netns, host=host)
 
     def spawn_kwargs(self) -> dict[str, object]:
         """``subprocess``'s arguments that start a child as this user, root's groups dropped
@@ -134,6 +138,18 @@ class RankUser:
     def can_write(self, path: Path) -> bool:
         """Whether this user may create files in the directory ``path``."""
         return self.can(path, "-w", "-x")
+
+
+def rank_preexec(nice: int, user: RankUser | None = None) -> None:
+    """In the child: become the rank user (``trainguard.agent.rank_user``); get SIGKILL if the
+    agent dies, so ranks never run unsupervised (set after the user changed, which clears it);
+    and optionally yield the CPU to the agent and controller (stacks that share a host)."""
+    if user is not None:
+        user.become()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if nice:
+        os.nice(nice)
 
 
 def reachable(path: Path, user: RankUser) -> Path | None:
@@ -221,27 +237,38 @@ def shared_dir(path: Path) -> Path:
     return path
 
 
-def processes_of(user: RankUser) -> list[psutil.Process]:
+def adopt_orphans() -> None:
+    """Make this process (the agent, a rank host) the parent of every orphan among its
+    descendants (PR_SET_CHILD_SUBREAPER): a process a rank left behind stays one of ours, which
+    a sweep finds, and no other machine's on a shared host (the local stack's)."""
+    if _libc().prctl(PR_SET_CHILD_SUBREAPER, 1) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def leftovers(user: RankUser, keep_groups: Iterable[int], below: int) -> list[psutil.Process]:
+    """The processes of ``user`` descended from ``below`` (an agent or rank host that adopts
+    orphans) outside the process groups ``keep_groups``."""
+    keep = set(keep_groups)
     out = []
     for p in psutil.process_iter(["uids"]):
         uids = p.info.get("uids")
-        if uids is not None and user.uid in (uids.real, uids.effective):
-            out.append(p)
+        if uids is None or user.uid not in (uids.real, uids.effective):
+            continue
+        with contextlib.suppress(psutil.Error):
+            if os.getpgid(p.pid) not in keep and below in (q.pid for q in p.parents()):
+                out.append(p)
     return out
 
 
-def sweep(user: RankUser, keep_groups: Iterable[int]) -> list[int]:
-    """Kill every process of ``user`` outside the process groups ``keep_groups`` (live ranks,
-    warm processes); returns the pids killed. Looked for again a few times: a process forking
-    as it is killed leaves a child the first look did not see."""
-    keep = set(keep_groups)
+def sweep(user: RankUser, keep_groups: Iterable[int], below: int | None = None) -> list[int]:
+    """Kill every process of ``user`` below ``below`` (default: this process) outside the
+    process groups ``keep_groups`` (live ranks, warm processes); returns the pids killed. Looked
+    for again a few times: a process forking as it is killed leaves a child the first look did
+    not see. Killed orphans this process adopted are reaped."""
+    below = os.getpid() if below is None else below
     killed: list[int] = []
     for _ in range(SWEEP_ROUNDS):
-        strays = []
-        for p in processes_of(user):
-            with contextlib.suppress(psutil.Error):
-                if os.getpgid(p.pid) not in keep:
-                    strays.append(p)
+        strays = leftovers(user, keep_groups, below)
         if not strays:
             break
         for p in strays:
@@ -253,15 +280,17 @@ def sweep(user: RankUser, keep_groups: Iterable[int]) -> list[int]:
 
 
 def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> None:
-    """Until each of ``procs`` is gone or a zombie, without reaping one: a child of the agent's
-    (a warm process) is reaped by whoever started it."""
+    """Until each of ``procs`` is gone, or a zombie: an orphan adopted by this process is reaped
+    here; a child it started itself (a warm process) is left to whoever waits for it."""
     deadline = time.monotonic() + timeout_s
     for p in procs:
         while time.monotonic() < deadline:
             try:
                 if p.status() == psutil.STATUS_ZOMBIE:
+                    if p.ppid() == os.getpid():
+                        os.waitpid(p.pid, os.WNOHANG)
                     break
-            except psutil.Error:
+            except (psutil.Error, ChildProcessError):
                 break
             time.sleep(0.01)
 
