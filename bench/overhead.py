@@ -69,9 +69,10 @@ from bench.overhead_rank import OUT_ENV  # noqa: E402
 from infra.private_stack import choose, connect, run_bench  # noqa: E402
 from infra.processes import stop_pid  # noqa: E402
 from infra.stack import Stack  # noqa: E402
-from trainguard.domain.spec import JobSpec, env_problem, load_spec, shown  # noqa: E402
+from trainguard.domain.spec import JobSpec, env_problem, shown  # noqa: E402
 from trainguard.face.cli import exit_now  # noqa: E402
 from trainguard.runtime.env import inheritable_environ  # noqa: E402
+from trainguard.services.spec_file import load_spec  # noqa: E402
 
 SCRIPT = "examples/gpt/train.py"
 JOB_YAML = REPO / "examples" / "gpt" / "job.yaml"

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from trainguard.domain import ettr, protection
 from trainguard.domain.code_versions import CodeEvent, CodeRelease, PendingUpdate
 from trainguard.domain.detection import RENDEZVOUS_KIND
+from trainguard.domain.groups import GROUP_SIZE
 from trainguard.domain.messages import (
     POOL_WORKFLOW_ID,
     CheckpointRef,
@@ -40,6 +41,14 @@ def _seen(other: IncidentReport, kind: str) -> str:
     if other.kind == kind == RENDEZVOUS_KIND:
         return f"{other.node}: {other.evidence[:300]}"
     return f"{other.node}: {other.kind}"
+
+
+def _evidence(primary: IncidentReport, others: list[IncidentReport]) -> str:
+    evidence = primary.evidence
+    seen_also = sorted({_seen(o, primary.kind) for o in others if o.node != primary.node})
+    if seen_also:
+        evidence += " | also seen: " + ", ".join(seen_also)
+    return evidence[:2000]
 
 
 class Incident(BaseModel):
@@ -82,10 +91,6 @@ class Incident(BaseModel):
     ) -> Incident:
         """Detected: the report that names the cause, and what the other machines saw."""
         detection_s = round((primary.detected_at - fault_at).total_seconds(), 3) if fault_at else None
-        evidence = primary.evidence
-        seen_also = sorted({_seen(o, primary.kind) for o in others if o.node != primary.node})
-        if seen_also:
-            evidence += " | also seen: " + ", ".join(seen_also)
         return cls(
             id=f"i-{number}",
             kind=primary.kind,
@@ -94,10 +99,15 @@ class Incident(BaseModel):
             detection_s=detection_s,
             suspects=suspects,
             action="reattempt",
-            evidence=evidence[:2000],
+            evidence=_evidence(primary, others),
             attempt=attempt,
             log_uri=primary.log_uri,
         )
+
+    def saw(self, primary: IncidentReport, others: list[IncidentReport]) -> None:
+        """What the other machines saw, once every one answered (a large job decides on the cause
+        its groups named first, before its other machines' results are in)."""
+        self.evidence = _evidence(primary, others)
 
     def facts(self, primary: IncidentReport) -> IncidentFacts:
         """What the decision ladder (``trainguard.domain.policy``) weighs."""
@@ -358,3 +368,5 @@ class JobInput(BaseModel):
     schedule_to_start_s: float = 60.0
     heartbeat_timeout_s: float = 30.0
     pool_retry_s: float = 5.0
+    # A job of more machines runs its ranks through groups of at most this many (workflows.job.group).
+    group_size: int = GROUP_SIZE

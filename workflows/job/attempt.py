@@ -8,17 +8,19 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, CancelledError, TimeoutType
-from temporalio.exceptions import TimeoutError as ActivityTimeout
+from temporalio.exceptions import ActivityError, CancelledError
 
 from trainguard.contract import calls
-from workflows.job import patches
+from workflows.job import fanout, patches
+from workflows.job.grouped import Groups, is_large
 from workflows.job.outcome import (
     AttemptOutcome,
     Handles,
+    Settle,
     cancel_all,
     collect_failure,
     failed,
+    heartbeat_lost,
     hung,
     localize_hang,
     stop_request,
@@ -84,6 +86,9 @@ class Attempt:
         self.progress = progress
         self.stopping = stopping  # the user asked the job to stop
         self.cancelled = cancelled  # ... at once (`cancel`): no wait for the commits in flight
+        self.groups = Groups(inp, s, progress)  # a large job's groups of machines
+        # A large job's failed attempt decided before every machine answered: waits for them.
+        self.settle: Settle | None = None
 
     async def begin(self) -> None:
         """The restore point (memory, a peer's backup or S3) and the rendezvous for a new attempt."""
@@ -98,8 +103,9 @@ class Attempt:
         s.attempt += 1
         s.progress_at_attempt_start = s.ledger.high_water_step
         resume = await latest_checkpoint(s, s.attempt)
+        memory, backups = self.progress.snapshots()
         in_memory = checkpoints.memory_restore_point(
-            s.memory, [n.name for n in s.nodes], spec.ranks_per_node, spec.name, s.max_resume_step, s.backups
+            memory, [n.name for n in s.nodes], spec.ranks_per_node, spec.name, s.max_resume_step, backups
         )
         peers: dict[int, tuple[int, str]] = {}
         if in_memory is not None and (
@@ -171,25 +177,13 @@ class Attempt:
             summary=f"{node.name}: ranks {inp.ranks[0]}-{inp.ranks[-1]} (attempt {inp.attempt})",
         )
 
-    @staticmethod
-    def _heartbeat_lost(h: workflow.ActivityHandle[RunRanksResult]) -> bool:
-        """Whether ``h`` ended because the server heard no heartbeat in time."""
-        if not h.done():
-            return False
-        try:
-            h.result()
-        except ActivityError as err:
-            cause = err.cause
-            return isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.HEARTBEAT
-        return False
-
     def _reattach(self, handles: Handles, reattached: dict[str, int]) -> bool:
         """Ask machines whose heartbeats timed out to re-attach to their ranks; True if any was.
 
         An agent that is alive picks it up at once and adopts the ranks it kept running; a dead
         one lets it time out in ``REATTACH_PICKUP_S``, and a restarted one answers that its
         ranks are gone: both then count as lost."""
-        lost = [name for name, h in handles.items() if self._heartbeat_lost(h)]
+        lost = [name for name, h in handles.items() if heartbeat_lost(h)]
         lost = [name for name in lost if reattached.get(name, 0) < MAX_REATTACH]
         if not lost or not workflow.patched(patches.REATTACH):
             return False
@@ -209,6 +203,8 @@ class Attempt:
         return frozenset(n for n, at in self.reattached_at.items() if n not in seen or seen[n] < at)
 
     async def run(self, attach: bool) -> AttemptOutcome:
+        if is_large(self.s, self.inp) and workflow.patched(patches.GROUPS):
+            return await self._run_groups(attach)
         self.reattached_at: dict[str, datetime] = {}
         handles = {node.name: self._start_ranks(i, attach) for i, node in enumerate(self.s.nodes)}
         reattached: dict[str, int] = {}
@@ -249,6 +245,57 @@ class Attempt:
             if history_full(self.inp):
                 return AttemptOutcome(kind="continue")
 
+    async def _run_groups(self, attach: bool) -> AttemptOutcome:
+        """As ``run``, for a job of more machines than a group: through its groups."""
+        groups, progress = self.groups, self.progress
+        progress.transient = True
+        progress.groups = len(groups.ranges())
+        run = self.s.running
+        assert run is not None
+        groups.attempt = run.attempt
+        if not attach:
+            await groups.start(self._ranks_input(0, attach=False))
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(
+                    lambda: (
+                        bool(groups.inbox)
+                        or bool(progress.inbox)
+                        or self.stopping()
+                        or progress.found is not None
+                        or history_full(self.inp)
+                        or self.update_due()
+                    ),
+                    timeout=self._until_update_due(),
+                )
+            groups.drain()
+            if self.stopping():
+                at_once = self.cancelled()
+                limit = None if at_once else calls.PERSIST_AT_STOP_LIMIT.total_seconds()
+                await groups.stop(persist=not at_once, limit_s=limit)
+                for r in groups.results():
+                    progress.note_memory(r)
+                progress.drain()
+                if not at_once:
+                    await progress.wait_commits()
+                return AttemptOutcome(kind="stopped")
+            if self.update_due() and not groups.failing():
+                self._force_update()
+                self.vis.set_phase("recovering")
+                await groups.stop()
+                for r in groups.results():
+                    progress.note_memory(r)
+                self.s.running = None
+                return AttemptOutcome(kind="update")
+            if progress.found is not None or groups.failing():
+                finding = await localize_hang(self.s, self.vis) if groups.hung() else None
+                outcome, self.settle = await groups.collect_failure(finding)
+                return outcome
+            if groups.all_done():
+                return AttemptOutcome(kind="completed", results=groups.results())
+            if history_full(self.inp) and not groups.done:
+                return AttemptOutcome(kind="continue")
+
     def update_due(self) -> bool:
         p = self.s.pending_update
         return p is not None and workflow.now() >= p.deadline
@@ -261,16 +308,19 @@ class Attempt:
 
     async def _stop_for_update(self, handles: Handles) -> AttemptOutcome:
         """Stop the ranks for a code update, keeping the checkpoints they already sent."""
+        self._force_update()
+        self.vis.set_phase("recovering")
+        await self.stop_ranks_now(handles, wait_commits=False)
+        self.s.running = None
+        return AttemptOutcome(kind="update")
+
+    def _force_update(self) -> None:
         p = self.s.pending_update
         assert p is not None
         if p.event.how == "lazy":
             # Its window passed without a recovery: forced now.
             forced = p.event.model_copy(update={"how": "forced"})
             self.s.pending_update = p.model_copy(update={"event": forced})
-        self.vis.set_phase("recovering")
-        await self.stop_ranks_now(handles, wait_commits=False)
-        self.s.running = None
-        return AttemptOutcome(kind="update")
 
     async def stop_ranks_now(
         self, handles: Handles, wait_commits: bool = True, persist: bool = False
@@ -282,7 +332,7 @@ class Attempt:
         # Directly: a cancellation reaches the agents only with their next heartbeat, seconds later.
         req = stop_request(self.s, run.attempt, persist=persist)
         bound = {"start_to_close": calls.PERSIST_AT_STOP_LIMIT} if persist else {}
-        await calls.on_machines(calls.stop_ranks, req, self.s.nodes, **bound)
+        await fanout.on_machines(calls.stop_ranks, req, self.s.nodes, **bound)
         await cancel_all(handles)
         for h in handles.values():
             # Machines whose ranks stop_ranks ended returned a result: it names their snapshots.

@@ -12,7 +12,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 from trainguard.contract import calls
-from workflows.job import patches
+from workflows.job import fanout, patches
 from workflows.job.attempt import latest_checkpoint
 from workflows.job.outcome import AttemptOutcome, stop_request
 
@@ -72,7 +72,7 @@ class Diagnosis:
             # Stacks were taken while the hung ranks still stood: the attempt's outcome names them.
             return stacks_outcome(outcome.evict, primary.kind, primary.node, primary.evidence[-300:])
         if decision.action == "alignment-test":
-            results = await calls.on_machines(calls.alignment_test, req, self.s.nodes)
+            results = await fanout.on_machines(calls.alignment_test, req, self.s.nodes)
             reference = next((r.reference for r in results if r.reference), None)
             return alignment_outcome({r.node: r.digest for r in results}, reference)
         return None
@@ -111,11 +111,11 @@ class Diagnosis:
         """The checks a machine passes or fails by itself: the compute self-test, then the
         intra-machine collective (where it has more than one rank). Failed machines, details."""
         nodes = self.s.nodes
-        results = await calls.on_machines(calls.self_test, req, nodes, only=only)
+        results = await fanout.on_machines(calls.self_test, req, nodes, only=only)
         failed = [r.node for r in results if not r.passed]
         details = ["self-test: " + "; ".join(f"{r.node}: {r.evidence}" for r in results)]
         if not failed and req.local_world > 1:
-            results = await calls.on_machines(calls.collective_test, req, nodes, only=only)
+            results = await fanout.on_machines(calls.collective_test, req, nodes, only=only)
             failed = [r.node for r in results if not r.passed]
             details.append(
                 "intra-machine collective: " + "; ".join(f"{r.node}: {r.evidence}" for r in results)
@@ -168,6 +168,13 @@ class Diagnosis:
         failing row and column cross at the faulty machine."""
         spec = self.s.spec
         per_replica, rpn = spec.topology.tp * spec.topology.pp, spec.ranks_per_node
+        if len(self.s.nodes) > self.inp.group_size:
+            # Every machine at once from here, and a checkpoint by parts lists no shard to restore.
+            return Decision(
+                action="reattempt",
+                rung="replay-clean",
+                evidence=f"replay: not run on a job of more than {self.inp.group_size} machines",
+            )
         if per_replica % rpn and rpn % per_replica:
             return Decision(
                 action="reattempt",
@@ -242,7 +249,7 @@ class Diagnosis:
         ]
         results: list[RunRanksResult | BaseException] = await asyncio.gather(*runs, return_exceptions=True)
         # Ranks kept alive after a hang (for their stacks) are not needed here.
-        await calls.on_machines(
+        await fanout.on_machines(
             calls.stop_ranks, stop_request(self.s, tag, job_id), self.s.nodes, only=machines
         )
         bad = []

@@ -25,8 +25,10 @@ with workflow.unsafe.imports_passed_through():
         CheckpointRef,
         CommitCheckpointInput,
         IncidentReport,
+        PartRef,
         ProgressReport,
         RunRanksResult,
+        ShardInfo,
     )
     from trainguard.domain.policy import apply_code_version, mark_progress
     from trainguard.domain.topology import place_ranks
@@ -54,6 +56,16 @@ class Progress:
         self.found: IncidentReport | None = None
         # When a report of the running attempt from each machine was last folded in (workflow time).
         self.last_seen: dict[str, datetime] = {}
+        # A large job (workflows.job.grouped) keeps each machine's snapshots here, not in its
+        # state (thousands of machines' lists would outgrow a payload), and counts the machines
+        # whose compute time its groups' summaries stand for.
+        self.transient = False
+        self.memory: dict[str, list[ShardInfo]] = {}
+        self.backups: dict[str, list[ShardInfo]] = {}
+        self.computed: int | None = None
+        # A large job's groups (their count) and the parts of each step they committed so far.
+        self.groups: int | None = None
+        self.parts: dict[int, dict[int, PartRef]] = {}
 
     def drain(self) -> None:
         reports, self.inbox = self.inbox, []
@@ -145,10 +157,32 @@ class Progress:
             self.s.snapshot_persist_every = r.snapshot_persist_every
 
     def note_memory(self, r: ProgressReport | RunRanksResult) -> None:
+        memory, backups = (self.memory, self.backups) if self.transient else (self.s.memory, self.s.backups)
         if r.memory:
-            self.s.memory[r.node] = list(r.memory)
+            memory[r.node] = list(r.memory)
         if r.backups:
-            self.s.backups[r.node] = list(r.backups)
+            backups[r.node] = list(r.backups)
+
+    def snapshots(self) -> tuple[dict[str, list[ShardInfo]], dict[str, list[ShardInfo]]]:
+        """Each machine's newest memory snapshots and the backups it keeps, as last reported."""
+        return (self.memory, self.backups) if self.transient else (self.s.memory, self.s.backups)
+
+    def forget_all(self) -> None:
+        for kept in self.snapshots():
+            kept.clear()
+
+    def forget(self, nodes: list[str]) -> None:
+        """``nodes`` left the job (evicted): their snapshots left with them."""
+        memory, backups = self.snapshots()
+        for name in nodes:
+            memory.pop(name, None)
+            backups.pop(name, None)
+
+    def note_parts(self, parts: list[PartRef]) -> None:
+        committed = self.s.checkpoint.step if self.s.checkpoint else -1
+        for part in parts:
+            if part.step > committed:
+                self.parts.setdefault(part.step, {})[part.group] = part
 
     def note_shards(self, r: ProgressReport | RunRanksResult) -> None:
         for shard in r.shards:
@@ -175,34 +209,42 @@ class Progress:
             if len(hashes) < spec.world_size:
                 continue
             del self.s.replica_hashes[step]
-            placement = place_ranks([n.name for n in self.s.nodes], spec.ranks_per_node)
-            bad, evidence = replica_mismatch(hashes, spec.topology, placement)
-            if not bad:
-                self.s.replicas_agreed_step = max(step, self.s.replicas_agreed_step or 0)
-                continue
-            if self.found is None:
-                # Checkpoints after the last agreement may hold the corruption.
-                self.s.max_resume_step = self.s.replicas_agreed_step or 0
-                self.s.suspect_until = self.s.ledger.high_water_step
-                self.s.suspect_attempt = self.s.running.attempt if self.s.running else self.s.attempt
-                self.found = IncidentReport(
-                    kind="sdc",
-                    node=bad[0],
-                    suspects=bad,
-                    evidence=f"replicas disagree after step {step} (last agreement: step "
-                    f"{self.s.replicas_agreed_step}): " + "; ".join(evidence) + f"; suspects {bad}",
-                    confidence=0.6 if len(bad) == 1 else 0.3,
-                    origin=True,
-                    detected_at=workflow.now(),
-                    step=step,
-                )
-            return
+            if not self.judge_replicas(step, hashes):
+                return
+
+    def judge_replicas(self, step: int, hashes: dict[int, str]) -> bool:
+        """Every rank's parameter hash at ``step``: agreement moves the last agreed step; a
+        mismatch is silent corruption (``found``). False when it found one."""
+        spec = self.s.spec
+        placement = place_ranks([n.name for n in self.s.nodes], spec.ranks_per_node)
+        bad, evidence = replica_mismatch(hashes, spec.topology, placement)
+        if not bad:
+            self.s.replicas_agreed_step = max(step, self.s.replicas_agreed_step or 0)
+            return True
+        if self.found is None:
+            # Checkpoints after the last agreement may hold the corruption.
+            self.s.max_resume_step = self.s.replicas_agreed_step or 0
+            self.s.suspect_until = self.s.ledger.high_water_step
+            self.s.suspect_attempt = self.s.running.attempt if self.s.running else self.s.attempt
+            self.found = IncidentReport(
+                kind="sdc",
+                node=bad[0],
+                suspects=bad,
+                evidence=f"replicas disagree after step {step} (last agreement: step "
+                f"{self.s.replicas_agreed_step}): " + "; ".join(evidence) + f"; suspects {bad}",
+                confidence=0.6 if len(bad) == 1 else 0.3,
+                origin=True,
+                detected_at=workflow.now(),
+                step=step,
+            )
+        return False
 
     def _check_fail_slow(self, now: datetime) -> None:
         """One machine far slower than its peers, round after round, is failing slow; rounds are
         ``slow_round_s`` apart on ``now`` (the newest report's time)."""
         det = self.s.spec.detection
-        if len(self.s.compute_s) < max(2, len(self.s.nodes)) or self.found is not None:
+        computed = len(self.s.compute_s) if self.computed is None else self.computed
+        if len(self.s.compute_s) < 2 or computed < len(self.s.nodes) or self.found is not None:
             return
         if self.s.slow_round_at and (now - self.s.slow_round_at).total_seconds() < det.slow_round_s:
             return
@@ -226,14 +268,19 @@ class Progress:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def start_commits(self) -> None:
-        """Commit the newest step whose shards all arrived; older complete ones are superseded."""
+        """Commit the newest step whose shards (or, in a large job, its groups' parts) all
+        arrived; older complete ones are superseded."""
         world = self.s.spec.world_size
-        ready = [step for step, shards in self.s.pending_shards.items() if len(shards) == world]
+        if self.groups is None:
+            ready = [step for step, shards in self.s.pending_shards.items() if len(shards) == world]
+        else:
+            ready = [step for step, parts in self.parts.items() if len(parts) == self.groups]
         if not ready or self.commits:
             return
         step = max(ready)
         spec = self.s.spec
-        shards = list(self.s.pending_shards[step].values())
+        shards = list(self.s.pending_shards[step].values()) if self.groups is None else []
+        parts = sorted(self.parts[step].values(), key=lambda p: p.group) if self.groups is not None else []
         # Shards reach the workflow only from the running attempt: the commit is that attempt's.
         attempt = self.s.running.attempt if self.s.running else self.s.attempt
         self.commits[step] = calls.commit_checkpoint.start(
@@ -243,6 +290,7 @@ class Progress:
                 step=step,
                 world_size=world,
                 shards=shards,
+                parts=parts,
                 keep=spec.checkpoint.keep,
                 verified_step=self.s.replicas_agreed_step,
                 gauges=self.vis.gauges(),
@@ -263,6 +311,7 @@ class Progress:
             if self.s.checkpoint is None or ref.step >= self.s.checkpoint.step:
                 self.s.checkpoint = CheckpointStatus(step=ref.step, tier="s3", uri=ref.uri)
             self.s.pending_shards = {s: v for s, v in self.s.pending_shards.items() if s > step}
+            self.parts = {s: v for s, v in self.parts.items() if s > step}
             self._lift_resume_bound(ref.step, attempt)
         self.start_commits()
 

@@ -16,7 +16,7 @@ from temporalio import workflow
 from trainguard.contract import calls
 from workflows.job import patches
 from workflows.job.diagnosis import Diagnosis
-from workflows.job.outcome import AttemptOutcome
+from workflows.job.outcome import AttemptOutcome, Settle
 from workflows.job.progress import Progress, apply_version
 from workflows.job.visibility import Visibility
 
@@ -62,9 +62,10 @@ class Recovery:
         recent = [d.injected_at for d in self.s.drills if since is None or d.injected_at >= since]
         return max(recent) if recent else None
 
-    async def recover(self, outcome: AttemptOutcome) -> str | None:
+    async def recover(self, outcome: AttemptOutcome, settle: Settle | None = None) -> str | None:
         """Act on a failed attempt; the verdict when the job must stop, else None (the next
-        attempt follows)."""
+        attempt follows). ``settle``: a large job decides on the cause its groups named first,
+        then waits for every machine's result (``workflows.job.grouped``) before acting."""
         s = self.s
         primary = outcome.primary
         assert primary is not None
@@ -80,7 +81,7 @@ class Recovery:
         ):
             # Restoring from memory may have failed (no step, the failing machine's ranks had not
             # all loaded their shards): the next attempt uses S3.
-            s.memory, s.backups = {}, {}
+            self.progress.forget_all()
         self.vis.set_phase("diagnosing")
         progressed = s.ledger.high_water_step > s.progress_at_attempt_start
         s.attempts_without_progress = 0 if progressed else s.attempts_without_progress + 1
@@ -110,6 +111,10 @@ class Recovery:
         diagnosing_since = workflow.now()
         first = decide(facts, s.history, cfg)
         incident.decided(diagnosing_since)
+        if settle is not None:
+            outcome = await settle()
+            self.progress.note_last_steps(outcome.results)
+            incident.saw(primary, outcome.others)
         follow = await self.diagnosis.run(first, outcome, attempt)
         s.ledger = ettr.add_badput(s.ledger, "diagnosis", (workflow.now() - diagnosing_since).total_seconds())
         done = conclude(facts, s.history, first, follow)
@@ -150,9 +155,7 @@ class Recovery:
         )
         if res.replaced:
             self.s.nodes = list(res.nodes)
-            for name in res.evicted:
-                self.s.memory.pop(name, None)  # its snapshots left with it
-                self.s.backups.pop(name, None)
+            self.progress.forget(res.evicted)  # their snapshots left with them
             incident.evicted_to(res.evicted, workflow.now())
         else:
             incident.not_evicted(res.message)

@@ -50,6 +50,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from trainguard.domain.messages import (
         POOL_WORKFLOW_ID,
+        GroupNews,
         InjectResult,
         ProgressReport,
         ReleaseInput,
@@ -92,6 +93,11 @@ class TrainingJobWorkflow:
     @workflow.signal(name=contract.job.progress.name)
     def report_progress(self, report: ProgressReport) -> None:
         self.progress.inbox.append(report)
+
+    @workflow.signal(name=contract.job.group.name)
+    def group_news(self, news: GroupNews) -> None:
+        """What a group of a large job's machines tells the job (workflows.job.group)."""
+        self.attempt.groups.inbox.append(news)
 
     @workflow.signal(name=contract.job.drill.name)
     def drill(self, record: InjectResult) -> None:
@@ -216,7 +222,8 @@ class TrainingJobWorkflow:
         return False
 
     async def _recover(self, outcome: AttemptOutcome) -> None:
-        verdict = await self.recovery.recover(outcome)
+        settle, self.attempt.settle = self.attempt.settle, None
+        verdict = await self.recovery.recover(outcome, settle)
         self.notifier.incident(self.s.incidents[-1])
         if verdict is not None:
             await self._finish("failed")
