@@ -30,7 +30,7 @@ from pathlib import Path
 from infra import netns as netns_mod
 from infra.netns import NetnsPlan
 from infra.processes import wait_for
-from infra.stack import Stack, StackConfig, addresses, agent_env, client_env
+from infra.stack import Stack, StackConfig, addresses, agent_env, client_env, identity_keys_file
 from trainguard.agent.ports import LOOPBACK, port_is_free
 from trainguard.agent.rank_user import RankUser, RankUserError, ensure_user, let_through
 from trainguard.client import TrainguardClient
@@ -61,7 +61,9 @@ def release_env(release: Path | None) -> dict[str, str]:
 def start_controller(stack: Stack, name: str = "controller", release: Path | None = None) -> None:
     """Start a controller worker; ``release``: another checkout's code, run from there."""
     argv = [sys.executable, "-m", "workers.controller", "--identity", name]
-    stack.start_process(name, argv, {**process_env(stack.config), **release_env(release)}, cwd=release)
+    keys = {"TRAINGUARD_IDENTITY_KEYS_FILE": str(identity_keys_file(stack.config))}
+    env = {**process_env(stack.config), **keys, **release_env(release)}
+    stack.start_process(name, argv, env, cwd=release)
 
 
 def start_agent(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import getpass
 import hashlib
 import json
 import os
@@ -33,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from infra.processes import kill_pid, pid_alive, spawn, start_ticks, stop_pid, wait_for
 from trainguard.agent.ports import LOOPBACK, free_ports, port_is_free
+from trainguard.domain.identity import ROLES, Claims, Role, sign
 
 TEMPORAL = "temporal"
 SEAWEEDFS = "seaweedfs"
@@ -120,6 +122,8 @@ class StackConfig(BaseModel):
     agent_secret_key: SecretStr = Field(default_factory=_secret_key)
     # Signs the job credentials SeaweedFS's STS hands out (iam.json).
     sts_signing_key: SecretStr = Field(default_factory=lambda: SecretStr(secrets.token_urlsafe(32)))
+    # Signs identities (trainguard.domain.identity); the stack's own user holds every role.
+    identity_key: SecretStr = Field(default_factory=lambda: SecretStr(secrets.token_urlsafe(32)))
 
     _PORT_FIELDS: ClassVar[tuple[str, ...]] = (
         "temporal_port",
@@ -216,7 +220,7 @@ class StackConfig(BaseModel):
     def to_json_dict(self) -> dict[str, Any]:
         """The persisted form: unlike model_dump, it holds the real secret keys."""
         data = self.model_dump(mode="json")
-        for name in ("secret_key", "agent_secret_key", "sts_signing_key"):
+        for name in ("secret_key", "agent_secret_key", "sts_signing_key", "identity_key"):
             data[name] = getattr(self, name).get_secret_value()
         return data
 
@@ -245,7 +249,21 @@ def client_env(config: StackConfig) -> dict[str, str]:
         "AWS_ACCESS_KEY_ID": config.access_key,
         "AWS_SECRET_ACCESS_KEY": config.secret_key.get_secret_value(),
         "AWS_DEFAULT_REGION": _S3_REGION,
+        "TRAINGUARD_IDENTITY": local_identity(config),
     }
+
+
+def local_identity(config: StackConfig, *roles: Role) -> str:
+    """A token of the stack's user (every role unless ``roles`` are given), signed with its key."""
+    claims = Claims(subject=getpass.getuser(), roles=roles or ROLES)
+    return sign(claims, config.identity_key.get_secret_value().encode())
+
+
+def identity_keys_file(config: StackConfig) -> Path:
+    """The controllers' key file (TRAINGUARD_IDENTITY_KEYS_FILE), the stack's user's alone."""
+    path = config.state_dir / "identity.keys"
+    write_private(path, config.identity_key.get_secret_value() + "\n")
+    return path
 
 
 # The role every agent assumes per job, its rights cut down to that job's prefixes
@@ -257,8 +275,9 @@ AGENT_IDENTITY = "trainguard-agent"
 def agent_env(config: StackConfig) -> dict[str, str]:
     """client_env for a node agent: its own S3 identity, which reaches a job's files only through
     the job role, scoped to that job."""
+    env = {k: v for k, v in client_env(config).items() if k != "TRAINGUARD_IDENTITY"}  # needs no role
     return {
-        **client_env(config),
+        **env,
         "AWS_ACCESS_KEY_ID": config.agent_access_key,
         "AWS_SECRET_ACCESS_KEY": config.agent_secret_key.get_secret_value(),
         "TRAINGUARD_S3_JOB_ROLE": JOB_ROLE,

@@ -29,6 +29,7 @@ from trainguard.contract import calls
 from workflows.pool_slurm import PATCH_SLURM, SlurmSync, _order
 
 with workflow.unsafe.imports_passed_through():
+    from trainguard.domain.identity import AuditEntry, audited
     from trainguard.domain.messages import (
         ALL_FAULTS,
         CHECK_START_BOUND_S,
@@ -74,6 +75,7 @@ class NodePoolWorkflow(SlurmSync):
         self.nodes: dict[str, PoolNode] = dict(state.nodes) if state else {}
         self.config = state.config if state else PoolConfig()
         self.evictions: dict[str, EvictResult] = dict(state.evictions) if state else {}
+        self.audit: list[AuditEntry] = list(state.audit) if state else []
         self._init_slurm(state)
         self.lock = asyncio.Lock()
         self.replan = False  # the config changed: the loop's retest timer must be recomputed
@@ -103,8 +105,16 @@ class NodePoolWorkflow(SlurmSync):
 
     def _snapshot(self) -> PoolState:
         return PoolState(
-            nodes=self.nodes, config=self.config, evictions=self.evictions, **self._slurm_fields()
+            nodes=self.nodes,
+            config=self.config,
+            evictions=self.evictions,
+            audit=self.audit,
+            **self._slurm_fields(),
         )
+
+    def record_audit(self, entry: AuditEntry) -> None:
+        """An operator's or a drill's operation and who asked (workflows.identity)."""
+        self.audit = audited(self.audit, entry)
 
     def _schedule_changed(self) -> None:
         if workflow.patched(PATCH_REPLAN):
@@ -410,6 +420,11 @@ class NodePoolWorkflow(SlurmSync):
 
     @inject.validator
     def _validate_inject(self, req: InjectInput) -> None:
+        if self.config.production:
+            raise ValueError(
+                f"refused: inject on {workflow.info().workflow_id}, a production pool "
+                "(injected faults are refused there whatever the role)"
+            )
         n = self.nodes.get(req.node)
         if n is None:
             raise ValueError(f"node: unknown node {req.node!r}")

@@ -16,6 +16,7 @@ from trainguard.domain import ettr, protection
 from trainguard.domain.code_versions import CodeEvent, CodeRelease, PendingUpdate
 from trainguard.domain.detection import RENDEZVOUS_KIND
 from trainguard.domain.groups import GROUP_SIZE
+from trainguard.domain.identity import AuditEntry
 from trainguard.domain.messages import (
     POOL_WORKFLOW_ID,
     CheckpointRef,
@@ -251,6 +252,8 @@ class JobState(BaseModel):
     snapshot_persist_every: int | None = None  # steps between S3 persists, with that interval
     # Step and productive time over wall time, bounded (trainguard report draws it).
     progress_series: ProgressSeries = ProgressSeries()
+    # Who submitted, stopped, cancelled or updated the job, and when (workflows.identity).
+    audit: list[AuditEntry] = []
 
 
 def status_json(state: JobState, now: datetime) -> dict[str, Any]:
@@ -287,6 +290,7 @@ def status_json(state: JobState, now: datetime) -> dict[str, Any]:
         # When this document was made: a saved one still says how far its ETTR and open incident reach.
         "as_of": now.isoformat(),
         "progress": _progress(state.progress_series),
+        "audit": [e.model_dump(mode="json") for e in state.audit],
     }
 
 

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from trainguard.domain.identity import AuditEntry
 from trainguard.domain.spec import JobSpec, Topology
 from trainguard.domain.wire import WireModel
 
@@ -129,6 +130,8 @@ class PoolConfig(Msg):
     min_standby: int = Field(1, ge=0, le=10_000)
     # A quarantined machine runs its self-test again this often; it returns when it passes.
     retest_s: float = Field(1800.0, gt=0, le=30 * 86400)
+    # A production pool refuses injected faults (drills) whoever asks.
+    production: bool = False
 
 
 class PoolState(Msg):
@@ -151,6 +154,8 @@ class PoolState(Msg):
     # when it was last asked to (None: no request outstanding).
     slurm_replacements: bool = False
     slurm_requested: int | None = None
+    # Who operated the pool's machines and settings, and when (workflows.identity).
+    audit: list[AuditEntry] = []
 
 
 class SlurmAttach(Msg):

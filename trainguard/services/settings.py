@@ -76,6 +76,11 @@ class Settings(BaseModel):
     # The payload codec's key (base64 text, ``trainguard.services.codec.new_key()``), or a file holding it.
     payload_key: SecretStr | None = None
     payload_key_file: str | None = None
+    # Who this client is (trainguard.domain.identity): a signed token, or a file holding it.
+    identity: SecretStr | None = None
+    identity_file: str | None = None
+    # Controller workers: the keys identities are verified with, one a line (none: no role checked).
+    identity_keys_file: str | None = None
     s3_endpoint: str | None = None
     s3_bucket: str = "trainguard"
     s3_region: str = "us-east-1"
@@ -128,6 +133,8 @@ class Settings(BaseModel):
                 "TRAINGUARD_TEMPORAL_TLS_CERT: a client certificate needs its key "
                 "(TRAINGUARD_TEMPORAL_TLS_KEY), and a key its certificate"
             )
+        if get("TRAINGUARD_IDENTITY") and get("TRAINGUARD_IDENTITY_FILE"):
+            raise SettingsError("TRAINGUARD_IDENTITY: set it or TRAINGUARD_IDENTITY_FILE, not both")
         if get("TRAINGUARD_PAYLOAD_KEY") and get("TRAINGUARD_PAYLOAD_KEY_FILE"):
             raise SettingsError("TRAINGUARD_PAYLOAD_KEY: set it or TRAINGUARD_PAYLOAD_KEY_FILE, not both")
         return cls(
@@ -141,6 +148,9 @@ class Settings(BaseModel):
             temporal_api_key=secret("TRAINGUARD_TEMPORAL_API_KEY"),
             payload_key=secret("TRAINGUARD_PAYLOAD_KEY"),
             payload_key_file=get("TRAINGUARD_PAYLOAD_KEY_FILE"),
+            identity=secret("TRAINGUARD_IDENTITY"),
+            identity_file=get("TRAINGUARD_IDENTITY_FILE"),
+            identity_keys_file=get("TRAINGUARD_IDENTITY_KEYS_FILE"),
             s3_endpoint=get("TRAINGUARD_S3_ENDPOINT"),
             s3_bucket=get("TRAINGUARD_S3_BUCKET") or "trainguard",
             s3_region=get("AWS_DEFAULT_REGION") or "us-east-1",
@@ -177,6 +187,8 @@ class Settings(BaseModel):
             ("TRAINGUARD_TEMPORAL_TLS_CA", self.temporal_tls_ca),
             ("TRAINGUARD_TEMPORAL_TLS_SERVER_NAME", self.temporal_tls_server_name),
             ("TRAINGUARD_PAYLOAD_KEY_FILE", self.payload_key_file),
+            ("TRAINGUARD_IDENTITY_FILE", self.identity_file),
+            ("TRAINGUARD_IDENTITY_KEYS_FILE", self.identity_keys_file),
             ("TRAINGUARD_S3_JOB_ROLE", self.s3_job_role),
             ("TRAINGUARD_S3_STS_ENDPOINT", self.s3_sts_endpoint),
         ):
@@ -186,7 +198,30 @@ class Settings(BaseModel):
             env["TRAINGUARD_TEMPORAL_API_KEY"] = self.temporal_api_key.get_secret_value()
         if self.payload_key:
             env["TRAINGUARD_PAYLOAD_KEY"] = self.payload_key.get_secret_value()
+        if self.identity:
+            env["TRAINGUARD_IDENTITY"] = self.identity.get_secret_value()
         return env
+
+    def _secret_file(self, path: str, variable: str) -> str:
+        try:
+            return Path(path).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SettingsError(f"{variable}: cannot read {path}: {exc}") from None
+
+    def identity_token(self) -> str | None:
+        """This client's identity token as configured (read from its file if one is named)."""
+        if self.identity is not None:
+            return self.identity.get_secret_value().strip()
+        if self.identity_file is None:
+            return None
+        return self._secret_file(self.identity_file, "TRAINGUARD_IDENTITY_FILE").strip()
+
+    def identity_keys(self) -> tuple[bytes, ...]:
+        """The keys identities are verified with (empty: roles are not checked)."""
+        if self.identity_keys_file is None:
+            return ()
+        text = self._secret_file(self.identity_keys_file, "TRAINGUARD_IDENTITY_KEYS_FILE")
+        return tuple(line.strip().encode() for line in text.splitlines() if line.strip())
 
     def payload_key_text(self) -> str | None:
         """The payload codec's key as configured (read from its file if one is named), or None."""
@@ -194,12 +229,7 @@ class Settings(BaseModel):
             return self.payload_key.get_secret_value()
         if self.payload_key_file is None:
             return None
-        try:
-            return Path(self.payload_key_file).expanduser().read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise SettingsError(
-                f"TRAINGUARD_PAYLOAD_KEY_FILE: cannot read {self.payload_key_file}: {exc}"
-            ) from None
+        return self._secret_file(self.payload_key_file, "TRAINGUARD_PAYLOAD_KEY_FILE")
 
 
 def _path(source: object, variable: str) -> str | None:

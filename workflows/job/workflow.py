@@ -39,6 +39,7 @@ with workflow.unsafe.imports_passed_through():
         check_update,
         first_release,
     )
+    from trainguard.domain.identity import AuditEntry, audited
     from trainguard.domain.job_state import (
         TERMINAL,
         JobInput,
@@ -84,6 +85,10 @@ class TrainingJobWorkflow:
         )
         self.recovery = Recovery(inp, self.s, self.vis, self.progress, Diagnosis(inp, self.s))
         self.notifier = Notifier(self.s)
+
+    def record_audit(self, entry: AuditEntry) -> None:
+        """An operation on this job and who asked (workflows.identity)."""
+        self.s.audit = audited(self.s.audit, entry)
 
     # -- queries, signals, updates ---------------------------------------------------------
     @workflow.query(name=contract.job.status.name)
