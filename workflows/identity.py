@@ -5,8 +5,9 @@ the job's and pool's handlers run, it reads the token the client sent (``traingu
 identity``), verifies it against ``keys`` and refuses an operation whose role the claims lack
 (``trainguard.domain.identity.REQUIRED``): a submit fails the job's first run, a refused update
 fails with the one line, a refused signal is dropped. Each operation, done or refused, is
-recorded with who asked in the workflow's audit trail (its ``record_audit``). Without keys
-nothing is refused and the claimed subject is recorded as unverified.
+recorded with who asked in the workflow's audit trail (its ``record_audit``): an update
+without its role skips the workflow's validator so that its refusal is in the history. Without
+keys nothing is refused and the claimed subject is recorded as unverified.
 
 Replay: verification is pure (the token in the history, the keys, ``workflow.now()``), and
 the checks stand behind ``ROLES_PATCH``, so histories from before it replay as they ran. Keys
@@ -66,10 +67,14 @@ class IdentityInterceptor(Interceptor):
 class _IdentityInbound(WorkflowInboundInterceptor):
     KEYS: tuple[bytes, ...] = ()
 
+    def _refusal(self, operation: str, headers: Any) -> tuple[str | None, str]:
+        """The refusal of ``operation`` (None: allowed), and who asked."""
+        claims, who, why = self._caller(headers)
+        return (refusal(operation, claims, why) if self.KEYS else None), who
+
     def _decide(self, operation: str, headers: Any, target: str) -> str | None:
         """The refusal of ``operation`` (None: allowed); the attempt recorded either way."""
-        claims, who, why = self._caller(headers)
-        problem = refusal(operation, claims, why) if self.KEYS else None
+        problem, who = self._refusal(operation, headers)
         record = getattr(workflow.instance(), "record_audit", None)
         if record is not None:
             entry = AuditEntry(
@@ -111,6 +116,13 @@ class _IdentityInbound(WorkflowInboundInterceptor):
                 workflow.logger.warning("%s", problem)
                 return
         await super().handle_signal(input)
+
+    def handle_update_validator(self, input: HandleUpdateInput) -> None:
+        # An update without its role is accepted unvalidated, so that its refusal comes first
+        # and is recorded (handle_update_handler; validators run only when it arrives).
+        if input.update in REQUIRED and self._refusal(input.update, input.headers)[0] is not None:
+            return
+        super().handle_update_validator(input)
 
     async def handle_update_handler(self, input: HandleUpdateInput) -> Any:
         if input.update in REQUIRED and workflow.patched(ROLES_PATCH):

@@ -22,7 +22,14 @@ from typing import Any
 import torch
 
 # What an agent's environment or files would betray.
-MARKERS = ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "TRAINGUARD_TEMPORAL", "TRAINGUARD_S3", "secretKey")
+MARKERS = (
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_ACCESS_KEY_ID",
+    "TRAINGUARD_TEMPORAL",
+    "TRAINGUARD_S3",
+    "TRAINGUARD_IDENTITY",
+    "secretKey",
+)
 BUCKET, PREFIX = "trainguard", "checkpoints/"  # the defaults: an attacker's first guess
 report: dict[str, Any] = {"uid": os.getuid(), "found": [], "allowed": [], "denied": []}
 
@@ -90,7 +97,9 @@ def read_agent_files(files: list[Path]) -> None:
     state_dirs |= {f.parents[2] for f in files if len(f.parents) > 2 and f.parent.name == "nodes"}
     candidates = [*files, Path.home() / ".trainguard" / "stack.json", Path("/root/.trainguard/stack.json")]
     candidates += [
-        d / n for d in state_dirs for n in ("stack.json", "s3.json", "iam.json", "temporal.sqlite")
+        d / n
+        for d in state_dirs
+        for n in ("stack.json", "s3.json", "iam.json", "identity.keys", "temporal.sqlite")
     ]
     for f in candidates:
         if _is_dir(f):

@@ -73,7 +73,7 @@ async def test_a_hostile_rank_gets_nothing_and_its_job_runs_as_before(
         cfg = stack.config
         # It did try: the agent's environment, its files, the victim's, S3 and Temporal.
         assert "read environ of ancestor" in denied
-        for name in ("stack.json", "s3.json", "iam.json", "temporal.sqlite"):
+        for name in ("stack.json", "s3.json", "iam.json", "identity.keys", "temporal.sqlite"):
             assert f"read {cfg.state_dir / name}" in denied, name
         assert f"list {cfg.ranks_dir}" in denied and f"/jobs/{VICTIM}/ckpt/victim.pt" in denied
         assert (
