@@ -70,7 +70,8 @@ class _IdentityInbound(WorkflowInboundInterceptor):
     def _refusal(self, operation: str, headers: Any) -> tuple[str | None, str]:
         """The refusal of ``operation`` (None: allowed), and who asked."""
         claims, who, why = self._caller(headers)
-        return (refusal(operation, claims, why) if self.KEYS else None), who
+        owner = getattr(workflow.instance(), "owner", None)
+        return (refusal(operation, claims, why, owner) if self.KEYS else None), who
 
     def _decide(self, operation: str, headers: Any, target: str) -> str | None:
         """The refusal of ``operation`` (None: allowed); the attempt recorded either way."""

@@ -15,7 +15,7 @@ from pydantic import SecretStr
 from infra.stack import Stack, local_identity
 from tests.integration.helpers import cli, example_spec, run_to_end, wait_until
 from trainguard.client import TrainguardClient
-from trainguard.domain.identity import Claims, Role, sign
+from trainguard.domain.identity import Claims, Role, read, sign
 from trainguard.services.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -30,7 +30,8 @@ def as_(settings: Settings, token: str) -> Settings:
 def refused(r: subprocess.CompletedProcess[str], operation: str, role: Role) -> None:
     assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: refused: {operation} needs the {role} role"), (
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"error: refused: {operation} ") and f"needs the {role} role" in lines[0], (
         lines
     )
 
@@ -43,9 +44,12 @@ async def test_each_operation_needs_its_role_and_is_audited(
     tg: TrainguardClient, settings: Settings, stack_dir: Path, healthy_pool: None
 ) -> None:
     config = Stack.load(stack_dir).config
-    nobody = as_(settings, sign(Claims(subject="nobody"), config.identity_key.get_secret_value().encode()))
+    key = config.identity_key.get_secret_value().encode()
+    nobody = as_(settings, sign(Claims(subject="nobody"), key))
     forged = as_(settings, sign(Claims(subject="mallory", roles=("user", "operator", "drill")), b"x" * 32))
     user, operator, drill = (as_(settings, local_identity(config, r)) for r in ("user", "operator", "drill"))
+    owner = read(local_identity(config)).subject  # the stack's user submits the job
+    bob = as_(settings, sign(Claims(subject="bob", roles=("user",)), key))
     node = sorted((await tg.nodes()).nodes)[0]
 
     # Jobs: submit, update, stop and cancel need the user role.
@@ -63,7 +67,12 @@ async def test_each_operation_needs_its_role_and_is_audited(
         refused(r, "update_code", "user")
         assert "mallory: not signed by this cluster's key" in r.stderr
         assert cli(forged, "stop", JOB).returncode == 0  # a signal has no answer
-        st = await wait_until(job, lambda s: len(s["audit"]) >= 3)
+        # Another user's job: its owner or an operator only.
+        r = cli(bob, "update", JOB, "--code-version", "v2")
+        refused(r, "update_code", "operator")
+        assert f"update_code of {owner}'s job needs the operator role (bob is not {owner})" in r.stderr
+        assert cli(bob, "stop", JOB).returncode == 0
+        st = await wait_until(job, lambda s: len(s["audit"]) >= 5)
         assert st["phase"] == "running"
         r = cli(user, "stop", JOB)
         assert r.returncode == 0, r.stderr
@@ -79,8 +88,11 @@ async def test_each_operation_needs_its_role_and_is_audited(
     assert [(what, was_refused) for _, what, was_refused in entries[1:]] == [
         ("update_code", True),
         ("stop", True),
+        ("update_code", True),
+        ("stop", True),
         ("stop", False),
     ]
+    assert entries[0][0] == owner and entries[3][0] == entries[4][0] == "bob"
     shown = cli(settings, "status", JOB)
     assert "audit" in shown.stdout and "refused" in shown.stdout, shown.stdout
 

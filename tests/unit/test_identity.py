@@ -60,6 +60,16 @@ def test_a_refusal_is_one_line_naming_the_role() -> None:
     assert refusal("submit", None, "identity of eve: expired").endswith("(identity of eve: expired)")
 
 
+def test_a_users_job_is_stopped_or_updated_by_its_owner_or_an_operator() -> None:
+    alice, bob = Claims(subject="alice", roles=("user",)), Claims(subject="bob", roles=("user",))
+    assert refusal("stop", alice, owner="alice") is None
+    assert refusal("update_code", bob, owner="alice") == (
+        "refused: update_code of alice's job needs the operator role (bob is not alice)"
+    )
+    assert refusal("cancel", Claims(subject="ops", roles=("user", "operator")), owner="alice") is None
+    assert refusal("stop", bob, owner=None) is None  # a job from before owners were recorded
+
+
 def test_every_operation_that_needs_a_role_is_a_workflow_message() -> None:
     names = {m.name for m in (*contract.job.ALL, *contract.pool.ALL)}
     assert set(REQUIRED) - {"submit"} <= names

@@ -40,6 +40,8 @@ REQUIRED: Mapping[str, Role] = {
     "inject": "drill",
     "clear_faults": "drill",
 }
+# What only a job's owner (who submitted it) or an operator may do to it.
+OWNED = frozenset({"stop", "cancel", "update_code"})
 # How many audit entries a job or pool keeps (its carried state stays small).
 AUDIT_KEEP = 50
 
@@ -106,12 +108,21 @@ def verify(token: str, keys: Iterable[bytes], now: float) -> Claims:
     return claims
 
 
-def refusal(operation: str, claims: Claims | None, why: str | None = None) -> str | None:
+def refusal(
+    operation: str, claims: Claims | None, why: str | None = None, owner: str | None = None
+) -> str | None:
     """None when ``claims`` may do ``operation``; else the one line that says what is missing
-    (``why``: what was wrong with the identity, when there was one that did not verify)."""
+    (``why``: what was wrong with the identity, when there was one that did not verify;
+    ``owner``: who submitted the job it acts on, if known)."""
     role = REQUIRED.get(operation)
-    if role is None or (claims is not None and role in claims.roles):
+    if role is None:
         return None
+    if claims is not None and role in claims.roles:
+        if owner is None or operation not in OWNED or claims.subject == owner or "operator" in claims.roles:
+            return None
+        return (
+            f"refused: {operation} of {owner}'s job needs the operator role ({claims.subject} is not {owner})"
+        )
     if claims is not None:
         has = f"{claims.subject} has {', '.join(claims.roles) or 'no role'}"
     else:

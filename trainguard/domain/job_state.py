@@ -252,8 +252,10 @@ class JobState(BaseModel):
     snapshot_persist_every: int | None = None  # steps between S3 persists, with that interval
     # Step and productive time over wall time, bounded (trainguard report draws it).
     progress_series: ProgressSeries = ProgressSeries()
-    # Who submitted, stopped, cancelled or updated the job, and when (workflows.identity).
+    # Who submitted, stopped, cancelled or updated the job, and when (workflows.identity); who
+    # submitted it (verified), who alone besides an operator may stop, cancel or update it.
     audit: list[AuditEntry] = []
+    owner: str | None = None
 
 
 def status_json(state: JobState, now: datetime) -> dict[str, Any]:

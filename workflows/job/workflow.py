@@ -89,6 +89,12 @@ class TrainingJobWorkflow:
     def record_audit(self, entry: AuditEntry) -> None:
         """An operation on this job and who asked (workflows.identity)."""
         self.s.audit = audited(self.s.audit, entry)
+        if entry.what == "submit" and not entry.refused:
+            self.s.owner = entry.who
+
+    @property
+    def owner(self) -> str | None:
+        return self.s.owner
 
     # -- queries, signals, updates ---------------------------------------------------------
     @workflow.query(name=contract.job.status.name)
