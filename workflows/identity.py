@@ -66,6 +66,9 @@ class IdentityInterceptor(Interceptor):
 
 class _IdentityInbound(WorkflowInboundInterceptor):
     KEYS: tuple[bytes, ...] = ()
+    # Whether the start was decided: a signal or update that came with the first task waits for
+    # it, so the submit is recorded first and the job's owner is known.
+    started = False
 
     def _refusal(self, operation: str, headers: Any) -> tuple[str | None, str]:
         """The refusal of ``operation`` (None: allowed), and who asked."""
@@ -108,10 +111,12 @@ class _IdentityInbound(WorkflowInboundInterceptor):
             problem = self._decide(operation, input.headers, info.workflow_id)
             if problem is not None:
                 raise ApplicationError(problem, type="Refused", non_retryable=True)
+        self.started = True
         return await super().execute_workflow(input)
 
     async def handle_signal(self, input: HandleSignalInput) -> None:
         if input.signal in REQUIRED and workflow.patched(ROLES_PATCH):
+            await workflow.wait_condition(lambda: self.started)
             problem = self._decide(input.signal, input.headers, _target(input.args))
             if problem is not None:
                 workflow.logger.warning("%s", problem)
@@ -127,6 +132,7 @@ class _IdentityInbound(WorkflowInboundInterceptor):
 
     async def handle_update_handler(self, input: HandleUpdateInput) -> Any:
         if input.update in REQUIRED and workflow.patched(ROLES_PATCH):
+            await workflow.wait_condition(lambda: self.started)
             problem = self._decide(input.update, input.headers, _target(input.args))
             if problem is not None:
                 raise ApplicationError(problem, type="Refused", non_retryable=True)
