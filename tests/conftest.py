@@ -88,6 +88,8 @@ async def tg(settings: Settings) -> AsyncIterator[TrainguardClient]:
     yield client
     if out := os.environ.get("TG_RECORD_HISTORIES"):
         await export_histories(client.temporal, Path(out))
+        # The role checks replay only with the key the tokens were signed with.
+        shutil.copy(settings.state_dir / "identity.keys", Path(out) / "identity.keys")
 
 
 @pytest.fixture(scope="session")
