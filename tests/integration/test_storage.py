@@ -123,7 +123,7 @@ def test_a_jobs_store_reaches_its_own_prefixes_and_nothing_of_another_jobs(
             assert store.head(key) is not None
         assert [o.key for o in store.list(f"checkpoints/{mine}/")] == own[:1]
         store.delete(own)
-        assert store.list(f"jobs/{mine}/") == []
+        assert store.list(f"jobs/{mine}/logs/") == []  # its logs prefix: the job's to list
 
         refused = {
             "list another job": lambda: store.list(f"checkpoints/{theirs}/"),
