@@ -47,6 +47,8 @@ with workflow.unsafe.imports_passed_through():
 ROLES_PATCH = "roles-and-audit"
 # The operation a workflow's start is (the job's submit); other starts are trainguard's own.
 START_OPERATION = {contract.job.WORKFLOW.name: "submit"}
+# Workflows whose operations name a machine: the pool and its shards.
+POOLS = {contract.pool.WORKFLOW.name, contract.shard.WORKFLOW.name}
 
 
 class IdentityInterceptor(Interceptor):
@@ -140,9 +142,10 @@ class _IdentityInbound(WorkflowInboundInterceptor):
 
 
 def _target(args: Any) -> str:
-    """What an operation acts on: the job, or the pool's machine its update names."""
+    """What an operation acts on: the job, or ``<pool>/<machine>`` for a pool's update."""
     wid = workflow.info().workflow_id
-    if workflow.info().workflow_type != contract.pool.WORKFLOW.name or not args:
+    if workflow.info().workflow_type not in POOLS or not args:
         return wid
     node = getattr(args[0], "node", args[0])
-    return f"{wid}/{node}" if isinstance(node, str) else wid
+    pool = wid.rsplit("/shard-", 1)[0]  # a shard's id is <pool>/shard-<k> (domain.pool_layout)
+    return f"{pool}/{node}" if isinstance(node, str) else wid

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 from temporalio.client import WorkflowHistory
@@ -29,7 +30,7 @@ KEYS = tuple(k.encode() for k in KEYS_FILE.read_text().split()) if KEYS_FILE.exi
 
 
 def _load(path: Path) -> WorkflowHistory:
-    workflow_id = path.name.removesuffix(".json.gz").split("-", 1)[1].rsplit("-", 1)[0]
+    workflow_id = unquote(path.name.removesuffix(".json.gz").split("-", 1)[1].rsplit("-", 1)[0])
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return WorkflowHistory.from_json(workflow_id, f.read())
 

@@ -64,7 +64,7 @@ async def latest_checkpoint(s: JobState, attempt: int | None = None) -> Checkpoi
             job_id=spec.name,
             prefix=spec.checkpoint.s3_prefix,
             world_size=spec.world_size,
-            max_step=s.max_resume_step,
+            max_step=s.bounds.max_resume_step,
             attempt=attempt,
         )
     )
@@ -93,19 +93,21 @@ class Attempt:
     async def begin(self) -> None:
         """The restore point (memory, a peer's backup or S3) and the rendezvous for a new attempt."""
         s, spec = self.s, self.s.spec
-        if s.pending_update is not None:
+        if s.code.pending is not None:
             # Nothing runs between attempts: an urgent, due or lazy update takes effect now.
-            apply_version(s, s.pending_update.event)
-        if s.suspect_attempt == s.attempt:
-            # The corrupt attempt is over: every step it reached (it may have trained on while
-            # the corruption was diagnosed) may be in a checkpoint.
-            s.suspect_until = max(s.suspect_until or 0, s.ledger.high_water_step)
+            apply_version(s, s.code.pending.event)
+        s.bounds.attempt_over(s.attempt, s.ledger.high_water_step)
         s.attempt += 1
         s.progress_at_attempt_start = s.ledger.high_water_step
         resume = await latest_checkpoint(s, s.attempt)
-        memory, backups = self.progress.snapshots()
+        kept = self.progress.snapshots()
         in_memory = checkpoints.memory_restore_point(
-            memory, [n.name for n in s.nodes], spec.ranks_per_node, spec.name, s.max_resume_step, backups
+            kept.memory,
+            [n.name for n in s.nodes],
+            spec.ranks_per_node,
+            spec.name,
+            s.bounds.max_resume_step,
+            kept.backups,
         )
         peers: dict[int, tuple[int, str]] = {}
         if in_memory is not None and (
@@ -130,9 +132,8 @@ class Attempt:
         )
         s.step = resume.step if resume else 0
         s.resumed_from_step = resume.step if resume else None
-        s.compute_s, s.slow_suspect, s.slow_rounds = {}, None, 0
-        s.ckpt_block_s, s.protection_s = {}, {}
-        s.replica_hashes = {}
+        for part in (s.slow, s.protection, s.replicas):
+            part.new_attempt()
         if s.incidents and s.incidents[-1].attempt == s.attempt - 1:
             # Steps reached before the failure that must be computed again.
             s.incidents[-1].relaunched(
@@ -154,7 +155,7 @@ class Attempt:
             node=self.s.nodes[index],
             node_index=index,
             ranks=ranks_on(index, spec.ranks_per_node),
-            spec=spec_for(spec, self.s.releases[self.s.code_version]),
+            spec=spec_for(spec, self.s.code.release()),
             master=run.master,
             ckpt_prefix=checkpoints.job_prefix(spec.checkpoint.s3_prefix, spec.name),
             resume=run.resume,
@@ -297,14 +298,10 @@ class Attempt:
                 return AttemptOutcome(kind="continue")
 
     def update_due(self) -> bool:
-        p = self.s.pending_update
-        return p is not None and workflow.now() >= p.deadline
+        return self.s.code.due(workflow.now())
 
     def _until_update_due(self) -> timedelta | None:
-        p = self.s.pending_update
-        if p is None or p.event.how == "urgent":
-            return None
-        return max(p.deadline - workflow.now(), timedelta(seconds=1))
+        return self.s.code.until_due(workflow.now())
 
     async def _stop_for_update(self, handles: Handles) -> AttemptOutcome:
         """Stop the ranks for a code update, keeping the checkpoints they already sent."""
@@ -315,12 +312,7 @@ class Attempt:
         return AttemptOutcome(kind="update")
 
     def _force_update(self) -> None:
-        p = self.s.pending_update
-        assert p is not None
-        if p.event.how == "lazy":
-            # Its window passed without a recovery: forced now.
-            forced = p.event.model_copy(update={"how": "forced"})
-            self.s.pending_update = p.model_copy(update={"event": forced})
+        self.s.code.force()
 
     async def stop_ranks_now(
         self, handles: Handles, wait_commits: bool = True, persist: bool = False

@@ -207,7 +207,7 @@ class Diagnosis:
         index = {n.name: i for i, n in enumerate(self.s.nodes)}
         nodes = [self.s.nodes[index[m]] for m in machines]
         start = resume.step if resume else 0
-        group_spec = spec_for(spec, self.s.releases[self.s.code_version]).model_copy(
+        group_spec = spec_for(spec, self.s.code.release()).model_copy(
             update={
                 "nodes": len(nodes),
                 "topology": spec.topology.model_copy(

@@ -146,7 +146,7 @@ class Groups:
             if n.done:
                 self.done[n.group] = n
         # Fail-slow rounds see each group's fastest and slowest machine.
-        self.s.compute_s = {name: t for c in self.compute.values() for name, t in c.items()}
+        self.s.slow.compute_s = {name: t for c in self.compute.values() for name, t in c.items()}
         self.progress.computed = sum(self.computed.values())
         self._judge_replicas()
         self.progress.drain()
