@@ -5,6 +5,7 @@ refuses injected faults whatever the role."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 from pathlib import Path
@@ -14,8 +15,11 @@ from pydantic import SecretStr
 
 from infra.stack import Stack, local_identity
 from tests.integration.helpers import cli, example_spec, run_to_end, wait_until
+from trainguard import contract
 from trainguard.client import TrainguardClient
 from trainguard.domain.identity import Claims, Role, read, sign
+from trainguard.domain.pool_layout import shard_id
+from trainguard.services import pool_client
 from trainguard.services.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -129,6 +133,7 @@ async def test_a_production_pool_refuses_injected_faults_whatever_the_role(
     before = (await tg.nodes()).config
     await tg.configure_pool(before.model_copy(update={"production": True}))
     try:
+        await shards_heard(tg, production=True)
         r = cli(settings, "inject", node, "crash")  # every role
         assert r.returncode == 1, r.stderr
         assert r.stderr.strip() == (
@@ -138,9 +143,26 @@ async def test_a_production_pool_refuses_injected_faults_whatever_the_role(
         assert (await tg.nodes()).nodes[node].state != "suspect"  # nothing was injected
     finally:
         await tg.configure_pool(before.model_copy(update={"production": False}))
+        await shards_heard(tg, production=False)
     doc = json.loads(cli(settings, "nodes", "--json").stdout)
     assert doc["production"] is False
     assert [e["what"] for e in doc["audit"][-2:]] == ["configure", "configure"]
+
+
+async def shards_heard(tg: TrainguardClient, production: bool) -> None:
+    """Until every shard of the pool has the setting (the coordinator signals it to them)."""
+    pool = tg.settings.pool
+    lay = await pool_client.layout(tg.temporal, pool, fresh=True)
+    shards = lay.shards if lay is not None and lay.sharded else 0
+    for _ in range(600):
+        states = [
+            await contract.shard.shard_state.query(tg.temporal.get_workflow_handle(shard_id(pool, k)))
+            for k in range(shards)
+        ]
+        if all(s.settings.config.production == production for s in states):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the shards of {pool} did not hear production={production}")
 
 
 def test_the_identity_command_issues_tokens_the_cluster_verifies(settings: Settings, stack_dir: Path) -> None:
