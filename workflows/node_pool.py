@@ -420,8 +420,8 @@ class NodePoolWorkflow:
     def state(self) -> PoolState:
         """Unsharded: the whole pool. Sharded: the settings, the standby target and the free
         standbys; the machines are the shards' (``pool_client.state`` merges them)."""
-        if self.legacy is not None:
-            return self.legacy.state()
+        if self.legacy is not None:  # its audit is this run's: an unsharded run ends in the upgrade
+            return self.legacy.state().model_copy(update={"audit": self.audit})
         return self._snapshot().model_copy(
             update={"coordinator": None, "standby_target": self._standby_target(), "standby": self._free()}
         )
