@@ -18,7 +18,6 @@ from tests.integration.helpers import cli, example_spec, run_to_end, wait_until
 from trainguard import contract
 from trainguard.client import TrainguardClient
 from trainguard.domain.identity import Claims, Role, read, sign
-from trainguard.domain.pool_layout import shard_id
 from trainguard.services import pool_client
 from trainguard.services.settings import Settings
 
@@ -150,16 +149,17 @@ async def test_a_production_pool_refuses_injected_faults_whatever_the_role(
 
 
 async def shards_heard(tg: TrainguardClient, production: bool) -> None:
-    """Until every shard of the pool has the setting (the coordinator signals it to them)."""
+    """Until every running shard of the pool has the setting (the coordinator signals it to
+    them; a shard no machine hashes to does not run)."""
     pool = tg.settings.pool
     lay = await pool_client.layout(tg.temporal, pool, fresh=True)
     shards = lay.shards if lay is not None and lay.sharded else 0
     for _ in range(600):
         states = [
-            await contract.shard.shard_state.query(tg.temporal.get_workflow_handle(shard_id(pool, k)))
+            await pool_client._shard_query(tg.temporal, pool, k, contract.shard.shard_state)
             for k in range(shards)
         ]
-        if all(s.settings.config.production == production for s in states):
+        if all(s is None or s.settings.config.production == production for s in states):
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"the shards of {pool} did not hear production={production}")
