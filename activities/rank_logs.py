@@ -38,7 +38,7 @@ from trainguard.domain.rank_logs import (
     offset_key,
     parse_key,
 )
-from trainguard.services.storage import S3Store
+from trainguard.services.storage import JobStores, S3Store
 
 log = logging.getLogger(__name__)
 # A slow bucket must not hold up the recovery: what is not up by then is left (and logged).
@@ -109,9 +109,9 @@ def read_chunk(path: Path, rank: int, stream: Stream, start: int | None, final: 
 class LogActivities:
     """Rank output of this machine: uploaded at each attempt's end; ``tail_logs`` serves it live."""
 
-    def __init__(self, node_name: str, store: S3Store, sessions: Sessions) -> None:
+    def __init__(self, node_name: str, stores: JobStores, sessions: Sessions) -> None:
         self.node_name = node_name
-        self.store = store
+        self.stores = stores
         self.sessions = sessions
         self._uris: weakref.WeakKeyDictionary[RankSession, dict[int, str]] = weakref.WeakKeyDictionary()
         self._later: set[asyncio.Task[RunRanksResult | None]] = set()
@@ -127,6 +127,9 @@ class LogActivities:
         task.add_done_callback(self._later.discard)
         return result
 
+    def _upload(self, sess: RankSession) -> dict[int, str]:
+        return upload_session_logs(self.stores.for_job(sess.inp.job_id, sess.inp.ckpt_prefix), sess)
+
     async def upload(self, sess: RankSession, result: RunRanksResult | None = None) -> RunRanksResult | None:
         """Upload the attempt's output (once per session); ``result`` with its incident naming
         the log of the rank it reports."""
@@ -134,11 +137,7 @@ class LogActivities:
         if uris is None:
             self._uris[sess] = uris = {}
             try:
-                uris.update(
-                    await asyncio.wait_for(
-                        asyncio.to_thread(upload_session_logs, self.store, sess), UPLOAD_TIMEOUT_S
-                    )
-                )
+                uris.update(await asyncio.wait_for(asyncio.to_thread(self._upload, sess), UPLOAD_TIMEOUT_S))
             except Exception as exc:  # the output is worth keeping, not worth failing the attempt for
                 log.warning("rank output of %s not uploaded: %s", sess.key, exc)
         incident = result.incident if result is not None else None

@@ -20,12 +20,14 @@ from temporalio.client import Client
 
 from activities.drills import DrillState
 from activities.health import HealthMonitor
+from activities.isolation import RankIsolation
 from activities.rank_logs import LogActivities
 from activities.script_checkpoints import forget_earlier_run
 from activities.session import RankSession, RestoreUnavailable, Sessions, SetupProblem
 from activities.session.progress import discard, to_workflow
 from activities.warm_pool import WarmPool
 from trainguard.agent.ports import free_port
+from trainguard.agent.rank_user import RankUser
 from trainguard.contract import calls
 from trainguard.domain.messages import (
     Endpoint,
@@ -37,7 +39,7 @@ from trainguard.domain.messages import (
 )
 from trainguard.domain.policy import SETUP_KIND
 from trainguard.services import sealed
-from trainguard.services.storage import S3Store
+from trainguard.services.storage import JobStores
 
 HEARTBEAT_EVERY = timedelta(seconds=2)
 # How long ranks keep running with no activity attached (covers continue-as-new).
@@ -49,7 +51,7 @@ class RankActivities:
     def __init__(
         self,
         client: Client,
-        store: S3Store,
+        stores: JobStores,
         workdir: Path,
         code_dir: Path,
         host: str,
@@ -62,16 +64,20 @@ class RankActivities:
         memory_dir: Path | None = None,
         warm: WarmPool | None = None,
         machine_key: X25519PrivateKey | None = None,
+        user: RankUser | None = None,
+        isolation: RankIsolation | None = None,
     ) -> None:
         self.machine_key = machine_key  # opens the jobs' sealed secret values (services.sealed)
         self.memory_dir = memory_dir
         self.warm = warm
+        self.user = user  # who the ranks run as (None: the agent's own user)
+        self.isolation = isolation
         self.rank_nice = rank_nice
         self.node_name = node_name
         self.client = client
         self.health = health
         self.drills = drills
-        self.store = store
+        self.stores = stores  # each job's files through its own credentials
         self.workdir = workdir
         self.code_dir = code_dir
         self.host = host
@@ -123,17 +129,19 @@ class RankActivities:
                 )
             except sealed.SealError as exc:
                 return _setup_incident(inp, f"{exc} on {inp.node.name}")
+            store = await asyncio.to_thread(self.stores.for_job, inp.job_id, inp.ckpt_prefix)
             sess = RankSession(
                 opened,
                 self.workdir,
                 self.code_dir,
-                self.store,
+                store,
                 send,
                 self.health,
                 self.drills,
                 self.rank_nice,
                 self.memory_dir,
                 self.warm,
+                self.user,
             )
             self.sessions.add(sess)
             try:
@@ -144,6 +152,8 @@ class RankActivities:
                         sess.state.job_dir,
                         inp.first_attempt or 1,
                     )
+                if self.isolation is not None:
+                    await self.isolation.admit(inp.job_id)
                 await sess.start()
             except RestoreUnavailable as exc:
                 # Not this machine's fault: the workflow restarts from another copy.

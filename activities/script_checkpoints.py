@@ -14,12 +14,16 @@ handed to ``on_stored`` (the session's progress reports tell the job). Before ra
 :meth:`ScriptCheckpoints.restore` puts the checkpoints the job chose (``RunRanksInput.script_restore``;
 none chosen: the newest complete one of every name) into the directory where this machine lacks
 them (a spare after an eviction, a fresh machine), and never an incomplete one.
+
+The directory is the ranks': a link found in it is never followed, and every file is read and
+restored through ``trainguard.agent.rank_files`` (so no link swapped in later is either).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -33,6 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from trainguard.agent.rank_files import RankFiles, UnsafeRankFile
 from trainguard.domain import script_checkpoints as sc
 from trainguard.domain.checkpoints import earlier_run
 from trainguard.domain.messages import ScriptCheckpointRef
@@ -91,10 +96,18 @@ def readable_whole(path: Path) -> bool:
 DCP_PART = re.compile(rb"__\d+_\d+\.distcp")
 
 
-def dcp_files(directory: Path) -> set[str]:
-    """The part files a DCP ``.metadata`` names (relative to its directory)."""
-    data = (directory / DCP_METADATA).read_bytes()
-    return {m.decode() for m in DCP_PART.findall(data)}
+def dcp_files(metadata: bytes) -> set[str]:
+    """The part files a DCP ``.metadata`` (its bytes) names, relative to its directory."""
+    return {m.decode() for m in DCP_PART.findall(metadata)}
+
+
+def _files_below(d: Path) -> list[Path]:
+    """The plain files below ``d``, in order; a link (to a file or a directory) is not followed."""
+    out = []
+    for root, dirs, names in os.walk(d, followlinks=False):
+        dirs.sort()
+        out += [p for n in names if not (p := Path(root) / n).is_symlink() and p.is_file()]
+    return sorted(out)
 
 
 def _stat(path: Path) -> tuple[int, int] | None:
@@ -119,10 +132,12 @@ class ScriptCheckpoints:
         min_attempt: int | None = None,
         step: Callable[[], int | None] = lambda: None,
         on_stored: Callable[[ScriptCheckpointRef], None] = lambda ref: None,
+        files: RankFiles | None = None,
     ) -> None:
         # A fresh run's first attempt: saves of earlier attempts are an earlier run's, never restored.
         self.min_attempt = min_attempt
         self.store = store
+        self.files = files or RankFiles(None, [])
         self.jprefix = job_prefix
         self.sprefix = sc.prefix(job_prefix)
         self.dir = directory
@@ -145,6 +160,18 @@ class ScriptCheckpoints:
         self.floor = 0
         # One look at a time: a look cancelled with its task may still run in its thread.
         self.lock = threading.Lock()
+
+    # -- the ranks' files ---------------------------------------------------------------
+    def _put(self, key: str, path: Path) -> tuple[int, str]:
+        with self.files.reading(path) as p:
+            return self.store.put_file(key, p)
+
+    def _readable_whole(self, path: Path) -> bool:
+        try:
+            with self.files.reading(path) as p:
+                return readable_whole(p)
+        except (OSError, UnsafeRankFile):
+            return False
 
     # -- S3 ------------------------------------------------------------------------
     def _list(self) -> tuple[list[ScriptManifest], dict[str, int]]:
@@ -204,7 +231,7 @@ class ScriptCheckpoints:
             st = _stat(entry)
             if st is None or not entry.is_file():
                 return False
-            newer = not exact and st[0] > m.order and readable_whole(entry)
+            newer = not exact and st[0] > m.order and self._readable_whole(entry)
             return st == (m.order, m.files[0].size) or newer
         meta = _stat(entry / DCP_METADATA)
         if meta is not None and meta[0] > m.order and not exact:
@@ -228,9 +255,9 @@ class ScriptCheckpoints:
                 continue
             for f in m.files:
                 path = self.dir / f.path
-                self.store.get_file(f.key, path)  # into a .part name, then renamed
-                # Dated as the save it is: the watch knows it as stored, not as a new save.
-                os.utime(path, ns=(m.order, m.order))
+                # Into a new file beside it, then renamed; dated as the save it is: the watch
+                # knows it as stored, not as a new save.
+                self.files.write(path, functools.partial(self.store.get_fileobj, f.key), mtime_ns=m.order)
                 st = _stat(path)
                 if st is not None:
                     self.uploaded[f.key] = st
@@ -270,12 +297,15 @@ class ScriptCheckpoints:
         busy = set() if final else open_paths(self.pids())
         now: dict[Path, tuple[int, int]] = {}
         for entry in sorted(self.dir.iterdir()):
-            if entry.name.startswith(".") or entry.name.endswith(TEMP_SUFFIXES):
+            if entry.name.startswith(".") or entry.name.endswith(TEMP_SUFFIXES) or entry.is_symlink():
                 continue
-            if entry.is_file():
-                self._scan_file(entry, busy, now, final)
-            elif entry.is_dir():
-                self._scan_dcp(entry, busy, now, final)
+            try:
+                if entry.is_file():
+                    self._scan_file(entry, busy, now, final)
+                elif entry.is_dir():
+                    self._scan_dcp(entry, busy, now, final)
+            except UnsafeRankFile as exc:  # swapped for a link while looked at: never sent
+                log.warning("script checkpoint %s not stored: %s", entry, exc)
         self.last = now
 
     def _settled(
@@ -298,10 +328,10 @@ class ScriptCheckpoints:
         if order < self.floor:
             return
         mkey = sc.manifest_key(self.sprefix, path.name, order)
-        if mkey in self.committed or (path.name, order) in self.known or not readable_whole(path):
+        if mkey in self.committed or (path.name, order) in self.known or not self._readable_whole(path):
             return
         key = sc.file_key(self.sprefix, path.name, order)
-        sent, _ = self.store.put_file(key, path)
+        sent, _ = self._put(key, path)
         if _stat(path) != st:
             return  # rewritten while it was read: the next look takes the new save
         self.uploaded[key] = st
@@ -310,8 +340,8 @@ class ScriptCheckpoints:
 
     def _scan_dcp(self, d: Path, busy: set[str], now: dict[Path, tuple[int, int]], final: bool) -> None:
         meta = None
-        for f in sorted(d.rglob("*")):
-            if not f.is_file() or f.name.endswith(TEMP_SUFFIXES):
+        for f in _files_below(d):
+            if f.name.endswith(TEMP_SUFFIXES):
                 continue
             st = self._settled(f, busy, now, final)
             if f.name == DCP_METADATA and f.parent == d:
@@ -323,7 +353,7 @@ class ScriptCheckpoints:
             if self.stored.get(key) == st[1]:
                 self.uploaded[key] = st  # stored already (this machine's earlier attempt, or restored)
                 continue
-            self.store.put_file(key, f)
+            self._put(key, f)
             self.uploaded[key] = st
         if meta is not None:
             self._commit_dcp(d, meta)
@@ -336,9 +366,9 @@ class ScriptCheckpoints:
             return
         mkey = sc.part_key(self.sprefix, d.name, DCP_METADATA)
         if self.uploaded.get(mkey) != meta:
-            self.store.put_file(mkey, d / DCP_METADATA)
+            self._put(mkey, d / DCP_METADATA)
             self.uploaded[mkey] = meta
-        names = dcp_files(d)
+        names = dcp_files(self.files.read_bytes(d / DCP_METADATA))
         keys = {rel: sc.part_key(self.sprefix, d.name, rel) for rel in names}
         stored = {o.key: o.size for o in self.store.list(sc.part_key(self.sprefix, d.name, ""))}
         if any(k not in stored for k in keys.values()):

@@ -25,7 +25,7 @@ from trainguard.contract import calls
 from trainguard.domain.analysis.stacks import localize_hang
 from trainguard.domain.messages import LocalizeStacksInput, StackDump, StackFinding, StackInput
 from trainguard.domain.topology import place_ranks
-from trainguard.services.storage import S3Store
+from trainguard.services.storage import JobStores, S3Store
 
 log = logging.getLogger(__name__)
 PY_SPY_TIMEOUT_S = 20.0
@@ -68,15 +68,22 @@ async def dump_pid(pid: int) -> list[str]:
 
 
 class StackActivities:
-    def __init__(self, store: S3Store, node_name: str = "", sessions: Sessions | None = None) -> None:
-        self.store = store
+    def __init__(
+        self,
+        store: S3Store | None = None,
+        node_name: str = "",
+        sessions: Sessions | None = None,
+        stores: JobStores | None = None,
+    ) -> None:
+        self.store = store  # on a controller: every job's stacks
         self.node_name = node_name
         self.sessions = sessions  # on a machine only: its rank sessions
+        self.stores = stores  # on a machine only: each job's own store
 
     @activity.defn(name=calls.dump_stacks.name)
     async def dump_stacks(self, req: StackInput) -> StackDump:
         """Dump the stacks of this machine's ranks of one attempt to S3."""
-        assert self.sessions is not None
+        assert self.sessions is not None and self.stores is not None
         node = self.node_name
         pids = self.sessions.live_pids(req.job_id, req.attempt)
         if not pids:
@@ -90,8 +97,9 @@ class StackActivities:
             else:
                 stacks[rank] = res
         key = f"{req.prefix}/stacks/attempt-{req.attempt:04d}/{node}.json"
-        await asyncio.to_thread(self.store.put_json, key, {"node": node, "stacks": stacks})
-        return StackDump(node=node, uri=self.store.uri(key), ranks=sorted(stacks), error="; ".join(errors))
+        store = await asyncio.to_thread(self.stores.for_job, req.job_id, req.prefix)
+        await asyncio.to_thread(store.put_json, key, {"node": node, "stacks": stacks})
+        return StackDump(node=node, uri=store.uri(key), ranks=sorted(stacks), error="; ".join(errors))
 
     @activity.defn(name=calls.localize_stacks.name)
     async def localize_stacks(self, inp: LocalizeStacksInput) -> StackFinding:
@@ -101,6 +109,7 @@ class StackActivities:
             if d.uri is None:
                 continue
             key = d.uri.split("/", 3)[3]
+            assert self.store is not None
             data = await asyncio.to_thread(self.store.get_json, key)
             for rank, frames in (data or {}).get("stacks", {}).items():
                 stacks[int(rank)] = list(frames)

@@ -1,9 +1,14 @@
 """Warm rank processes kept ready on a machine (``trainguard.runtime.warm``).
 
 Each one is started with its own report pipe (the rank writes progress to it
-once activated), in its own process group, niced like ranks and killed with
-the agent. ``take()`` hands one over and starts a replacement in the
-background, so a restart on this machine skips the interpreter and torch start.
+once activated), in its own process group, niced like ranks, as the rank user
+(``trainguard.agent.rank_user``) and killed with the agent. ``take()`` hands
+one over and starts a replacement in the background, so a restart on this
+machine skips the interpreter and torch start.
+
+A warm process is the rank user's, so a job's ranks could tamper with one (ptrace it, as their
+own user) for the next job to run in: each remembers the job whose processes lived beside it,
+and ``admit(job)`` retires those of any other job before that job's ranks start.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainguard.agent.rank_user import RankUser
 from trainguard.runtime.env import rank_base_environ
 
 log = logging.getLogger(__name__)
@@ -29,6 +35,7 @@ class WarmProc:
     proc: asyncio.subprocess.Process
     report_r: int  # the agent's end of the report pipe
     report_w: int  # the number the rank writes to (inherited at start)
+    job: str | None = None  # the job whose processes ran beside it (None: none yet)
 
     def preloaded(self) -> bool:
         """Whether the process announced the end of its preload (READY_LINE, left in the pipe
@@ -48,11 +55,18 @@ class WarmProc:
 
 class WarmPool:
     def __init__(
-        self, size: int, log_dir: Path, preexec: Callable[[], None], refill_delay_s: float = 15.0
+        self,
+        size: int,
+        log_dir: Path,
+        preexec: Callable[[], None],
+        refill_delay_s: float = 15.0,
+        user: RankUser | None = None,
     ) -> None:
         self.size = size
         self.log_dir = log_dir
         self.preexec = preexec
+        self.user = user
+        self.job: str | None = None  # the job whose ranks ran here last
         self.ready: list[WarmProc] = []
         self._filling: asyncio.Task[None] | None = None
         # After a take, refill only once the new ranks are past their own start: replacements
@@ -63,7 +77,10 @@ class WarmPool:
     def env(self) -> dict[str, str]:
         """The environment warm processes start with (a rank's job may not change its import-time part)."""
         # Never the agent's credentials: the rank's code could read them in /proc/self/environ.
-        return {**rank_base_environ(), "PYTHONUNBUFFERED": "1"}
+        env = {**rank_base_environ(), "PYTHONUNBUFFERED": "1"}
+        if self.user is not None:  # not root's home: the rank's environment replaces it at activation
+            env.update(USER=self.user.name, LOGNAME=self.user.name, HOME="/nonexistent")
+        return env
 
     def start(self) -> None:
         self._refill(0.0)
@@ -91,7 +108,7 @@ class WarmPool:
                 pass_fds=(w_fd,),
                 env=self.env,
                 start_new_session=True,
-                preexec_fn=self.preexec,
+                preexec_fn=self.preexec,  # as a rank: the rank user's (rank_preexec)
             )
         except BaseException:
             os.close(r_fd)
@@ -99,7 +116,7 @@ class WarmPool:
             raise
         finally:
             out.close()
-        return WarmProc(proc=proc, report_r=r_fd, report_w=w_fd)
+        return WarmProc(proc=proc, report_r=r_fd, report_w=w_fd, job=self.job)
 
     async def _fill(self, delay_s: float) -> None:
         if delay_s:
@@ -123,6 +140,25 @@ class WarmPool:
             self.ready.remove(taken)
         self._refill(self.refill_delay_s)
         return taken
+
+    def admit(self, job: str) -> list[int]:
+        """``job``'s ranks are about to start here: retire the processes another job's ran
+        beside; the others are ``job``'s from now on. Returns the pids of the processes it
+        started (kept or retired: it waits for each of them itself)."""
+        mine = [w.proc.pid for w in self.ready]
+        if self.user is None:
+            return mine
+        for w in [w for w in self.ready if w.job not in (None, job)]:
+            self.ready.remove(w)
+            if w.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.kill()
+            self._close(w)
+        self.job = job
+        for w in self.ready:
+            w.job = job
+        self._refill(self.refill_delay_s)
+        return mine
 
     @staticmethod
     def _close(w: WarmProc) -> None:

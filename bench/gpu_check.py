@@ -787,11 +787,9 @@ class DirStore:
         self._write(key, lambda tmp: shutil.copyfile(path, tmp))
         return size, digest
 
-    def get_file(self, key: str, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".part")
-        shutil.copyfile(self.path(key), tmp)
-        tmp.replace(path)
+    def get_fileobj(self, key: str, f: Any) -> None:
+        with self.path(key).open("rb") as src:
+            shutil.copyfileobj(src, f)
 
     def put_json(self, key: str, data: Any) -> str | None:
         self._write(key, lambda tmp: tmp.write_text(json.dumps(data)))

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,8 +30,9 @@ from pathlib import Path
 from infra import netns as netns_mod
 from infra.netns import NetnsPlan
 from infra.processes import wait_for
-from infra.stack import Stack, StackConfig, addresses, client_env
+from infra.stack import Stack, StackConfig, addresses, agent_env, client_env, identity_keys_file
 from trainguard.agent.ports import LOOPBACK, port_is_free
+from trainguard.agent.rank_user import RankUser, RankUserError, ensure_user, let_through
 from trainguard.client import TrainguardClient
 from trainguard.services import pool_client
 from trainguard.services.settings import Settings
@@ -37,6 +40,8 @@ from trainguard.services.temporal import connect
 
 AGENT_READY_TIMEOUT_S = 120.0
 RELAY = "relay"
+
+log = logging.getLogger(__name__)
 
 
 def node_names(nodes: int, standby: int) -> list[str]:
@@ -56,7 +61,9 @@ def release_env(release: Path | None) -> dict[str, str]:
 def start_controller(stack: Stack, name: str = "controller", release: Path | None = None) -> None:
     """Start a controller worker; ``release``: another checkout's code, run from there."""
     argv = [sys.executable, "-P", "-m", "workers.controller", "--identity", name]
-    stack.start_process(name, argv, {**process_env(stack.config), **release_env(release)}, cwd=release)
+    keys = {"TRAINGUARD_IDENTITY_KEYS_FILE": str(identity_keys_file(stack.config))}
+    env = {**process_env(stack.config), **keys, **release_env(release)}
+    stack.start_process(name, argv, env, cwd=release)
 
 
 def start_agent(
@@ -91,11 +98,20 @@ def start_agent(
         str(stack.config.warm_ranks),
         *(["--gpus", str(gpus)] if gpus else []),
     ]
+    if stack.config.rank_user:
+        argv += ["--rank-user", stack.config.rank_user, "--rank-dir", str(stack.config.ranks_dir / name)]
+        if plan is None:  # on loopback, the ranks' own: see netns.ranks_namespace
+            argv += ["--rank-netns", str(netns_mod.ranks_namespace(stack.config.state_dir))]
+    # An earlier release's agent knows no job role: it keeps the stack's own credentials.
+    own = agent_env(stack.config) if release is None else {}
     env = {
         **process_env(stack.config),
+        **own,
         **release_env(release),
         "TRAINGUARD_SECRET_KEY": stack.config.machine_key.get_secret_value(),
     }
+    if stack.config.rank_user and plan is None:
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks' namespace has no other interface
     if plan is not None:
         env.update(netns_env(stack.config, plan))
         node = plan.node(name)
@@ -107,9 +123,8 @@ def start_agent(
 
 
 def netns_env(cfg: StackConfig, plan: NetnsPlan) -> dict[str, str]:
-    """client_env as seen from inside a namespace: the servers through the relay on the bridge."""
+    """Where an agent inside a namespace finds the servers: through the relay on the bridge."""
     return {
-        **client_env(cfg),
         "TRAINGUARD_TEMPORAL_ADDRESS": f"{plan.bridge_ip}:{cfg.temporal_port}",
         "TRAINGUARD_S3_ENDPOINT": f"http://{plan.bridge_ip}:{cfg.s3_port}",
     }
@@ -175,6 +190,8 @@ def bring_up(
     stack = Stack.load_or_create(state_dir, (lambda _: config) if config else StackConfig.default)
     names = node_names(nodes, standby)
     plan = _network(stack, names, netns)
+    if stack.config.rank_user:
+        rank_user_ready(stack.config.rank_user, (code_dir or Path.cwd()).resolve())
     stack.start_servers()
     if plan is not None:
         start_relay(stack, plan)
@@ -197,6 +214,29 @@ def bring_up(
     return out
 
 
+def rank_user_ready(name: str, code_dir: Path) -> RankUser:
+    """The stack's rank user exists and can run this Python on ``code_dir``: a directory on the
+    way that stops it (root's home holding the interpreter, say) lets it through, it alone."""
+    user = ensure_user(name)
+    python = Path(sys.executable)
+    for path in (python.resolve(), python.parent, Path(sys.base_prefix) / "lib", Path(sys.prefix), code_dir):
+        for d in let_through(user, path):
+            log.warning("let %s through %s (an ACL entry naming it alone: enter, not list)", name, d)
+    done = subprocess.run(
+        [sys.executable, "-c", "import trainguard.runtime.launch"],
+        cwd=code_dir,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": os.environ.get("PATH", "")},
+        **user.spawn_kwargs(),  # type: ignore[arg-type]
+    )
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise RankUserError(f"rank user {name} cannot run {sys.executable} in {code_dir}: {tail[0]}")
+    return user
+
+
 def _network(stack: Stack, names: list[str], use_netns: bool) -> NetnsPlan | None:
     """Set up (or check) the netns plumbing; a stack changes modes only while nothing of it runs."""
     recorded = netns_mod.load(stack.config.state_dir)
@@ -217,7 +257,12 @@ def _network(stack: Stack, names: list[str], use_netns: bool) -> NetnsPlan | Non
 
 def bring_down(state_dir: Path) -> list[str]:
     """Stop every recorded process, then remove a netns stack's namespaces and bridge."""
-    stopped = Stack.load(state_dir).down() if Stack.record_path(state_dir).exists() else []
+    stack = Stack.load(state_dir) if Stack.record_path(state_dir).exists() else None
+    stopped = stack.down() if stack is not None else []
+    if stack is not None:
+        shutil.rmtree(stack.config.ranks_dir, ignore_errors=True)
+        if stack.config.rank_user:
+            netns_mod.remove_ranks_namespace(state_dir)
     # The agents' memory snapshots may live outside the state dir (tmpfs).
     for record in (state_dir / "nodes").glob("*/memory_dir"):
         with contextlib.suppress(OSError):

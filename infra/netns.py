@@ -262,6 +262,24 @@ def teardown(plan: NetnsPlan) -> list[str]:
     return removed
 
 
+def ranks_namespace(state_dir: Path | str) -> Path:
+    """A loopback stack's namespace for every rank of its machines (``tgr-<id>``, only ``lo``, up):
+    ranks reach one another there, and nothing else, the stack's servers least of all (their
+    dev versions check few credentials, Temporal's none). Made when missing; its path."""
+    check_available()
+    ns = f"tgr-{stack_id(state_dir)}"
+    if not _namespace_exists(ns):
+        _ip("netns", "add", ns)
+    _ip("-n", ns, "link", "set", "lo", "up")
+    return _NETNS_DIR / ns
+
+
+def remove_ranks_namespace(state_dir: Path | str) -> None:
+    ns = f"tgr-{stack_id(state_dir)}"
+    if _namespace_exists(ns):
+        _ip("netns", "del", ns, check=False)
+
+
 def exec_prefix(plan: NetnsPlan, node: str) -> list[str]:
     """argv prefix that runs a command inside `node`'s namespace."""
     return ["ip", "netns", "exec", plan.node(node).namespace]

@@ -10,7 +10,10 @@ its own record holds, never anything found by name.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import getpass
+import hashlib
 import json
 import os
 import secrets
@@ -19,6 +22,7 @@ import signal
 import socket
 import string
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -31,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from infra.processes import kill_pid, pid_alive, spawn, start_ticks, stop_pid, wait_for
 from trainguard.agent.ports import LOOPBACK, free_ports, port_is_free
 from trainguard.contract import search_attributes
+from trainguard.domain.identity import ROLES, Claims, Role, sign
 from trainguard.services import sealed
 
 TEMPORAL = "temporal"
@@ -58,6 +63,15 @@ def _secret_key() -> SecretStr:
     return SecretStr(secrets.token_urlsafe(30))
 
 
+def _rank_user() -> str | None:
+    # Switching users needs root; a stack started by anyone else runs ranks as its own user.
+    return RANK_USER if os.geteuid() == 0 else None
+
+
+# The unprivileged user the local stack's ranks run as (created by `up` when missing).
+RANK_USER = "trainguard-rank"
+
+
 class StackConfig(BaseModel):
     """Where one local stack keeps its state and which loopback ports it listens on.
 
@@ -74,6 +88,8 @@ class StackConfig(BaseModel):
     headless: bool = False
     # Rank processes each agent keeps started (torch imported) for fast restarts.
     warm_ranks: int = Field(default=2, ge=0, le=64)
+    # Who the ranks run as (trainguard.agent.rank_user); None: the stack's own user.
+    rank_user: str | None = Field(default_factory=_rank_user)
     temporal_port: int
     temporal_http_port: int
     temporal_ui_port: int = 8233
@@ -99,6 +115,13 @@ class StackConfig(BaseModel):
     secret_key: SecretStr = Field(default_factory=_secret_key)
     # The agents' machine key: `--secret-env` values are sealed to it (trainguard.services.sealed).
     machine_key: SecretStr = Field(default_factory=lambda: SecretStr(sealed.new_key()))
+    # The agents' own S3 identity: no right but assuming the job role (s3_identities).
+    agent_access_key: str = Field(default_factory=_access_key)
+    agent_secret_key: SecretStr = Field(default_factory=_secret_key)
+    # Signs the job credentials SeaweedFS's STS hands out (iam.json).
+    sts_signing_key: SecretStr = Field(default_factory=lambda: SecretStr(secrets.token_urlsafe(32)))
+    # Signs identities (trainguard.domain.identity); the stack's own user holds every role.
+    identity_key: SecretStr = Field(default_factory=lambda: SecretStr(secrets.token_urlsafe(32)))
 
     _PORT_FIELDS: ClassVar[tuple[str, ...]] = (
         "temporal_port",
@@ -185,11 +208,18 @@ class StackConfig(BaseModel):
     def logs_dir(self) -> Path:
         return self.state_dir / "logs"
 
+    @property
+    def ranks_dir(self) -> Path:
+        """Where the machines keep what their ranks may reach: outside the state dir, which
+        holds the stack's credentials and is its user's alone (mode 0700)."""
+        tag = hashlib.sha1(str(self.state_dir).encode()).hexdigest()[:12]
+        return Path(tempfile.gettempdir()) / "trainguard-ranks" / tag
+
     def to_json_dict(self) -> dict[str, Any]:
-        """The persisted form: unlike model_dump, it holds the real secret key."""
+        """The persisted form: unlike model_dump, it holds the real secret keys."""
         data = self.model_dump(mode="json")
-        data["secret_key"] = self.secret_key.get_secret_value()
-        data["machine_key"] = self.machine_key.get_secret_value()
+        for name in ("secret_key", "agent_secret_key", "sts_signing_key", "identity_key", "machine_key"):
+            data[name] = getattr(self, name).get_secret_value()
         return data
 
 
@@ -217,6 +247,38 @@ def client_env(config: StackConfig) -> dict[str, str]:
         "AWS_ACCESS_KEY_ID": config.access_key,
         "AWS_SECRET_ACCESS_KEY": config.secret_key.get_secret_value(),
         "AWS_DEFAULT_REGION": _S3_REGION,
+        "TRAINGUARD_IDENTITY": local_identity(config),
+    }
+
+
+def local_identity(config: StackConfig, *roles: Role) -> str:
+    """A token of the stack's user (every role unless ``roles`` are given), signed with its key."""
+    claims = Claims(subject=getpass.getuser(), roles=roles or ROLES)
+    return sign(claims, config.identity_key.get_secret_value().encode())
+
+
+def identity_keys_file(config: StackConfig) -> Path:
+    """The controllers' key file (TRAINGUARD_IDENTITY_KEYS_FILE), the stack's user's alone."""
+    path = config.state_dir / "identity.keys"
+    write_private(path, config.identity_key.get_secret_value() + "\n")
+    return path
+
+
+# The role every agent assumes per job, its rights cut down to that job's prefixes
+# (trainguard.services.storage.JobStores); the agents' identity may assume it, nothing more.
+JOB_ROLE = "arn:aws:iam::role/TrainguardJob"
+AGENT_IDENTITY = "trainguard-agent"
+
+
+def agent_env(config: StackConfig) -> dict[str, str]:
+    """client_env for a node agent: its own S3 identity, which reaches a job's files only through
+    the job role, scoped to that job."""
+    env = {k: v for k, v in client_env(config).items() if k != "TRAINGUARD_IDENTITY"}  # needs no role
+    return {
+        **env,
+        "AWS_ACCESS_KEY_ID": config.agent_access_key,
+        "AWS_SECRET_ACCESS_KEY": config.agent_secret_key.get_secret_value(),
+        "TRAINGUARD_S3_JOB_ROLE": JOB_ROLE,
     }
 
 
@@ -310,6 +372,7 @@ def seaweed_argv(config: StackConfig, binary: str | None = None) -> list[str]:
         "-s3.port.iceberg", str(config.iceberg_port),
         "-s3.port.lance", str(config.lance_port),
         "-s3.config", str(config.state_dir / "s3.json"),
+        "-s3.iam.config", str(config.state_dir / "iam.json"),
     ]  # fmt: skip
 
 
@@ -331,8 +394,9 @@ def _seaweed_sockets(config: StackConfig) -> list[Path]:
 
 
 def s3_identities(config: StackConfig) -> dict[str, Any]:
-    """SeaweedFS S3 identity file: one identity; no anonymous identity, so unsigned
-    requests are refused."""
+    """SeaweedFS S3 identity file: the stack's own identity (controllers, the CLI: every
+    bucket), and the agents', with no right of its own (each job's files go through the job
+    role, iam_config). No anonymous identity, so unsigned requests are refused."""
     return {
         "identities": [
             {
@@ -344,8 +408,59 @@ def s3_identities(config: StackConfig) -> dict[str, Any]:
                     }
                 ],
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-            }
+            },
+            {
+                "name": AGENT_IDENTITY,
+                "credentials": [
+                    {
+                        "accessKey": config.agent_access_key,
+                        "secretKey": config.agent_secret_key.get_secret_value(),
+                    }
+                ],
+                "actions": [],
+            },
         ]
+    }
+
+
+def iam_config(config: StackConfig) -> dict[str, Any]:
+    """SeaweedFS's STS and IAM roles (``-s3.iam.config``): the job role, which only the agents'
+    identity may assume, with every object of the bucket as its most; each assumption cuts it
+    down to one job's prefixes (its session policy). Denied unless allowed."""
+    objects = {
+        "Effect": "Allow",
+        "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+        "Resource": [f"arn:aws:s3:::{config.bucket}/*"],
+    }
+    listing = {"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": [f"arn:aws:s3:::{config.bucket}"]}
+    trust = {
+        "Effect": "Allow",
+        "Principal": {"AWS": f"arn:aws:iam::000000000000:user/{AGENT_IDENTITY}"},
+        "Action": ["sts:AssumeRole"],
+    }
+    signing = base64.b64encode(config.sts_signing_key.get_secret_value().encode()).decode()
+    return {
+        "sts": {
+            "tokenDuration": "1h",
+            "maxSessionLength": "12h",
+            "issuer": "trainguard-stack",
+            "signingKey": signing,
+        },
+        "policy": {"defaultEffect": "Deny"},
+        "roles": [
+            {
+                "roleName": JOB_ROLE.rsplit("/", 1)[1],
+                "roleArn": JOB_ROLE,
+                "trustPolicy": {"Version": "2012-10-17", "Statement": [trust]},
+                "attachedPolicies": ["TrainguardJobObjects"],
+            }
+        ],
+        "policies": [
+            {
+                "name": "TrainguardJobObjects",
+                "document": {"Version": "2012-10-17", "Statement": [objects, listing]},
+            }
+        ],
     }
 
 
@@ -570,6 +685,7 @@ class Stack:
             self._check_ports_free(SEAWEEDFS, weed_ports)
             (cfg.state_dir / "seaweed").mkdir(exist_ok=True)
             write_private(cfg.state_dir / "s3.json", json.dumps(s3_identities(cfg), indent=2))
+            write_private(cfg.state_dir / "iam.json", json.dumps(iam_config(cfg), indent=2))
             self._spawn(SEAWEEDFS, seaweed_argv(cfg), None, cfg.state_dir)
 
         ready: dict[str, float] = {}

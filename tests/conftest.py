@@ -5,6 +5,8 @@ on free loopback ports. Started on first use only: unit tests never start it."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -86,6 +88,8 @@ async def tg(settings: Settings) -> AsyncIterator[TrainguardClient]:
     yield client
     if out := os.environ.get("TG_RECORD_HISTORIES"):
         await export_histories(client.temporal, Path(out))
+        # The role checks replay only with the key the tokens were signed with.
+        shutil.copy(settings.state_dir / "identity.keys", Path(out) / "identity.keys")
 
 
 @pytest.fixture(scope="session")
@@ -101,6 +105,16 @@ async def healthy_pool(tg: TrainguardClient, stack_dir: Path) -> AsyncIterator[N
     """After a test: every agent running, no fault standing, no machine quarantined."""
     yield
     await restore_pool(tg, stack_dir, node_names(NODES, 0), REPO)
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A directory the ranks' user may enter, for a test that hands one to every machine
+    (pytest's own temporary directories are root's alone)."""
+    d = Path(tempfile.mkdtemp(prefix="tg-shared-"))
+    d.chmod(0o711)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -157,6 +157,14 @@ class PendingCodeDoc(TypedDict):
     deadline: str
 
 
+class AuditDoc(TypedDict):
+    at: str
+    who: str
+    what: str
+    target: str
+    refused: bool
+
+
 class JobStatus(TypedDict, total=False):
     """``JobHandle.status()``: ``trainguard status --json``, every key of docs/reference.md."""
 
@@ -192,6 +200,8 @@ class JobStatus(TypedDict, total=False):
     updated_at: str | None
     as_of: str
     progress: list[list[Any]]
+    # Who submitted, stopped, cancelled or updated it, and when (docs/reference.md).
+    audit: list[AuditDoc]
 
 
 class JobSummary(TypedDict):

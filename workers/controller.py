@@ -31,6 +31,7 @@ from trainguard.services.storage import S3Store
 from trainguard.services.temporal import connect
 from workers.common import add_metrics_port, run_until_signalled, setup_logging, start_metrics
 from workers.memory_trace import trace_memory_if_asked
+from workflows.identity import IdentityInterceptor
 from workflows.registry import WORKFLOWS
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,9 @@ async def main(identity: str | None = None, metrics_port: int | None = None) -> 
     ckpt = CheckpointActivities(store)
     stacks = StackActivities(store)
     tele = TelemetryActivities()
+    keys = settings.identity_keys()
+    if not keys:
+        log.warning("no TRAINGUARD_IDENTITY_KEYS_FILE: operations are audited, no role is checked")
     worker = Worker(
         client,
         task_queue=CONTROLLER_QUEUE,
@@ -72,6 +76,7 @@ async def main(identity: str | None = None, metrics_port: int | None = None) -> 
             StoredLogActivities(store).read_logs,
         ],
         identity=identity,
+        interceptors=[IdentityInterceptor(keys)],
         graceful_shutdown_timeout=timedelta(seconds=10),
     )
     await run_until_signalled(worker)

@@ -15,6 +15,12 @@ there); the default, 127.0.0.1, serves only machines on this host (the local sta
 netns mode of the local stack: each machine in its own network namespace). A
 link probe then watches it, and nic-down / nic-flap drills act on the link
 itself; see ``activities.drills``.
+
+``--rank-user USER`` (root only) starts every rank as that unprivileged user
+(``trainguard.agent.rank_user``); what ranks may reach then lives in ``--rank-dir``
+(default: the work dir), each of whose ancestors that user must be able to
+enter, while the agent's own work dir may be private. ``<workdir>/jobs`` then
+links to ``<rank dir>/jobs``, so a machine's job files are found where they were.
 """
 
 from __future__ import annotations
@@ -38,21 +44,29 @@ from activities.diagnostics import DiagnosticActivities
 from activities.drills import DrillActivities, DrillProbe, DrillState, LinkControl
 from activities.fence import Fence, temporal_probe
 from activities.health import HealthMonitor
+from activities.isolation import RankIsolation
 from activities.rank_logs import LogActivities
 from activities.ranks import RankActivities
 from activities.session import Sessions
-from activities.session.process import rank_preexec
 from activities.stacks import StackActivities
 from activities.warm_pool import WarmPool
 from trainguard.agent.health.events import Probe
 from trainguard.agent.health.host import HostProbe
 from trainguard.agent.health.link import LinkProbe
 from trainguard.agent.health.nvml import NvmlProbe, count_gpus
+from trainguard.agent.rank_user import (
+    RankUser,
+    RankUserError,
+    rank_preexec,
+    reachable,
+    readable_by_others,
+    shared_dir,
+)
 from trainguard.domain.fencing import HEARTBEAT_THROTTLE_S
 from trainguard.domain.messages import NODE_NAME_RE, NodeInfo, node_queue
 from trainguard.services import pool_client, sealed, telemetry
 from trainguard.services.settings import Settings
-from trainguard.services.storage import S3Store
+from trainguard.services.storage import JobStores
 from trainguard.services.temporal import connect
 from workers.common import add_metrics_port, run_until_signalled, setup_logging, start_metrics
 from workers.memory_trace import trace_memory_if_asked
@@ -68,9 +82,10 @@ LEAVE_TIMEOUT_S = 5.0
 log = logging.getLogger(__name__)
 
 
-def memory_dir_for(workdir: Path, shm: Path = Path("/dev/shm")) -> Path:
+def memory_dir_for(workdir: Path, shm: Path = Path("/dev/shm"), rank_dir: Path | None = None) -> Path:
     """Where this machine keeps its ranks' per-step snapshots: memory (tmpfs) when there is
-    room, else the work disk. The choice is recorded in the work dir so teardown can find it."""
+    room, else the work disk (the rank dir's). The choice is recorded in the work dir so
+    teardown can find it."""
     try:
         roomy = (
             shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= MEMORY_MIN_FREE_BYTES
@@ -79,7 +94,7 @@ def memory_dir_for(workdir: Path, shm: Path = Path("/dev/shm")) -> Path:
         roomy = False
     # One directory per work dir: several local stacks may run machines of the same name.
     tag = hashlib.sha1(str(workdir).encode()).hexdigest()[:12]
-    path = shm / "trainguard" / tag if roomy else workdir / "memory"
+    path = shm / "trainguard" / tag if roomy else (rank_dir or workdir) / "memory"
     path.mkdir(parents=True, exist_ok=True)
     (workdir / MEMORY_DIR_RECORD).write_text(str(path))
     return path
@@ -96,10 +111,14 @@ async def main(
     warm_ranks: int = 0,
     pool: str | None = None,
     metrics_port: int | None = None,
+    user: RankUser | None = None,
+    rank_dir: Path | None = None,
 ) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
-    memory_dir = memory_dir_for(workdir)
-    drills = DrillState(workdir, name)
+    rank_dir = rank_dir or workdir
+    memory_dir = memory_dir_for(workdir, rank_dir=rank_dir)
+    # The standing faults are read by the ranks: beside what they may reach.
+    drills = DrillState(rank_dir, name)
     drill = DrillActivities(drills, LinkControl(nic, workdir) if nic else None)
     await drill.restore_link()  # before connecting: a link left down would keep us offline
     settings = Settings.load()
@@ -127,15 +146,18 @@ async def main(
     sessions = Sessions()
     health = HealthMonitor(probes(name, [workdir, memory_dir], drills, gpus, sessions.rank_pids, nic))
     health.start()
-    store = S3Store(settings)
-    warm = WarmPool(warm_ranks, workdir / "warm", functools.partial(rank_preexec, rank_nice))
+    stores = JobStores(settings)  # each job's files through credentials of its own
+    warm = WarmPool(warm_ranks, workdir / "warm", functools.partial(rank_preexec, rank_nice, user), user=user)
+    isolation = RankIsolation(user, rank_dir, memory_dir, sessions, warm)
+    await isolation.startup()  # before the warm processes: it kills every process of the rank user
     warm.start()
-    logs = LogActivities(name, store, sessions)
+    logs = LogActivities(name, stores, sessions)
     ranks = RankActivities(
-        client, store, workdir, code_dir, host, health, drills, sessions, logs,
+        client, stores, rank_dir, code_dir, host, health, drills, sessions, logs,
         rank_nice=rank_nice, node_name=name, memory_dir=memory_dir, warm=warm, machine_key=machine_key,
+        user=user, isolation=isolation,
     )  # fmt: skip
-    stacks = StackActivities(store, name, sessions)
+    stacks = StackActivities(node_name=name, sessions=sessions, stores=stores)
     diagnostics = DiagnosticActivities(name, health, drills)
     worker = Worker(
         client,
@@ -177,6 +199,35 @@ async def main(
         fence.cancel()
         await warm.stop()
         await health.stop()
+
+
+def prepare_rank_dir(workdir: Path, rank_dir: Path, user: RankUser | None) -> Path:
+    """The directory of what ranks may reach (their jobs' files, the standing faults): with a
+    rank user, root's and enterable by that user (RankUserError naming the directory that stops
+    it); ``<workdir>/jobs`` links to its ``jobs`` when it is elsewhere."""
+    rank_dir = rank_dir.resolve()
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    if user is not None:
+        shared_dir(rank_dir)
+        stop = reachable(rank_dir, user)
+        if stop is not None:
+            raise RankUserError(f"--rank-dir: user {user.name} cannot enter {stop} ({rank_dir})")
+    jobs, link = rank_dir / "jobs", workdir / "jobs"
+    if rank_dir != workdir.resolve() and not link.exists() and not link.is_symlink():
+        jobs.mkdir(exist_ok=True)
+        link.symlink_to(jobs)
+    return rank_dir
+
+
+def credential_files(settings: Settings) -> list[Path]:
+    """The files this agent's credentials are read from (none may be readable by a rank)."""
+    named = [
+        settings.payload_key_file,
+        settings.temporal_tls_key,
+        os.environ.get("TEMPORAL_CONFIG_FILE"),
+        str(settings.state_dir / "stack.json"),
+    ]
+    return [Path(p).expanduser() for p in named if p]
 
 
 RankPids = Callable[[], dict[int, int]]
@@ -231,6 +282,30 @@ def cli() -> None:
         default=None,
         help="the pool to join, one per cluster or allocation (default: TRAINGUARD_POOL or trainguard-pool)",
     )
+    parser.add_argument(
+        "--rank-user",
+        default=os.environ.get("TRAINGUARD_RANK_USER") or None,
+        help="start ranks as this unprivileged user (root only; one per pool; default TRAINGUARD_RANK_USER)",
+    )
+    parser.add_argument(
+        "--rank-netns",
+        type=Path,
+        default=None,
+        help="with --rank-user: a network namespace (a path such as /run/netns/NAME) to start ranks in",
+    )
+    parser.add_argument(
+        "--rank-host",
+        type=Path,
+        default=None,
+        help="with --rank-user: the socket of a rank host that starts the ranks in a container of "
+        "their own (python -m trainguard.agent.rank_host)",
+    )
+    parser.add_argument(
+        "--rank-dir",
+        type=Path,
+        default=None,
+        help="where ranks' files live, enterable by the rank user (default: the work dir)",
+    )
     add_metrics_port(parser)
     args = parser.parse_args()
     if importlib.util.find_spec("torch") is None:  # the ranks and the self-test train with it
@@ -239,20 +314,36 @@ def cli() -> None:
             "error: the node agent needs torch, which comes with the 'agent' extra: "
             "pip install 'trainguard[agent]'\n",
         )
+    workdir = args.workdir.resolve()
+    user = None
+    try:
+        if args.rank_user:
+            user = RankUser.lookup(args.rank_user, args.rank_netns, args.rank_host)
+            exposed = readable_by_others(credential_files(Settings.load()))
+            if exposed:
+                raise RankUserError(f"credentials the ranks could read: {', '.join(exposed)}; chmod 600")
+        elif args.rank_host or args.rank_netns:
+            raise RankUserError("--rank-host and --rank-netns need --rank-user")
+        workdir.mkdir(parents=True, exist_ok=True)
+        rank_dir = prepare_rank_dir(workdir, args.rank_dir or workdir, user)
+    except RankUserError as exc:
+        parser.exit(1, f"error: {exc}\n")
     setup_logging(f"agent-{args.name}")
     trace_memory_if_asked(f"agent-{args.name}")
     asyncio.run(
         main(
             args.name,
-            args.workdir.resolve(),
+            workdir,
             args.code_dir.resolve(),
             args.host,
             args.gpus,
             args.rank_nice,
             args.nic,
-            args.warm_ranks,
+            0 if args.rank_host else args.warm_ranks,  # a rank host's ranks start cold
             args.pool,
             args.metrics_port,
+            user,
+            rank_dir,
         )
     )
 

@@ -38,6 +38,7 @@ from workflows.pool_shard import PoolShardWorkflow
 from workflows.pool_slurm import request_replacement
 
 with workflow.unsafe.imports_passed_through():
+    from trainguard.domain.identity import AuditEntry, audited
     from trainguard.domain.messages import (
         CoordinatorState,
         CordonInput,
@@ -93,6 +94,7 @@ class NodePoolWorkflow:
     @workflow.init
     def __init__(self, state: PoolState | None = None) -> None:
         self.legacy: LegacyPool | None = None
+        self.audit: list[AuditEntry] = list(state.audit) if state else []
         if not workflow.patched(PATCH_SHARDS):
             self.legacy = LegacyPool(state)
             return
@@ -153,7 +155,13 @@ class NodePoolWorkflow:
             coordinator=CoordinatorState(
                 settings_epoch=self.settings.epoch, summaries=self.summaries, queue=self.queue, gate=self.gate
             ),
+            audit=self.audit,
         )
+
+    def record_audit(self, entry: AuditEntry) -> None:
+        """An operation on the pool's settings, or on a machine of an unsharded pool, and who
+        asked (workflows.identity)."""
+        self.audit = audited(self.audit, entry)
 
     def _shard_start(self, k: int) -> ShardState:
         """What a shard starts with (whoever starts it: an agent, the CLI, the hand-over)."""
@@ -412,8 +420,8 @@ class NodePoolWorkflow:
     def state(self) -> PoolState:
         """Unsharded: the whole pool. Sharded: the settings, the standby target and the free
         standbys; the machines are the shards' (``pool_client.state`` merges them)."""
-        if self.legacy is not None:
-            return self.legacy.state()
+        if self.legacy is not None:  # its audit is this run's: an unsharded run ends in the upgrade
+            return self.legacy.state().model_copy(update={"audit": self.audit})
         return self._snapshot().model_copy(
             update={"coordinator": None, "standby_target": self._standby_target(), "standby": self._free()}
         )

@@ -346,7 +346,9 @@ class LegacyPool(SlurmSync):
         return await drill(self.nodes[req.node], req)
 
     def _validate_inject(self, req: InjectInput) -> None:
-        if (problem := inject_problem(self.nodes.get(req.node), req)) is not None:
+        if (
+            problem := inject_problem(self.nodes.get(req.node), req, self.config, workflow.info().workflow_id)
+        ) is not None:
             raise ValueError(problem)
 
     async def deregister(self, name: str) -> None:

@@ -21,6 +21,7 @@ with workflow.unsafe.imports_passed_through():
         DiagnosticInput,
         InjectInput,
         InjectResult,
+        PoolConfig,
         PoolNode,
     )
 
@@ -71,7 +72,10 @@ def tested(
     return n.model_copy(update={**update, "tested_at": now, "evidence": evidence[:keep]})
 
 
-def inject_problem(n: PoolNode | None, req: InjectInput) -> str | None:
+def inject_problem(n: PoolNode | None, req: InjectInput, config: PoolConfig, pool: str) -> str | None:
+    if config.production:
+        why = "injected faults are refused there whatever the role"
+        return f"refused: inject on {pool}, a production pool ({why})"
     if n is None:
         return f"node: unknown node {req.node!r}"
     if n.state == "lost":

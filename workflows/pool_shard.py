@@ -34,6 +34,7 @@ from workflows.pool_machine import clear, drill, inject_problem, self_test, test
 from workflows.pool_slurm import SLURM_RETRY, slurm_change
 
 with workflow.unsafe.imports_passed_through():
+    from trainguard.domain.identity import AuditEntry, audited
     from trainguard.domain.messages import (
         CordonInput,
         EvictHereInput,
@@ -84,6 +85,7 @@ class PoolShardWorkflow:
         self.requests: dict[str, ShardRequest] = dict(state.requests)
         self.slurm_drained = dict(state.slurm_drained)
         self.slurm_epoch = state.slurm_epoch
+        self.audit = list(state.audit)
         self.m = ShardIndex(state.nodes, state.settings.config.retest_s, set(state.slurm_held))
         self.testing: set[str] = set()
         self.slurm_dirty: dict[str, None] = dict.fromkeys(state.nodes) if state.settings.slurm_queue else {}
@@ -483,7 +485,9 @@ class PoolShardWorkflow:
 
     @inject.validator
     def _validate_inject(self, req: InjectInput) -> None:
-        if (problem := inject_problem(self.m.nodes.get(req.node), req)) is not None:
+        if (
+            problem := inject_problem(self.m.nodes.get(req.node), req, self.settings.config, self.pool)
+        ) is not None:
             raise ValueError(problem)
 
     @workflow.update(name=contract.shard.slurm_observed.name)
@@ -537,7 +541,12 @@ class PoolShardWorkflow:
             slurm_drained=self.slurm_drained,
             slurm_held=sorted(self.m.slurm_held),
             slurm_epoch=self.slurm_epoch,
+            audit=self.audit,
         )
+
+    def record_audit(self, entry: AuditEntry) -> None:
+        """An operator's or a drill's operation on a machine of this shard (workflows.identity)."""
+        self.audit = audited(self.audit, entry)
 
     @workflow.query(name=contract.shard.shard_state.name)
     def shard_state(self) -> ShardState:

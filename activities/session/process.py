@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import functools
 import logging
 import os
@@ -19,12 +18,15 @@ import shutil
 import signal
 import sys
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 
 from activities.drills import DrillState
 from activities.session.state import SessionState
 from activities.warm_pool import WarmPool
+from trainguard.agent.rank_host import RemoteRank
+from trainguard.agent.rank_user import rank_preexec, reachable, shared_dir, swappable
 from trainguard.domain.messages import RankExit
 from trainguard.domain.report_interval import replica_every
 from trainguard.runtime.env import RankEnv, rank_base_environ
@@ -47,15 +49,6 @@ EXIT_CPU_ALIVE_S = 1.0
 class SetupProblem(RuntimeError):
     """The job cannot start on this machine as specified: a missing script or workdir, a
     checkpoint directory that cannot be written. No restart changes it."""
-
-
-def rank_preexec(nice: int) -> None:
-    """In the child: get SIGKILL if the agent dies, so ranks never run unsupervised; and
-    optionally yield the CPU to the agent and controller (stacks that share a host)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if nice:
-        os.nice(nice)
 
 
 def resolve_argv(argv: list[str]) -> list[str]:
@@ -103,7 +96,20 @@ def tree_cpu_s(pid: int) -> float:
     return total
 
 
-async def stop_groups(procs: list[asyncio.subprocess.Process]) -> None:
+class RankProcess(Protocol):
+    """A rank's process as the session uses it: a child of the agent's, or one a rank host
+    started (``trainguard.agent.rank_host.RemoteRank``)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+
+async def stop_groups(procs: list[RankProcess]) -> None:
     """SIGTERM the process groups of ``procs`` still running, SIGKILL what is left after a grace."""
     live = [p for p in procs if p.returncode is None]
     for p in live:
@@ -128,7 +134,7 @@ class RankProcesses:
         self.warm = warm
         self.rank_nice = rank_nice
         self.warm_started = 0  # ranks of this attempt that took a warm process
-        self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.procs: dict[int, RankProcess] = {}
         self.exits: dict[int, RankExit] = {}
         self.we_killed: set[int] = set()
         self.exiting: set[int] = set()  # ranks whose launcher said their script is over
@@ -136,12 +142,32 @@ class RankProcesses:
         self.exit_cpu: dict[int, float] = {}  # of those, their process tree's CPU seconds at the last look
 
     # -- start -----------------------------------------------------------------------
+    def make_dirs(self) -> None:
+        """The attempt's directories. With a rank user, what the ranks write is theirs (the
+        snapshots, a home and a temp dir of the job's own, each rank's output file) inside
+        root's directories they cannot change (the job's gates, the output directory)."""
+        s = self.s
+        if s.user is None:
+            s.log_dir.mkdir(parents=True, exist_ok=True)
+            s.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            return
+        shared_dir(s.log_dir)
+        for d in (s.ckpt_dir, s.home_dir, s.tmp_dir):
+            s.user.private_dir(d)
+        for rank in s.inp.ranks:
+            for stream in ("out", "err"):
+                path = s.log_dir / f"rank-{rank:05d}.{stream}"
+                path.touch()
+                s.user.own(path)
+
     def check_setup(self) -> None:
         """What the spec names must be there on this machine, where the ranks run."""
         s = self.s
         where = f"on {s.inp.node.name}"
         if not s.workdir.is_dir():
             raise SetupProblem(f"workdir {s.workdir} does not exist {where}")
+        if s.user is not None and (stop := reachable(s.workdir, s.user)) is not None:
+            raise SetupProblem(f"workdir {s.workdir}: user {s.user.name} cannot enter {stop} {where}")
         argv = resolve_argv(s.spec.entrypoint)
         prog = argv[0]  # a name on PATH, or a path (relative: to the workdir, as exec sees it)
         if not (os.access(s.workdir / prog, os.X_OK) if "/" in prog else shutil.which(prog)):
@@ -153,7 +179,9 @@ class RankProcesses:
                 if not script.is_file():
                     raise SetupProblem(f"script {args[0]} not found in workdir {s.workdir} {where}")
         d = s.script_ckpt_dir
-        if d is not None:
+        if d is not None and s.user is not None:
+            self._check_rank_ckpt_dir(d, where)
+        elif d is not None:
             try:
                 d.mkdir(parents=True, exist_ok=True)
                 probe = d / f".tg-write-probe-{os.getpid()}"
@@ -164,12 +192,50 @@ class RankProcesses:
                     f"checkpoint dir {d} cannot be written {where}: {exc.strerror or exc}"
                 ) from None
 
-    def rank_env(self, local_rank: int, rank: int, report_fd: int) -> dict[str, str]:
+    def _check_rank_ckpt_dir(self, d: Path, where: str) -> None:
+        """The script's checkpoint directory, for ranks running as the rank user: one under the
+        job's own directory is made theirs; an absolute one must be writable by them, below
+        directories they cannot replace (else a link swapped in would point the agent's
+        uploads elsewhere; rank_files.py)."""
+        s = self.s
+        user = s.user
+        assert user is not None
+        if d.is_relative_to(s.job_dir):
+            user.private_dir(d)
+            return
+        # Vetted before anything is made: root must never create (and hand over) a directory
+        # through a link the rank user planted on the way.
+        open_to = swappable(d, user)
+        if open_to is not None:
+            raise SetupProblem(
+                f"checkpoint dir {d}: user {user.name} can replace what is in {open_to} {where}; "
+                "use a directory below root's own, or a relative checkpoint_dir"
+            )
+        if not d.parent.is_dir():
+            raise SetupProblem(f"checkpoint dir {d}: {d.parent} does not exist {where}")
+        if not d.exists():
+            try:
+                d.mkdir(exist_ok=True)  # the other machines of a shared filesystem make it too
+            except OSError as exc:
+                raise SetupProblem(
+                    f"checkpoint dir {d} cannot be written {where}: {exc.strerror or exc}"
+                ) from None
+            user.own(d)
+        if not user.can_write(d):
+            raise SetupProblem(f"checkpoint dir {d} cannot be written by user {user.name} {where}")
+
+    def rank_env(
+        self, local_rank: int, rank: int, report_fd: int, base: dict[str, str] | None = None
+    ) -> dict[str, str]:
+        """``base``: what the rank's environment starts from (default: the agent's, less what
+        is its own)."""
         s, spec = self.s, self.s.spec
-        env = rank_base_environ()
+        env = rank_base_environ(base)
         if spec.ranks_per_node > 1 and "OMP_NUM_THREADS" not in env:
             # As torchrun does for several processes per machine (the job's env may set it).
             env["OMP_NUM_THREADS"] = "1"
+        if s.user is not None:
+            env.update(s.user.environ(s.home_dir, s.tmp_dir))
         env.update(spec.env)
         program = resolve_argv(spec.entrypoint)[0]  # the rank's own interpreter's bin first
         bin_dir = str(Path(program).parent if os.path.isabs(program) else Path(sys.executable).parent)
@@ -257,7 +323,16 @@ class RankProcesses:
         r_fd, w_fd = os.pipe()
         out = out_path.open("ab")
         err = err_path.open("ab")
+        host = s.user.host if s.user is not None else None
         try:
+            if host is not None:  # started in the ranks' own container, from its environment
+                env = self.rank_env(local_rank, rank, w_fd, base={})
+                fds = (out.fileno(), err.fileno(), w_fd)
+                remote = await RemoteRank.start(
+                    host, through_launcher(argv), env, str(s.workdir), fds, self.rank_nice
+                )
+                self.procs[rank] = remote
+                return r_fd
             proc = await asyncio.create_subprocess_exec(
                 *through_launcher(argv),
                 cwd=str(s.workdir),
@@ -267,7 +342,7 @@ class RankProcesses:
                 stderr=err,
                 pass_fds=(w_fd,),
                 start_new_session=True,  # its own process group: killpg reaches its children
-                preexec_fn=functools.partial(rank_preexec, self.rank_nice),
+                preexec_fn=functools.partial(rank_preexec, self.rank_nice, s.user),
             )
         finally:
             os.close(w_fd)

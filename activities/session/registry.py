@@ -51,6 +51,16 @@ class Sessions:
         """Rank -> pid of every rank this agent runs now (for the host probe)."""
         return {rank: pid for s in self._by_key.values() if not s.done for rank, pid in s.live_pids().items()}
 
+    def live(self) -> dict[str, list[int]]:
+        """Job -> pids of its ranks running here (hung ones kept for their stacks included), for
+        every job with a session under way."""
+        out: dict[str, list[int]] = {}
+        for (job, _), s in self._by_key.items():
+            pids = list(s.live_pids().values())
+            if pids or not s.done:
+                out.setdefault(job, []).extend(pids)
+        return out
+
     def running(self) -> str | None:
         """What ranks run here now (a graceful shutdown waits for them), or None."""
         jobs = sorted(

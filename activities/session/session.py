@@ -34,6 +34,7 @@ from activities.session.snapshots import Snapshots
 from activities.session.state import SessionState
 from activities.session.watch import Watch
 from activities.warm_pool import WarmPool
+from trainguard.agent.rank_user import RankUser
 from trainguard.domain.detection import RENDEZVOUS_KIND
 from trainguard.domain.messages import RunRanksInput, RunRanksResult
 from trainguard.domain.spec import JobSpec
@@ -64,9 +65,10 @@ class RankSession:
         rank_nice: int = 0,
         memory_dir: Path | None = None,
         warm: WarmPool | None = None,
+        user: RankUser | None = None,
     ) -> None:
         # The parts, each built on those before it (see the package's docstring).
-        self.state = s = SessionState(inp, workdir, code_dir, memory_dir)
+        self.state = s = SessionState(inp, workdir, code_dir, memory_dir, user)
         self.process = RankProcesses(s, drills, warm, rank_nice)
         self.snapshots = Snapshots(s, store)
         self.progress = ProgressReporter(s, self.snapshots, send_progress)
@@ -84,6 +86,7 @@ class RankSession:
                 step=lambda: self.progress.step_now,
                 # From the look's thread: the report is built on the loop.
                 on_stored=lambda ref: loop.call_soon_threadsafe(self.progress.script_stored, ref),
+                files=s.files,
             )
             if d is not None and not inp.dry_run
             else None
@@ -165,8 +168,7 @@ class RankSession:
     # -- start -----------------------------------------------------------------------------
     async def start(self) -> None:
         s = self.state
-        s.log_dir.mkdir(parents=True, exist_ok=True)
-        s.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.process.make_dirs()
         self.process.check_setup()
         if s.inp.resume is not None:
             await self.snapshots.stage_resume()

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import shutil
+from pathlib import Path
 
 from activities.session.state import SessionState
+from trainguard.agent.rank_files import UnsafeRankFile
 from trainguard.domain import checkpoints
 from trainguard.domain.checkpoints import parse_step_dir, shard_name, step_dir_name
 from trainguard.domain.messages import ShardInfo
@@ -75,15 +78,31 @@ class Snapshots:
                 continue  # the rank receives it from the machine holding its backup
             shard = by_rank[inp.restore_from.get(rank, rank)]
             path = self.s.ckpt_dir / shard_name(ref.step, rank)
-            if path.exists() and await asyncio.to_thread(sha256_file, path) == shard.sha256:
+            if await asyncio.to_thread(self._sha256_or_none, path) == shard.sha256:
                 continue
             if not shard.key:
                 raise RestoreUnavailable(
                     f"memory snapshot of step {ref.step} for rank {rank} is gone from this machine"
                 )
-            await asyncio.to_thread(self.store.get_file, shard.key, path)
-            if await asyncio.to_thread(sha256_file, path) != shard.sha256:
+            fill = functools.partial(self.store.get_fileobj, shard.key)
+            await asyncio.to_thread(self.s.files.write, path, fill)
+            if await asyncio.to_thread(self._sha256_or_none, path) != shard.sha256:
                 raise RestoreUnavailable(f"checkpoint shard {shard.key} does not match its manifest hash")
+
+    def _sha256(self, path: Path) -> str:
+        """The hash of a snapshot the ranks wrote (opened as rank_files.py says)."""
+        with self.s.files.reading(path) as p:
+            return sha256_file(p)
+
+    def _sha256_or_none(self, path: Path) -> str | None:
+        try:
+            return self._sha256(path)
+        except (FileNotFoundError, UnsafeRankFile):
+            return None
+
+    def _size_sha256(self, path: Path) -> tuple[int, str]:
+        with self.s.files.reading(path) as p:
+            return p.stat().st_size, sha256_file(p)
 
     # -- the ranks' records ------------------------------------------------------------
     def on_saved(self, rank: int, rec: protocol.Ckpt) -> None:
@@ -142,10 +161,9 @@ class Snapshots:
                 size, digest = meta[rank]
             else:
                 try:
-                    digest = await asyncio.to_thread(sha256_file, path)
-                    size = path.stat().st_size
-                except FileNotFoundError:
-                    return  # pruned meanwhile: a newer snapshot exists
+                    size, digest = await asyncio.to_thread(self._size_sha256, path)
+                except (FileNotFoundError, UnsafeRankFile):
+                    return  # pruned meanwhile (a newer snapshot exists), or not a snapshot at all
             shards.append(ShardInfo(rank=rank, step=step, key="", size=size, sha256=digest))
         self.memory[step] = shards
         for old in sorted(self.memory)[:-MEMORY_STEPS_REPORTED]:
@@ -160,9 +178,8 @@ class Snapshots:
             size, digest = meta
         else:
             try:
-                digest = await asyncio.to_thread(sha256_file, path)
-                size = path.stat().st_size
-            except FileNotFoundError:
+                size, digest = await asyncio.to_thread(self._size_sha256, path)
+            except (FileNotFoundError, UnsafeRankFile):
                 return
         new_step = step not in self.backups
         self.backups.setdefault(step, {})[of_rank] = ShardInfo(
@@ -217,9 +234,12 @@ class Snapshots:
                 for rank in inp.ranks:
                     path = self.s.ckpt_dir / shard_name(step, rank)
                     key = checkpoints.shard_key(inp.ckpt_prefix, step, rank, inp.attempt)
-                    size, digest = await asyncio.to_thread(self.store.put_file, key, path, hashes.get(rank))
+                    size, digest = await asyncio.to_thread(self._upload, key, path, hashes.get(rank))
                     shards.append(ShardInfo(rank=rank, step=step, key=key, size=size, sha256=digest))
                 break
+            except UnsafeRankFile as exc:  # a link or another user's file: never a shard to send
+                log.warning("step %d not uploaded: %s", step, exc)
+                return
             except Exception as exc:  # storage outage: keep training, keep trying
                 if tries is not None:
                     tries -= 1
@@ -234,6 +254,10 @@ class Snapshots:
         self.unsent.extend(shards)
         self.s.changed.set()
         self.prune_local()
+
+    def _upload(self, key: str, path: Path, sha256: str | None) -> tuple[int, str]:
+        with self.s.files.reading(path) as p:
+            return self.store.put_file(key, p, sha256)
 
     async def persist_newest(self) -> None:
         """A user's stop: the newest memory snapshots not in S3 yet go there. Both kept steps:
@@ -264,8 +288,8 @@ class Snapshots:
                 continue
             d = self.s.ckpt_dir / step_dir_name(step)
             for rank in self.s.inp.ranks:
-                with contextlib.suppress(FileNotFoundError):
-                    (d / f"rank-{rank:05d}.pt").unlink()
+                with contextlib.suppress(FileNotFoundError, UnsafeRankFile):
+                    self.s.files.unlink(d / f"rank-{rank:05d}.pt")
             with contextlib.suppress(OSError):
                 d.rmdir()
 

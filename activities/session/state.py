@@ -13,18 +13,38 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from trainguard.agent.rank_files import RankFiles
+from trainguard.agent.rank_user import RankUser
 from trainguard.domain.detection import TrainingMonitor
 from trainguard.domain.messages import IncidentReport, RunRanksInput, RunRanksResult
 
 
 class SessionState:
-    def __init__(self, inp: RunRanksInput, workdir: Path, code_dir: Path, memory_dir: Path | None) -> None:
+    def __init__(
+        self,
+        inp: RunRanksInput,
+        workdir: Path,
+        code_dir: Path,
+        memory_dir: Path | None,
+        user: RankUser | None = None,
+    ) -> None:
         self.inp = inp
         self.spec = inp.spec
         self.code_dir = code_dir
+        # Who the ranks run as (None: the agent's own user) and, behind the job's gates
+        # (trainguard.agent.rank_user), what they may write: the snapshots, the script's
+        # checkpoints, their output, a home and a temp dir.
+        self.user = user
         self.job_dir = workdir / "jobs" / inp.job_id
         # Snapshots live in the machine's memory (tmpfs) when it has room: a copy, not a disk write.
         self.ckpt_dir = (memory_dir or workdir / "memory") / "jobs" / inp.job_id / "ckpt"
+        self.home_dir = self.job_dir / "home"
+        self.tmp_dir = self.job_dir / "tmp"
+        # What the agent reads and writes where the ranks write too, from the job's gates down
+        # (and from an absolute script checkpoint directory, which check_setup vets).
+        d = self.script_ckpt_dir
+        outside = [d] if d is not None and not d.is_relative_to(self.job_dir) else []
+        self.files = RankFiles(user, [self.job_dir, self.ckpt_dir.parent, *outside])
         self.log_dir = self.job_dir / f"attempt-{inp.attempt:04d}"
         self.result: asyncio.Future[RunRanksResult] = asyncio.get_running_loop().create_future()
         self.tasks: list[asyncio.Task[Any]] = []  # cancelled when the ranks are gone

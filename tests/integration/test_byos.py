@@ -38,14 +38,14 @@ def chosen_saves(record: dict[str, Any]) -> set[tuple[str, int]]:
 
 
 async def test_plain_ddp_script_crash_and_hang_then_completes(
-    tg: TrainguardClient, settings: Settings, stack_dir: Path, tmp_path: Path, healthy_pool: None
+    tg: TrainguardClient, settings: Settings, stack_dir: Path, shared_tmp: Path, healthy_pool: None
 ) -> None:
     """One job: rank 1 crashes at a random step on the first start, restarts and resumes from the
     script's own checkpoint; on the restart rank 1 hangs, which becomes a `hang` incident; the
     third start finishes and the job completes when every rank exits 0, rank 1 aside: it dies of
     SIGABRT after its script ended (as gloo's teardown does now and then), which restarts nothing."""
     crash_at = random.choice([s for s in range(12, 29) if s % 10])
-    ckpt = tmp_path / "ckpt"
+    ckpt = shared_tmp / "ckpt"  # one directory every machine shares, as on a shared filesystem
     r = cli(
         settings,
         "run",

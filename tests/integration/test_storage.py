@@ -1,6 +1,7 @@
 """Shard uploads reuse the hash their writer computed, and the S3 server checks the bytes against it;
 commits judge from one listing and read a manifest only when its ETag changed; checkpoints by
-parts (a large job's) commit, restore by range of ranks and stay fenced on the real store."""
+parts (a large job's) commit, restore by range of ranks and stay fenced on the real store; a job's
+store on a machine reaches that job's prefixes alone."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from botocore.exceptions import ClientError
 from temporalio.exceptions import ApplicationError
 
 from activities.checkpoints import CheckpointActivities
+from infra.stack import Stack, agent_env
 from trainguard.domain import checkpoints
 from trainguard.domain.messages import (
     CheckpointRef,
@@ -24,9 +26,10 @@ from trainguard.domain.messages import (
 )
 from trainguard.services import checkpoint_store
 from trainguard.services.settings import Settings
-from trainguard.services.storage import S3Store
+from trainguard.services.storage import ONE_PUT_MAX, JobStores, S3Store
 
 pytestmark = pytest.mark.integration
+DENIED = r"AccessDenied|Forbidden|403"  # GetObject and HeadObject say 403 alone
 
 
 def test_put_file_with_the_writers_hash_is_checked_by_the_server(settings: Settings, tmp_path: Path) -> None:
@@ -39,7 +42,8 @@ def test_put_file_with_the_writers_hash_is_checked_by_the_server(settings: Setti
     try:
         assert store.put_file(f"{prefix}/a", path, digest) == (len(data), digest)
         back = tmp_path / "back.pt"
-        store.get_file(f"{prefix}/a", back)
+        with back.open("wb") as f:
+            store.get_fileobj(f"{prefix}/a", f)
         assert back.read_bytes() == data
         # Bytes that changed after they were hashed (or a wrong hash) are refused, not stored.
         with pytest.raises(ClientError, match="BadDigest"):
@@ -95,6 +99,50 @@ def test_commits_on_a_real_store_read_no_manifest_twice(settings: Settings) -> N
         }
     finally:
         store.delete([o.key for o in store.list(jprefix + "/")])
+
+
+def test_a_jobs_store_reaches_its_own_prefixes_and_nothing_of_another_jobs(
+    settings: Settings, stack_dir: Path, tmp_path: Path
+) -> None:
+    """An agent's credentials for one job (the job role, cut down to its prefixes) write, read,
+    list and delete that job's checkpoints and logs, large files in parts included; another
+    job's can be neither listed, read, written nor deleted, nor the bucket listed; the agent's
+    own identity reaches nothing at all."""
+    admin = S3Store(settings)
+    agent = Settings.from_mapping(agent_env(Stack.load(stack_dir).config), stack_dir)
+    mine, theirs = f"scoped-a-{os.getpid()}", f"scoped-b-{os.getpid()}"
+    other_key = f"checkpoints/{theirs}/step-0000000010/manifest.json"
+    admin.put_json(other_key, {"step": 10})
+    store = JobStores(agent).for_job(mine, f"checkpoints/{mine}")
+    big = tmp_path / "big.pt"
+    big.write_bytes(os.urandom(ONE_PUT_MAX + (1 << 20)))  # uploaded in parts
+    own = [f"checkpoints/{mine}/step-0000000010/rank-00000.pt", f"jobs/{mine}/logs/attempt-0001/x.gz"]
+    try:
+        for key in own:
+            store.put_file(key, big)
+            assert store.head(key) is not None
+        assert [o.key for o in store.list(f"checkpoints/{mine}/")] == own[:1]
+        store.delete(own)
+        assert store.list(f"jobs/{mine}/logs/") == []  # its logs prefix: the job's to list
+
+        refused = {
+            "list another job": lambda: store.list(f"checkpoints/{theirs}/"),
+            "list the bucket": lambda: store.list(""),
+            "list every job": lambda: store.list("checkpoints/"),
+            "read another job": lambda: store.get_json(other_key),
+            "overwrite another job": lambda: store.put_json(other_key, {}),
+            "delete another job": lambda: store.delete([other_key]),
+            "write outside the job": lambda: store.put_json(f"checkpoints/{mine}-x/a", {}),
+        }
+        for what, attempt in refused.items():
+            with pytest.raises(ClientError, match=DENIED):
+                attempt()
+                pytest.fail(f"{what}: allowed")
+        assert admin.get_json(other_key) == {"step": 10}
+        with pytest.raises(ClientError, match=DENIED):
+            S3Store(agent).list(f"checkpoints/{mine}/")  # the agent's own identity, no role
+    finally:
+        admin.delete([other_key])
 
 
 def test_a_listing_by_key_range_starts_and_stops_where_asked(settings: Settings) -> None:

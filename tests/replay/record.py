@@ -2,7 +2,9 @@
 
 The integration tests call :func:`export_histories` when ``TG_RECORD_HISTORIES`` names a
 directory; pick the runs worth keeping from there into ``tests/replay/histories/``
-(a history per file, named after the workflow id, gzipped JSON).
+(a history per file, named after the workflow id, gzipped JSON), and add the line of the
+``identity.keys`` written beside them to ``histories/identity.keys`` (a test stack's key: the
+role checks replay only with the key its tokens were signed with).
 """
 
 from __future__ import annotations

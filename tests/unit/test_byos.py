@@ -204,6 +204,7 @@ def _processes(tmp_path: Path, env: dict[str, str], attempt: int) -> Any:
     state.inp, state.spec, state.ckpt_dir = inp, spec, tmp_path / "snap"
     state.job_dir = tmp_path / "agent" / "jobs" / "byo"
     state.code_dir = tmp_path / "code"
+    state.user = None
     drills: Any = SimpleNamespace(path=tmp_path / "faults.json")
     return RankProcesses(state, drills)
 

@@ -78,8 +78,15 @@ def test_the_workloads_are_shaped_for_production(rendered: dict[str, list[dict[s
     pod = agent["spec"]["template"]["spec"]
     assert pod["hostPID"] and pod["runtimeClassName"] == "nvidia"
     assert pod["terminationGracePeriodSeconds"] >= 600  # a drain lasts while the ranks train
-    (container,) = pod["containers"]
+    container, ranks = pod["containers"]
     env = {e["name"]: e for e in container["env"]}
+    # The user's code runs in a container of its own: another user, no secrets, no privilege.
+    args = container["args"]
+    assert args[args.index("--rank-host") + 1] == ranks["args"][ranks["args"].index("--socket") + 1]
+    assert ranks["securityContext"]["runAsNonRoot"] and "envFrom" not in ranks
+    assert ranks["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert not {m["name"] for m in ranks["volumeMounts"]} & {"payload-key", "kmsg"}
+    assert {e["name"]: e["value"] for e in ranks["env"]}["NVIDIA_VISIBLE_DEVICES"] == "all"
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
     # The pool's machine is the Kubernetes node.
     name_var = re.fullmatch(r"\$\((\w+)\)", container["args"][container["args"].index("--name") + 1])

@@ -136,7 +136,7 @@ def test_a_rank_gets_the_spec_env_and_none_of_the_agents_credentials(
         ckpt_prefix="checkpoints/job",
     )
     state: Any = SessionState.__new__(SessionState)
-    state.inp, state.spec, state.ckpt_dir = inp, spec, tmp_path
+    state.inp, state.spec, state.ckpt_dir, state.user = inp, spec, tmp_path, None
     process = RankProcesses(state, SimpleNamespace(path=tmp_path / "faults.json"))  # type: ignore[arg-type]
     env = process.rank_env(0, 0, 5)
     assert not set(CREDENTIALS) & set(env)

@@ -241,6 +241,7 @@ def sample_state() -> JobState:
             "result": {"final_step": 20, "param_hash": "sha256:00"},
             "code_history": [{**event, "how": "submitted", "version": "v1", "applied_at": T0}],
             "pending_update": {"event": event, "deadline": T0},
+            "audit": [{"at": T0, "who": "alice", "what": "submit", "target": "demo"}],
         }
     )
 
@@ -268,6 +269,7 @@ def test_the_sdks_status_types_name_the_same_keys() -> None:
     assert set(hints(client.ResultDoc)) == set(st["result"])
     assert set(hints(client.ProtectionDoc)) == set(st["protection"])
     assert set(hints(client.PendingCodeDoc)) == set(st["pending_code_version"])
+    assert set(hints(client.AuditDoc)) == set(st["audit"][0])
 
 
 # -- JSON: the other commands ------------------------------------------------------------------

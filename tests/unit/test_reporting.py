@@ -19,6 +19,7 @@ from activities.session.progress import ProgressReporter
 from activities.session.reports import Reports
 from activities.session.snapshots import Snapshots
 from activities.session.state import SessionState
+from trainguard.agent.rank_files import RankFiles
 from trainguard.domain.detection import TrainingMonitor
 from trainguard.domain.groups import GROUP_SIZE
 from trainguard.domain.messages import ShardInfo
@@ -299,7 +300,7 @@ async def test_a_stop_gives_up_its_own_uploads_in_a_storage_outage(
 
     state: Any = SessionState.__new__(SessionState)
     state.inp = SimpleNamespace(ranks=[0], ckpt_prefix="checkpoints/j", attempt=1, dry_run=False)
-    state.ckpt_dir, state.incident = tmp_path, None
+    state.ckpt_dir, state.incident, state.files = tmp_path, None, RankFiles(None, [])
     snapshots = Snapshots(state, SimpleNamespace(put_file=put_file))  # type: ignore[arg-type]
     snapshots.memory = {s: [ShardInfo(rank=0, step=s, key="", size=1, sha256="ab")] for s in (10, 15)}
     flushed: list[bool] = []

@@ -176,6 +176,7 @@ GOOD_YAML = "name: ok\nentrypoint: [python, x.py]\nnodes: 1\ntarget_steps: 5\n"
         (GOOD_YAML + "x: !!python/object:os.system {}\n", "spec"),
         (GOOD_YAML + "nodes_typo: 2\n", "nodes_typo"),
         (GOOD_YAML + "started: 2024-13-45\n", "spec"),
+        (GOOD_YAML + "checkpoint_dir: ckpt/../../other-job\n", "checkpoint_dir"),
     ],
 )
 def test_bad_yaml_names_field_in_one_line(tmp_path: Path, text: str, field: str) -> None:

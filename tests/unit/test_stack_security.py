@@ -17,13 +17,17 @@ def test_seaweedfs_runs_with_its_identity_file_and_no_filer_http(tmp_path: Path)
     assert "-filer.disableHttp" in argv  # the filer's HTTP API would bypass the S3 credentials
 
 
-def test_the_only_s3_identity_is_the_stacks_own(tmp_path: Path) -> None:
+def test_the_s3_identities_are_the_stacks_own_and_the_agents_without_rights(tmp_path: Path) -> None:
     cfg = config(tmp_path)
-    (identity,) = s3_identities(cfg)["identities"]
-    assert identity["credentials"] == [
+    stack, agent = s3_identities(cfg)["identities"]
+    assert stack["credentials"] == [
         {"accessKey": cfg.access_key, "secretKey": cfg.secret_key.get_secret_value()}
     ]
-    assert identity["name"] != "anonymous"
+    assert agent["credentials"] == [
+        {"accessKey": cfg.agent_access_key, "secretKey": cfg.agent_secret_key.get_secret_value()}
+    ]
+    assert agent["actions"] == []  # each job's files go through the job role, scoped by STS
+    assert "anonymous" not in (stack["name"], agent["name"])
 
 
 def test_credentials_are_fresh_per_stack_and_never_printed(tmp_path: Path) -> None:

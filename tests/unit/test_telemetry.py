@@ -443,5 +443,6 @@ async def test_every_client_carries_the_tracing_interceptor(monkeypatch: pytest.
 
     monkeypatch.setattr(Client, "connect", fake_connect)
     assert await temporal.connect(Settings()) == "client"
-    assert [type(i) for i in seen["interceptors"]] == [TracingInterceptor]
+    # Tracing, then the caller's identity (trainguard.services.identity).
+    assert next(type(i) for i in seen["interceptors"]) is TracingInterceptor
     assert seen["target_host"] == "127.0.0.1:7233"  # with the settings' connection arguments

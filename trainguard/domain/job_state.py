@@ -16,6 +16,7 @@ from trainguard.domain import ettr, protection
 from trainguard.domain.code_versions import CodeVersions
 from trainguard.domain.detection import RENDEZVOUS_KIND
 from trainguard.domain.groups import GROUP_SIZE
+from trainguard.domain.identity import AuditEntry
 from trainguard.domain.job_parts import (
     FailSlow,
     KnownScriptCheckpoints,
@@ -242,6 +243,10 @@ class JobState(FlatFields):
     progress_at_attempt_start: int = 0
     # Step and productive time over wall time, bounded (trainguard report draws it).
     progress_series: ProgressSeries = ProgressSeries()
+    # Who submitted, stopped, cancelled or updated the job, and when (workflows.identity); who
+    # submitted it (verified), who alone besides an operator may stop, cancel or update it.
+    audit: list[AuditEntry] = []
+    owner: str | None = None
     # The parts.
     bounds: ResumeBounds = ResumeBounds()
     slow: FailSlow = FailSlow()
@@ -293,6 +298,7 @@ def status_json(state: JobState, now: datetime) -> dict[str, Any]:
         # When this document was made: a saved one still says how far its ETTR and open incident reach.
         "as_of": now.isoformat(),
         "progress": _progress(state.progress_series),
+        "audit": [e.model_dump(mode="json") for e in state.audit],
     }
 
 

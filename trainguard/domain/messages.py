@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from trainguard.domain.identity import AuditEntry
 from trainguard.domain.pool_layout import DEFAULT_SHARDS, MAX_SHARDS
 from trainguard.domain.spec import JobSpec, Topology
 from trainguard.domain.wire import WireModel
@@ -138,6 +139,8 @@ class PoolConfig(Msg):
     min_standby: int = Field(1, ge=0, le=10_000)
     # A quarantined machine runs its self-test again this often; it returns when it passes.
     retest_s: float = Field(1800.0, gt=0, le=30 * 86400)
+    # A production pool refuses injected faults (drills) whoever asks.
+    production: bool = False
     # Shard workflows the machines are spread over (trainguard.domain.pool_layout), at most about
     # 1,000 machines each; fixed once machines joined.
     shards: int = Field(DEFAULT_SHARDS, ge=1, le=MAX_SHARDS)
@@ -163,6 +166,8 @@ class PoolState(Msg):
     # when it was last asked to (None: no request outstanding).
     slurm_replacements: bool = False
     slurm_requested: int | None = None
+    # Who operated the pool's machines and settings, and when (workflows.identity).
+    audit: list[AuditEntry] = []
     # A sharded pool: its shard count (0: the pool runs in one workflow), each shard's
     # ``slurm_epoch`` (an observation is checked per shard), and what only the coordinator
     # carries across continue-as-new.
@@ -309,6 +314,8 @@ class ShardState(Msg):
     slurm_drained: dict[str, str] = {}
     slurm_held: list[str] = []
     slurm_epoch: int = 0
+    # Who operated this shard's machines, and when (workflows.identity).
+    audit: list[AuditEntry] = []
 
 
 class HoldInput(Msg):

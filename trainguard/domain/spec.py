@@ -441,6 +441,10 @@ class JobSpec(_Frozen):
                 raise FieldProblem(
                     f"sealed_env.{shown(key)}", f"1 to {MAX_SEALED_KEYS} sealed values (printable text)"
                 )
+        d = self.checkpoint_dir
+        if d is not None and not d.startswith("/") and ".." in d.split("/"):
+            # A relative one is the job's own, in its directory on each machine: never another's.
+            raise FieldProblem("checkpoint_dir", "a relative directory may not climb out ('..')")
         seen: set[str] = set()
         for i, key in enumerate(self.secret_env):
             if key in seen:

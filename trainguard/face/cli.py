@@ -26,6 +26,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from temporalio.client import WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
 
 from trainguard.client import (
     PHASES,
@@ -45,6 +47,7 @@ from trainguard.client import (
     inject_request,
 )
 from trainguard.contract.search_attributes import TYPES as SA_TYPES
+from trainguard.domain.identity import ROLES, Claims, IdentityError, Refused, read, sign
 from trainguard.domain.messages import PoolState
 from trainguard.domain.spec import JobSpec, SpecError, env_problem, parse_spec, shown
 from trainguard.face import torchrun
@@ -203,10 +206,16 @@ def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             JobAlreadyRunning,
             BadInput,
             TelemetryError,
+            IdentityError,
         ) as exc:
             _fail(2, str(exc))
-        except (ControllerUnavailable, NoMachineKey) as exc:
+        except (ControllerUnavailable, NoMachineKey, Refused) as exc:
             _fail(1, str(exc))
+        except WorkflowUpdateFailedError as exc:
+            cause = exc.cause
+            if isinstance(cause, ApplicationError) and cause.message.startswith("refused: "):
+                _fail(1, cause.message)  # the workflow's own check (workflows.identity)
+            raise
         except ConnectionError as exc:
             _fail(1, f"{exc} (is the stack up? run `trainguard up`)")
         except RuntimeError as exc:
@@ -281,10 +290,11 @@ def up(
     """Start the local stack: Temporal dev server, SeaweedFS S3, a controller, node agents."""
     from infra.local import bring_up
     from infra.netns import NetnsError
+    from trainguard.agent.rank_user import RankUserError
 
     try:
         addresses = bring_up(state_dir_from_env(state_dir), nodes=nodes, standby=standby, netns=netns)
-    except NetnsError as exc:
+    except (NetnsError, RankUserError) as exc:
         _fail(1, str(exc))
     if json_out:
         _print_json(addresses)
@@ -816,6 +826,20 @@ def _print_status(st: dict[str, Any]) -> None:
         for i in st["incidents"]:
             if i.get("log_uri"):  # the output of the rank it came from (`trainguard logs JOB`)
                 out.print(f"{i['id']} log: {escape(i['log_uri'])}", highlight=False, soft_wrap=True)
+    _print_audit(st.get("audit", []))
+
+
+def _print_audit(entries: list[dict[str, Any]], last: int = 10) -> None:
+    """Who did what, when (workflows.identity): the newest ``last`` operations."""
+    if not entries:
+        return
+    t = Table(title="audit")
+    for col in ("when", "who", "what", "on", ""):
+        t.add_column(col)
+    for e in entries[-last:]:
+        refused = "refused" if e["refused"] else ""
+        t.add_row(e["at"], escape(e["who"]), e["what"], escape(e["target"]), refused)
+    out.print(t)
 
 
 @app.command("list")
@@ -891,6 +915,7 @@ def nodes(
         state = r["state"] + (" (cordoned)" if r["cordoned"] else "")
         t.add_row(r["node"], state, r["job"] or "-", escape((r["reason"] or "-")[:80]))
     out.print(t)
+    _print_audit(doc["audit"])
 
 
 def nodes_json(pool: PoolState) -> dict[str, Any]:
@@ -907,7 +932,13 @@ def nodes_json(pool: PoolState) -> dict[str, Any]:
         }
         for n in sorted(pool.nodes.values(), key=lambda n: n.info.name)
     ]
-    return {"nodes": rows, "standby": pool.standby, "standby_target": pool.standby_target}
+    return {
+        "nodes": rows,
+        "standby": pool.standby,
+        "standby_target": pool.standby_target,
+        "production": pool.config.production,
+        "audit": [e.model_dump(mode="json") for e in pool.audit],
+    }
 
 
 @app.command()
@@ -1175,6 +1206,51 @@ def _read_status(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise BadInput(f"from-json: {path} is not a status document (trainguard status JOB --json)")
     return data
+
+
+@app.command()
+@handles_errors
+def identity(
+    issue: Annotated[
+        str | None, typer.Option(metavar="SUBJECT", help="print a new token for SUBJECT (needs --keys-file)")
+    ] = None,
+    role: Annotated[
+        list[str] | None, typer.Option(help=f"with --issue: a role it holds ({', '.join(ROLES)}); repeat")
+    ] = None,
+    keys_file: Annotated[
+        Path | None, typer.Option(help="with --issue: the cluster's identity keys (the first one signs)")
+    ] = None,
+    expires_in_s: Annotated[
+        float | None, typer.Option(min=1, help="with --issue: the token expires after this long")
+    ] = None,
+    state_dir: StateDir = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Who this client is (TRAINGUARD_IDENTITY or TRAINGUARD_IDENTITY_FILE): subject and roles;
+    or, with --issue, a new signed token for someone (the controller's keys file signs it)."""
+    if issue is None:
+        token = Settings.load(state_dir).identity_token()
+        claims = read(token).model_dump(mode="json") if token else None
+        if json_out:
+            _print_json(claims)
+        elif claims is None:
+            out.print("no identity (TRAINGUARD_IDENTITY or TRAINGUARD_IDENTITY_FILE)")
+        else:
+            out.print(f"{claims['subject']}: {', '.join(claims['roles']) or 'no role'}")
+        return
+    bad = [r for r in role or [] if r not in ROLES]
+    if bad:
+        raise BadInput(f"role: '{shown(bad[0])}' is not a role (one of {', '.join(ROLES)})")
+    if keys_file is None:
+        raise BadInput("keys-file: --issue needs the keys file the controller verifies with")
+    try:
+        key = keys_file.read_text().split()[0].encode()
+    except (OSError, IndexError, UnicodeDecodeError) as exc:
+        raise BadInput(f"keys-file: cannot read a key from {keys_file} ({type(exc).__name__})") from None
+    expires = datetime.now(UTC).timestamp() + expires_in_s if expires_in_s else None
+    roles = tuple(dict.fromkeys(role or []))
+    claims = Claims.model_validate({"subject": issue, "roles": roles, "expires": expires})
+    print(sign(claims, key))
 
 
 @app.command("codec-server")

@@ -16,10 +16,11 @@ from trainguard.domain.checkpoints import step_dir_name
 from trainguard.domain.spec import Topology
 
 REPORT_FD = "TG_REPORT_FD"
-# What a node agent holds that no rank may see: its S3 and Temporal credentials, the payload
-# key and its own configuration. Rank processes never inherit these (their initial
-# environment, /proc/<pid>/environ, included).
-AGENT_PRIVATE_PREFIXES = ("TRAINGUARD_", "AWS_", "TG_")
+# What a node agent holds that no rank may see: its S3 and Temporal credentials (Temporal's own
+# TEMPORAL_* configuration: an API key, a profile), the payload key, its telemetry exporter's
+# headers (OTEL_*: an ingest token) and its own configuration. Rank processes never inherit
+# these (their initial environment, /proc/<pid>/environ, included).
+AGENT_PRIVATE_PREFIXES = ("TRAINGUARD_", "AWS_", "TG_", "TEMPORAL_", "OTEL_")
 
 
 # NCCL's error handling in every rank unless the agent's or the job's environment says otherwise.

@@ -23,6 +23,7 @@ import importlib
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 
@@ -88,6 +89,7 @@ def become(act: dict) -> None:
     os.close(devnull)
     os.environ.clear()
     os.environ.update(act["env"])
+    tempfile.tempdir = None  # read again from the rank's TMPDIR, not the one the preload saw
     os.chdir(act["cwd"])
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads and threads.isdigit() and "torch" in sys.modules:

@@ -49,6 +49,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from trainguard import contract
 from trainguard.contract.kinds import Query, Signal, Update
+from trainguard.domain.identity import AUDIT_KEEP
 from trainguard.domain.messages import (
     CONTROLLER_QUEUE,
     POOL_WORKFLOW_ID,
@@ -600,9 +601,11 @@ async def state(client: Client, pool: str = POOL_WORKFLOW_ID) -> PoolState:
     drained: dict[str, str] = {}
     held: list[str] = []
     epochs = [0] * lay.shards
+    audit = list(st.audit)
     for k, s in enumerate(shards):
         if s is None:
             continue
+        audit += s.audit
         nodes.update(s.nodes)
         drained.update(s.slurm_drained)
         held += s.slurm_held
@@ -614,6 +617,7 @@ async def state(client: Client, pool: str = POOL_WORKFLOW_ID) -> PoolState:
     return st.model_copy(
         update={
             "nodes": dict(sorted(nodes.items(), key=lambda kv: natural_order(kv[0]))),
+            "audit": sorted(audit, key=lambda e: e.at)[-AUDIT_KEEP:],
             "slurm_drained": drained,
             "slurm_held": sorted(held, key=natural_order),
             "slurm_epochs": epochs,

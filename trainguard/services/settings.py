@@ -15,6 +15,9 @@ Production Temporal:
 | ``TRAINGUARD_TEMPORAL_TLS_SERVER_NAME`` | name the server certificate is checked against (SNI) |
 | ``TRAINGUARD_TEMPORAL_API_KEY`` | API key (Temporal Cloud), sent as a bearer token |
 | ``TRAINGUARD_POOL`` | the machine pool agents join and jobs take from (default ``trainguard-pool``) |
+| ``TRAINGUARD_S3_JOB_ROLE`` | agents: the role assumed per job, cut to its prefixes (``JobStores``) |
+| ``TRAINGUARD_S3_STS_ENDPOINT`` | where that role is assumed (default: the S3 endpoint; AWS: its own STS) |
+| ``TRAINGUARD_RANK_USER`` | agents: the unprivileged user ranks run as (``--rank-user``) |
 | ``TRAINGUARD_PAYLOAD_KEY`` or ``..._PAYLOAD_KEY_FILE`` | encrypt every payload (``services.codec``) |
 | ``TRAINGUARD_SECRET_KEY`` or ``..._SECRET_KEY_FILE`` | agents: the key ``--secret-env`` values open with |
 
@@ -77,12 +80,20 @@ class Settings(BaseModel):
     # Agents: the machine key sealed secret values are opened with (``trainguard.services.sealed``).
     secret_key: SecretStr | None = None
     secret_key_file: str | None = None
+    # Who this client is (trainguard.domain.identity): a signed token, or a file holding it.
+    identity: SecretStr | None = None
+    identity_file: str | None = None
+    # Controller workers: the keys identities are verified with, one a line (none: no role checked).
+    identity_keys_file: str | None = None
     s3_endpoint: str | None = None
     s3_bucket: str = "trainguard"
     s3_region: str = "us-east-1"
     aws_access_key_id: str | None = None
     # SecretStr: repr, logs and status never show it.
     aws_secret_access_key: SecretStr | None = None
+    # Agents: each job's files go through this role's credentials, scoped to the job's prefixes.
+    s3_job_role: str | None = None
+    s3_sts_endpoint: str | None = None
     state_dir: Path = DEFAULT_STATE_DIR
     # The machine pool (one per cluster or Slurm allocation) that agents join and jobs take from.
     pool: str = POOL_WORKFLOW_ID
@@ -134,6 +145,8 @@ class Settings(BaseModel):
                 "TRAINGUARD_TEMPORAL_TLS_CERT: a client certificate needs its key "
                 "(TRAINGUARD_TEMPORAL_TLS_KEY), and a key its certificate"
             )
+        if get("TRAINGUARD_IDENTITY") and get("TRAINGUARD_IDENTITY_FILE"):
+            raise SettingsError("TRAINGUARD_IDENTITY: set it or TRAINGUARD_IDENTITY_FILE, not both")
         for name in ("PAYLOAD_KEY", "SECRET_KEY"):
             if get(f"TRAINGUARD_{name}") and get(f"TRAINGUARD_{name}_FILE"):
                 raise SettingsError(f"TRAINGUARD_{name}: set it or TRAINGUARD_{name}_FILE, not both")
@@ -150,11 +163,16 @@ class Settings(BaseModel):
             payload_key_file=get("TRAINGUARD_PAYLOAD_KEY_FILE"),
             secret_key=secret("TRAINGUARD_SECRET_KEY"),
             secret_key_file=get("TRAINGUARD_SECRET_KEY_FILE"),
+            identity=secret("TRAINGUARD_IDENTITY"),
+            identity_file=get("TRAINGUARD_IDENTITY_FILE"),
+            identity_keys_file=get("TRAINGUARD_IDENTITY_KEYS_FILE"),
             s3_endpoint=get("TRAINGUARD_S3_ENDPOINT"),
             s3_bucket=get("TRAINGUARD_S3_BUCKET") or "trainguard",
             s3_region=get("AWS_DEFAULT_REGION") or "us-east-1",
             aws_access_key_id=get("AWS_ACCESS_KEY_ID"),
             aws_secret_access_key=secret("AWS_SECRET_ACCESS_KEY"),
+            s3_job_role=get("TRAINGUARD_S3_JOB_ROLE"),
+            s3_sts_endpoint=get("TRAINGUARD_S3_STS_ENDPOINT"),
             state_dir=Path(get("TRAINGUARD_STATE_DIR") or state_dir or DEFAULT_STATE_DIR),
             pool=get("TRAINGUARD_POOL") or POOL_WORKFLOW_ID,
         )
@@ -185,6 +203,10 @@ class Settings(BaseModel):
             ("TRAINGUARD_TEMPORAL_TLS_SERVER_NAME", self.temporal_tls_server_name),
             ("TRAINGUARD_PAYLOAD_KEY_FILE", self.payload_key_file),
             ("TRAINGUARD_SECRET_KEY_FILE", self.secret_key_file),
+            ("TRAINGUARD_IDENTITY_FILE", self.identity_file),
+            ("TRAINGUARD_IDENTITY_KEYS_FILE", self.identity_keys_file),
+            ("TRAINGUARD_S3_JOB_ROLE", self.s3_job_role),
+            ("TRAINGUARD_S3_STS_ENDPOINT", self.s3_sts_endpoint),
         ):
             if val:
                 env[key] = val
@@ -194,7 +216,19 @@ class Settings(BaseModel):
             env["TRAINGUARD_PAYLOAD_KEY"] = self.payload_key.get_secret_value()
         if self.secret_key:
             env["TRAINGUARD_SECRET_KEY"] = self.secret_key.get_secret_value()
+        if self.identity:
+            env["TRAINGUARD_IDENTITY"] = self.identity.get_secret_value()
         return env
+
+    def identity_token(self) -> str | None:
+        """This client's identity token as configured (read from its file if one is named)."""
+        text = _key_text("TRAINGUARD_IDENTITY", self.identity, self.identity_file)
+        return None if text is None else text.strip()
+
+    def identity_keys(self) -> tuple[bytes, ...]:
+        """The keys identities are verified with (empty: roles are not checked)."""
+        text = _key_text("TRAINGUARD_IDENTITY_KEYS", None, self.identity_keys_file) or ""
+        return tuple(line.strip().encode() for line in text.splitlines() if line.strip())
 
     def payload_key_text(self) -> str | None:
         """The payload codec's key as configured (read from its file if one is named), or None."""

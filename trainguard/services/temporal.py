@@ -1,5 +1,5 @@
-"""One way to reach Temporal: the pydantic converter, TLS, the API key, the payload codec
-and tracing.
+"""One way to reach Temporal: the pydantic converter, TLS, the API key, the payload codec,
+the caller's identity and tracing.
 
 The CLI, the SDK, the controller workers and the node agents all connect here, so
 one set of settings (``trainguard.services.settings``) secures every connection the same way.
@@ -30,6 +30,7 @@ from temporalio.service import TLSConfig
 
 from trainguard.domain.wire import WIRE
 from trainguard.services.codec import PayloadKeyError, codec_from_text
+from trainguard.services.identity import IdentityClientInterceptor
 from trainguard.services.settings import Settings, SettingsError
 
 
@@ -130,6 +131,7 @@ def connect_kwargs(settings: Settings) -> dict[str, Any]:
 async def connect(settings: Settings, runtime: Runtime | None = None) -> Client:
     """``runtime``: a Temporal runtime of the caller's (a Prometheus endpoint's metrics buffer,
     ``trainguard.services.prometheus``); None: the SDK's default."""
+    identity = IdentityClientInterceptor(settings.identity_token())
     return await Client.connect(
-        **connect_kwargs(settings), interceptors=[TracingInterceptor()], runtime=runtime
+        **connect_kwargs(settings), interceptors=[TracingInterceptor(), identity], runtime=runtime
     )

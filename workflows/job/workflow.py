@@ -32,6 +32,7 @@ from workflows.job.visibility import Visibility
 with workflow.unsafe.imports_passed_through():
     from trainguard.domain import ettr
     from trainguard.domain.code_versions import CodeEvent, CodeRelease, CodeUpdate, CodeVersions
+    from trainguard.domain.identity import AuditEntry, audited
     from trainguard.domain.job_state import (
         TERMINAL,
         JobInput,
@@ -79,6 +80,16 @@ class TrainingJobWorkflow:
         )
         self.recovery = Recovery(inp, self.s, self.vis, self.progress, Diagnosis(inp, self.s))
         self.notifier = Notifier(self.s)
+
+    def record_audit(self, entry: AuditEntry) -> None:
+        """An operation on this job and who asked (workflows.identity)."""
+        self.s.audit = audited(self.s.audit, entry)
+        if entry.what == "submit" and not entry.refused:
+            self.s.owner = entry.who
+
+    @property
+    def owner(self) -> str | None:
+        return self.s.owner
 
     # -- queries, signals, updates ---------------------------------------------------------
     @workflow.query(name=contract.job.status.name)

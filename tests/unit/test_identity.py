@@ -1,0 +1,94 @@
+"""Identities: signed claims verify with the cluster's key only, expire, and name the role an
+operation needs; every operation named is one the job or pool workflow handles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from infra.stack import StackConfig, client_env, identity_keys_file, local_identity
+from trainguard import contract
+from trainguard.domain.identity import (
+    AUDIT_KEEP,
+    REQUIRED,
+    ROLES,
+    AuditEntry,
+    Claims,
+    IdentityError,
+    audited,
+    read,
+    refusal,
+    sign,
+    verify,
+)
+from trainguard.services.settings import Settings
+
+KEY, OTHER = b"k" * 32, b"o" * 32
+
+
+def test_a_token_verifies_with_its_key_and_no_other() -> None:
+    claims = Claims(subject="alice", roles=("user",))
+    token = sign(claims, KEY)
+    assert verify(token, [OTHER, KEY], now=0) == claims == read(token)
+    with pytest.raises(IdentityError, match="alice: not signed by this cluster's key"):
+        verify(token, [OTHER], now=0)
+    # Claims edited after signing (a role added) no longer verify.
+    forged = sign(Claims(subject="alice", roles=("user", "operator")), OTHER).split(".")[0]
+    with pytest.raises(IdentityError, match="not signed"):
+        verify(forged + "." + token.split(".")[1], [KEY], now=0)
+    with pytest.raises(IdentityError, match="not a trainguard token"):
+        read("garbage")
+
+
+def test_a_token_expires() -> None:
+    token = sign(Claims(subject="bob", roles=ROLES, expires=100.0), KEY)
+    assert verify(token, [KEY], now=99.0).subject == "bob"
+    with pytest.raises(IdentityError, match="bob: expired"):
+        verify(token, [KEY], now=101.0)
+
+
+def test_a_refusal_is_one_line_naming_the_role() -> None:
+    user = Claims(subject="carol", roles=("user",))
+    assert refusal("stop", user) is None
+    assert refusal("progress", None) is None  # trainguard's own messages need no role
+    assert refusal("cordon", user) == "refused: cordon needs the operator role (carol has user)"
+    assert (
+        refusal("inject", Claims(subject="dan")) == "refused: inject needs the drill role (dan has no role)"
+    )
+    assert refusal("submit", None) == "refused: submit needs the user role (sent without an identity)"
+    assert refusal("submit", None, "identity of eve: expired").endswith("(identity of eve: expired)")
+
+
+def test_a_users_job_is_stopped_or_updated_by_its_owner_or_an_operator() -> None:
+    alice, bob = Claims(subject="alice", roles=("user",)), Claims(subject="bob", roles=("user",))
+    assert refusal("stop", alice, owner="alice") is None
+    assert refusal("update_code", bob, owner="alice") == (
+        "refused: update_code of alice's job needs the operator role (bob is not alice)"
+    )
+    assert refusal("cancel", Claims(subject="ops", roles=("user", "operator")), owner="alice") is None
+    assert refusal("stop", bob, owner=None) is None  # a job from before owners were recorded
+
+
+def test_every_operation_that_needs_a_role_is_a_workflow_message() -> None:
+    names = {m.name for m in (*contract.job.ALL, *contract.pool.ALL)}
+    assert set(REQUIRED) - {"submit"} <= names
+    assert set(REQUIRED.values()) == set(ROLES)
+
+
+def test_the_audit_trail_keeps_the_newest() -> None:
+    log: list[AuditEntry] = []
+    for i in range(AUDIT_KEEP + 5):
+        log = audited(log, AuditEntry(at="2026-01-01T00:00:00Z", who="x", what=f"op{i}"))  # type: ignore[arg-type]
+    assert len(log) == AUDIT_KEEP and log[-1].what == f"op{AUDIT_KEEP + 4}" and log[0].what == "op5"
+
+
+def test_the_local_stack_signs_its_user_every_role_and_gives_controllers_the_key(tmp_path: Path) -> None:
+    cfg = StackConfig.default(tmp_path)
+    keys = Settings.from_mapping(
+        {"TRAINGUARD_IDENTITY_KEYS_FILE": str(identity_keys_file(cfg))}
+    ).identity_keys()
+    assert (tmp_path / "identity.keys").stat().st_mode & 0o777 == 0o600
+    token = Settings.from_mapping(client_env(cfg)).identity_token()
+    assert token is not None and verify(token, keys, now=0).roles == ROLES
+    assert verify(local_identity(cfg, "user"), keys, now=0).roles == ("user",)

@@ -1,0 +1,225 @@
+"""Ranks as another Unix user: what a rank can reach on its machine, tried with real processes
+of the local stack's rank user (root creates it; elsewhere these tests are skipped)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from activities.isolation import RankIsolation
+from activities.session import Sessions
+from activities.warm_pool import WarmPool
+from infra import netns
+from infra.local import rank_user_ready
+from infra.stack import RANK_USER
+from trainguard.agent.rank_files import RankFiles, UnsafeRankFile
+from trainguard.agent.rank_host import RemoteRank, host_process
+from trainguard.agent.rank_user import GATE_OPEN, GATE_SHUT, RankUser, leftovers, rank_preexec, reachable
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
+
+
+@pytest.fixture(scope="module")
+def user() -> RankUser:
+    return rank_user_ready(RANK_USER, REPO)
+
+
+def run_as(user: RankUser, code: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=cwd or "/",
+        env={"PATH": os.environ["PATH"]},
+        **user.spawn_kwargs(),  # type: ignore[arg-type]
+    )
+
+
+def test_a_rank_user_process_cannot_read_its_starters_environment(user: RankUser) -> None:
+    secret = "agent-secret-value"
+    code = f"import os; print(open('/proc/{os.getpid()}/environ','rb').read().count(b'{secret}'))"
+    os.environ["TG_TEST_SECRET"] = secret
+    try:
+        done = run_as(user, code)
+    finally:
+        del os.environ["TG_TEST_SECRET"]
+    assert done.returncode != 0 and "PermissionError" in done.stderr
+    groups = run_as(user, "import os; print(os.getuid(), os.getgid(), os.getgroups())")
+    assert groups.stdout.split() == [str(user.uid), str(user.gid), "[]"]  # root's groups dropped
+
+
+def test_the_agent_never_reads_or_writes_through_a_link_the_rank_planted(
+    user: RankUser, tmp_path: Path
+) -> None:
+    gate, other = tmp_path / "jobs" / "a", tmp_path / "jobs" / "b"
+    secret = tmp_path / "stack.json"
+    secret.write_text("root's secret")
+    ckpt = user.private_dir(gate / "ckpt")
+    (other / "ckpt").mkdir(parents=True)
+    their = other / "ckpt" / "rank-00000.pt"
+    their.write_text("another job's shard")
+    user.own(their)
+    files = RankFiles(user, [gate])
+
+    mine = ckpt / "mine.pt"
+    mine.write_text("own")
+    user.own(mine)
+    with files.reading(mine) as p:
+        assert p.read_text() == "own"  # the rank's own plain file
+
+    (ckpt / "link.pt").symlink_to(secret)
+    (ckpt / "step-0000000010").symlink_to(other / "ckpt", target_is_directory=True)
+    os.link(their, ckpt / "hard.pt")  # as root: the rank itself may not link another's file
+    root_file = ckpt / "roots.pt"
+    root_file.write_text("written by root")
+    for planted in ("link.pt", "step-0000000010/rank-00000.pt", "hard.pt", "roots.pt"):
+        with pytest.raises(UnsafeRankFile), files.reading(ckpt / planted):
+            pass
+    with pytest.raises(UnsafeRankFile), files.reading(tmp_path / "elsewhere.pt"):  # outside the gates
+        pass
+
+    # A restore replaces the link; the file it pointed at is untouched.
+    files.write(ckpt / "link.pt", lambda f: f.write(b"restored"), mtime_ns=7)
+    assert secret.read_text() == "root's secret"
+    st = (ckpt / "link.pt").lstat()
+    assert (ckpt / "link.pt").read_bytes() == b"restored" and (st.st_uid, st.st_mtime_ns) == (user.uid, 7)
+    with pytest.raises(UnsafeRankFile):  # nor through a linked directory
+        files.write(ckpt / "step-0000000010" / "rank-00000.pt", lambda f: f.write(b"x"))
+    with pytest.raises(UnsafeRankFile):
+        files.unlink(ckpt / "step-0000000010" / "rank-00000.pt")
+    assert their.read_text() == "another job's shard"
+
+
+async def test_admitting_a_job_opens_its_gates_only_and_ends_what_the_user_left_running(
+    user: RankUser, shared_tmp: Path
+) -> None:
+    rank_dir, memory = shared_tmp / "ranks", shared_tmp / "memory"
+    (rank_dir / "jobs" / "old-job").mkdir(parents=True)
+    leftover = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        start_new_session=True,
+        **user.spawn_kwargs(),  # type: ignore[arg-type]
+    )
+    try:
+        assert leftover.pid in {p.pid for p in leftovers(user, [], os.getpid())}
+        isolation = RankIsolation(user, rank_dir, memory, Sessions())
+        await isolation.admit("new-job")
+        assert not psutil.pid_exists(leftover.pid)  # killed, and reaped by its parent
+    finally:
+        leftover.kill()
+    for jobs in (rank_dir / "jobs", memory / "jobs"):
+        assert (jobs / "new-job").stat().st_mode & 0o777 == GATE_OPEN
+        assert reachable(jobs / "new-job", user) is None
+    assert (rank_dir / "jobs" / "old-job").stat().st_mode & 0o777 == GATE_SHUT
+    assert reachable(rank_dir / "jobs" / "old-job" / "ckpt", user) == rank_dir / "jobs" / "old-job"
+
+
+async def test_warm_processes_another_job_ran_beside_are_retired(user: RankUser, tmp_path: Path) -> None:
+    preexec = functools.partial(rank_preexec, 0, user)
+    pool = WarmPool(1, tmp_path / "warm", preexec, refill_delay_s=3600.0, user=user)
+    warm = await pool._spawn()
+    pool.ready.append(warm)
+    try:
+        assert psutil.Process(warm.proc.pid).uids().real == user.uid
+        assert pool.admit("job-a") == [warm.proc.pid]  # nothing ran beside it yet: job-a's now
+        assert warm.job == "job-a"
+        assert pool.admit("job-a") == [warm.proc.pid]
+        # job-a's ranks could have tampered with it: retired, and still the pool's to reap
+        assert pool.admit("job-b") == [warm.proc.pid] and warm not in pool.ready
+        assert await asyncio.wait_for(warm.proc.wait(), 10) == -9
+    finally:
+        await pool.stop()
+        if warm.proc.returncode is None:
+            warm.proc.kill()
+            await warm.proc.wait()
+
+
+def test_a_rank_in_the_ranks_namespace_reaches_no_server_of_the_host(
+    user: RankUser, shared_tmp: Path
+) -> None:
+    """The local stack's ranks have a loopback of their own: the servers on the host's are out of
+    reach, while ranks still reach one another."""
+    ns = netns.ranks_namespace(shared_tmp)
+    server = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = server.getsockname()[1]
+        code = (
+            "import socket\n"
+            "try:\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=5); print('reached')\n"
+            "except OSError as e:\n"
+            "    print(type(e).__name__)\n"
+            "s = socket.create_server(('127.0.0.1', 0)); c = socket.create_connection(s.getsockname())\n"
+            "print('own loopback ok')\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            preexec_fn=functools.partial(rank_preexec, 0, RankUser.lookup(user.name, ns)),
+        )
+        assert done.stdout.split() == ["ConnectionRefusedError", "own", "loopback", "ok"], done.stderr
+    finally:
+        server.close()
+        netns.remove_ranks_namespace(shared_tmp)
+
+
+async def test_a_rank_host_starts_ranks_as_its_user_and_ends_them_with_their_agent(
+    user: RankUser, shared_tmp: Path
+) -> None:
+    """The ranks' own container: the rank host starts each rank the agent asks for, with the
+    agent's descriptors for its output and reports, says its exit, and kills it when the agent's
+    connection goes."""
+    sock = user.private_dir(shared_tmp / "run") / "ranks.sock"  # the ranks' container's volume
+    host = subprocess.Popen(
+        [sys.executable, "-m", "trainguard.agent.rank_host", "--socket", str(sock)],
+        cwd=REPO,
+        preexec_fn=functools.partial(rank_preexec, 0, user),
+    )
+    try:
+        for _ in range(600):  # its interpreter starting on a loaded machine
+            if sock.exists():
+                break
+            await asyncio.sleep(0.05)
+        assert host_process(sock) == (host.pid, user.uid)
+        out = shared_tmp / "out"
+        r, w = os.pipe()
+        code = (
+            "import os, sys\n"
+            "os.write(int(os.environ['TG_REPORT_FD']), b'hi'); print(os.getuid()); sys.exit(3)"
+        )
+        with out.open("wb") as f:
+            rank = await RemoteRank.start(
+                sock, [sys.executable, "-c", code], {}, "/", (f.fileno(), f.fileno(), w), 0
+            )
+        os.close(w)
+        assert await asyncio.wait_for(rank.wait(), 30) == 3 and rank.returncode == 3
+        assert os.read(r, 100) == b"hi" and out.read_text().strip() == str(user.uid)
+        os.close(r)
+
+        sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+        with out.open("wb") as f:
+            killed = await RemoteRank.start(sock, sleeper, {}, "/", (f.fileno(), f.fileno(), f.fileno()), 0)
+            orphan = await RemoteRank.start(sock, sleeper, {}, "/", (f.fileno(), f.fileno(), f.fileno()), 0)
+        os.killpg(killed.pid, 9)  # the agent stops a rank as it stops its own children
+        assert await asyncio.wait_for(killed.wait(), 30) == -9
+        orphan._writer.close()  # the agent is gone
+        for _ in range(200):
+            if not psutil.pid_exists(orphan.pid):
+                break
+            await asyncio.sleep(0.05)
+        assert not psutil.pid_exists(orphan.pid)
+    finally:
+        host.kill()
+        host.wait()

@@ -1,0 +1,203 @@
+"""Ranks started in a container of their own, at the agent's request over a Unix socket.
+
+Where ranks must not share the agent's container (a platform that runs a container as one user
+only, or one that keeps user code away from anything that holds secrets), the ranks' container
+runs, as the rank user, with no secret mounted and no privilege::
+
+    python -m trainguard.agent.rank_host --socket /run/trainguard/ranks.sock
+
+and the agent (``--rank-host`` the same path, on a volume both containers mount) has each rank
+started there rather than starting it itself (``RemoteRank``). One connection per rank: the
+request, one JSON line (argv, the rank's own environment, working directory, niceness), comes
+with the rank's stdout, stderr and report pipe as descriptors (SCM_RIGHTS); the answer is the
+rank's pid, then, when it ends, its exit status as ``subprocess`` gives it. The rank's
+environment is this container's own (its image's PATH, CUDA variables...) plus the job's; the
+agent's never reaches it. The pod shares the host's PID namespace (hostPID), so the agent
+signals, inspects and dumps the stacks of these ranks as it does its own children's. A rank
+dies when its connection does (the agent gone), as a rank the agent starts dies with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from trainguard.agent.rank_user import adopt_orphans, rank_preexec
+from trainguard.runtime.env import REPORT_FD
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST = 1 << 20  # argv and environment of one rank
+POLL_S = 0.5
+
+
+def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    data, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
+    while not data.endswith(b"\n"):
+        more = conn.recv(MAX_REQUEST)
+        if not more:
+            raise ConnectionError("request cut short")
+        data += more
+    return json.loads(data), fds
+
+
+def serve_one(conn: socket.socket) -> None:
+    """One rank: start it, say its pid, and its exit status when it ends; kill its process group
+    if the agent goes away first."""
+    fds: list[int] = []
+    try:
+        req, fds = _read_request(conn)
+        out, err, report = fds
+        env = {**os.environ, **req["env"], REPORT_FD: str(report)}  # the number it has here
+        proc = subprocess.Popen(
+            req["argv"],
+            cwd=req["cwd"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            pass_fds=(report,),
+            start_new_session=True,
+            preexec_fn=functools.partial(rank_preexec, int(req.get("nice", 0))),  # dies with the host
+        )
+    except Exception as exc:
+        with contextlib.suppress(OSError):
+            conn.sendall((json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n").encode())
+        conn.close()
+        return
+    finally:
+        for fd in fds:
+            os.close(fd)
+    with _started_lock:
+        _started.add(proc.pid)
+    conn.sendall((json.dumps({"pid": proc.pid}) + "\n").encode())
+    while proc.poll() is None:
+        readable, _, _ = select.select([conn], [], [], POLL_S)
+        if readable and not conn.recv(1):  # the agent is gone: so is its rank
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            with _started_lock:
+                _started.discard(proc.pid)
+            conn.close()
+            return
+    with _started_lock:
+        _started.discard(proc.pid)
+    with contextlib.suppress(OSError):
+        conn.sendall((json.dumps({"exit": proc.returncode}) + "\n").encode())
+    conn.close()
+
+
+_started: set[int] = set()  # ranks this host started: each Popen waits for its own
+_started_lock = threading.Lock()
+
+
+def reap_adopted() -> None:
+    """Reap the orphans this host adopted (a rank's leftovers, killed by the agent's sweep), never
+    a rank it started itself, whose Popen waits for it."""
+    while True:
+        time.sleep(POLL_S * 4)
+        for child in psutil.Process().children():
+            with _started_lock:
+                ours = child.pid in _started
+            with contextlib.suppress(psutil.Error, ChildProcessError):
+                if not ours and child.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(child.pid, os.WNOHANG)
+
+
+def serve(path: Path) -> None:
+    adopt_orphans()  # what a rank leaves running stays below this host, for the agent's sweep
+    threading.Thread(target=reap_adopted, daemon=True).start()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # Listening before it has its name: an agent that finds the socket is answered.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    server.bind(str(tmp))
+    server.listen(64)
+    tmp.replace(path)
+    log.info("rank host %d serving on %s", os.getpid(), path)
+    while True:
+        conn, _ = server.accept()
+        threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+
+
+def host_process(path: Path) -> tuple[int, int]:
+    """(pid, uid) of the process serving ``path``, as the kernel says (SO_PEERCRED)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5.0)
+        sock.connect(str(path))
+        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid
+
+
+class RemoteRank:
+    """A rank the rank host started: ``pid``, ``returncode`` and ``wait()``, as the agent uses
+    a child process of its own."""
+
+    def __init__(self, pid: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._writer = writer
+        self._ended = asyncio.ensure_future(self._read_exit(reader))
+
+    async def _read_exit(self, reader: asyncio.StreamReader) -> int:
+        line = await reader.readline()
+        # No status (the host died): as a rank killed with its parent.
+        self.returncode = int(json.loads(line)["exit"]) if line else -signal.SIGKILL
+        self._writer.close()
+        return self.returncode
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._ended)
+
+    @classmethod
+    async def start(
+        cls, host: Path, argv: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int], nice: int
+    ) -> RemoteRank:
+        """Start ``argv`` in the rank host at ``host``; ``fds``: its stdout, stderr, report pipe."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, str(host))
+            request = (json.dumps({"argv": argv, "env": env, "cwd": cwd, "nice": nice}) + "\n").encode()
+            sock.setblocking(True)
+            socket.send_fds(sock, [request], list(fds))
+            sock.setblocking(False)
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        answer = json.loads(await reader.readline() or b'{"error": "the rank host closed the connection"}')
+        if "pid" not in answer:
+            writer.close()
+            raise OSError(f"rank host {host}: {answer.get('error')}")
+        return cls(int(answer["pid"]), reader, writer)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--socket", type=Path, required=True, help="where the agent asks (a volume both mount)")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s rank-host %(levelname)s %(message)s")
+    serve(args.socket)
+
+
+if __name__ == "__main__":
+    main()
