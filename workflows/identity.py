@@ -3,7 +3,7 @@
 The controller worker installs ``IdentityInterceptor(keys)`` (``workers/controller.py``). Before
 the job's and pool's handlers run, it reads the token the client sent (``trainguard.services.
 identity``), verifies it against ``keys`` and refuses an operation whose role the claims lack
-(``trainguard.domain.identity.REQUIRED``): a submit fails the job's first run, a refused update
+(``trainguard.contract.roles.REQUIRED``): a submit fails the job's first run, a refused update
 fails with the one line, a refused signal is dropped. Each operation, done or refused, is
 recorded with who asked in the workflow's audit trail (its ``record_audit``): an update
 without its role skips the workflow's validator so that its refusal is in the history. Without
@@ -31,11 +31,11 @@ from temporalio.worker import (
 )
 
 from trainguard import contract
+from trainguard.contract.roles import OWNED, REQUIRED, START_OPERATION
 
 with workflow.unsafe.imports_passed_through():
     from trainguard.domain.identity import (
         HEADER,
-        REQUIRED,
         AuditEntry,
         Claims,
         IdentityError,
@@ -45,8 +45,6 @@ with workflow.unsafe.imports_passed_through():
     )
 
 ROLES_PATCH = "roles-and-audit"
-# The operation a workflow's start is (the job's submit); other starts are trainguard's own.
-START_OPERATION = {contract.job.WORKFLOW.name: "submit"}
 # Workflows whose operations name a machine: the pool and its shards.
 POOLS = {contract.pool.WORKFLOW.name, contract.shard.WORKFLOW.name}
 
@@ -76,7 +74,8 @@ class _IdentityInbound(WorkflowInboundInterceptor):
         """The refusal of ``operation`` (None: allowed), and who asked."""
         claims, who, why = self._caller(headers)
         owner = getattr(workflow.instance(), "owner", None)
-        return (refusal(operation, claims, why, owner) if self.KEYS else None), who
+        problem = refusal(operation, claims, why, owner, REQUIRED, OWNED) if self.KEYS else None
+        return problem, who
 
     def _decide(self, operation: str, headers: Any, target: str) -> str | None:
         """The refusal of ``operation`` (None: allowed); the attempt recorded either way."""

@@ -21,6 +21,12 @@ from trainguard.domain.identity import Claims, Role, read, sign
 from trainguard.services import pool_client
 from trainguard.services.settings import Settings
 
+UPDATE, RELEASE, CLEAR = (
+    contract.job.update_code.name,
+    contract.pool.release_node.name,
+    contract.pool.clear_faults.name,
+)
+
 pytestmark = pytest.mark.integration
 
 JOB = "roles"
@@ -61,18 +67,18 @@ async def test_each_operation_needs_its_role_and_is_audited(
     job = await tg.submit(example_spec(JOB, target_steps=100_000))
     try:
         await wait_until(job, lambda s: s["phase"] == "running")
-        refused(cli(operator, "update", JOB, "--code-version", "v2"), "update_code", "user")
+        refused(cli(operator, "update", JOB, "--code-version", "v2"), UPDATE, "user")
         for op in ("stop", "cancel"):
             refused(cli(drill, op, JOB), op, "user")
         # An identity the controller cannot verify is refused there: the update fails, the
         # stop is dropped; both are recorded as refused.
         r = cli(forged, "update", JOB, "--code-version", "v2")
-        refused(r, "update_code", "user")
+        refused(r, UPDATE, "user")
         assert "mallory: not signed by this cluster's key" in r.stderr
         assert cli(forged, "stop", JOB).returncode == 0  # a signal has no answer
         # Another user's job: its owner or an operator only.
         r = cli(bob, "update", JOB, "--code-version", "v2")
-        refused(r, "update_code", "operator")
+        refused(r, UPDATE, "operator")
         assert f"update_code of {owner}'s job needs the operator role (bob is not {owner})" in r.stderr
         assert cli(bob, "stop", JOB).returncode == 0
         st = await wait_until(job, lambda s: len(s["audit"]) >= 5)
@@ -86,12 +92,12 @@ async def test_each_operation_needs_its_role_and_is_audited(
     assert final["phase"] == "stopped"
     entries = audit(final)
     assert entries[0][1:] == ("submit", False)
-    forged_who = next(w for w, what, _ in entries if what == "update_code")
+    forged_who = next(w for w, what, _ in entries if what == UPDATE)
     assert forged_who.startswith("? (identity of mallory: not signed")
     assert [(what, was_refused) for _, what, was_refused in entries[1:]] == [
-        ("update_code", True),
+        (UPDATE, True),
         ("stop", True),
-        ("update_code", True),
+        (UPDATE, True),
         ("stop", True),
         ("stop", False),
     ]
@@ -102,9 +108,9 @@ async def test_each_operation_needs_its_role_and_is_audited(
     # Machines: cordon and release need the operator role; drills the drill role.
     for args, op, role in (
         (("nodes", "cordon", node), "cordon", "operator"),
-        (("nodes", "release", node), "release_node", "operator"),
+        (("nodes", "release", node), RELEASE, "operator"),
         (("inject", node, "crash"), "inject", "drill"),
-        (("inject", node, "clear"), "clear_faults", "drill"),
+        (("inject", node, "clear"), CLEAR, "drill"),
     ):
         refused(cli(user, *args), op, role)
     refused(cli(forged, "nodes", "cordon", node), "cordon", "operator")
@@ -119,7 +125,7 @@ async def test_each_operation_needs_its_role_and_is_audited(
         (doc["audit"][-4]["who"], "cordon", True),
         (doc["audit"][-3]["who"], "cordon", False),
         (doc["audit"][-2]["who"], "cordon", False),
-        (doc["audit"][-1]["who"], "clear_faults", False),
+        (doc["audit"][-1]["who"], CLEAR, False),
     ]
     assert doc["audit"][-4]["who"].startswith("? (identity of mallory")
     assert doc["audit"][-1]["target"] == f"{settings.pool}/{node}"

@@ -9,22 +9,31 @@ import pytest
 
 from infra.stack import StackConfig, client_env, identity_keys_file, local_identity
 from trainguard import contract
+from trainguard.contract.roles import OWNED, REQUIRED
 from trainguard.domain.identity import (
     AUDIT_KEEP,
-    REQUIRED,
     ROLES,
+    SUBMIT,
     AuditEntry,
     Claims,
     IdentityError,
     audited,
     read,
-    refusal,
     sign,
     verify,
 )
+from trainguard.domain.identity import refusal as refusal_of
 from trainguard.services.settings import Settings
 
 KEY, OTHER = b"k" * 32, b"o" * 32
+STOP, CANCEL, UPDATE = contract.job.stop.name, contract.job.cancel.name, contract.job.update_code.name
+CORDON, INJECT = contract.pool.cordon.name, contract.pool.inject.name
+
+
+def refusal(
+    operation: str, claims: Claims | None, why: str | None = None, owner: str | None = None
+) -> str | None:
+    return refusal_of(operation, claims, why, owner, REQUIRED, OWNED)
 
 
 def test_a_token_verifies_with_its_key_and_no_other() -> None:
@@ -50,29 +59,27 @@ def test_a_token_expires() -> None:
 
 def test_a_refusal_is_one_line_naming_the_role() -> None:
     user = Claims(subject="carol", roles=("user",))
-    assert refusal("stop", user) is None
-    assert refusal("progress", None) is None  # trainguard's own messages need no role
-    assert refusal("cordon", user) == "refused: cordon needs the operator role (carol has user)"
-    assert (
-        refusal("inject", Claims(subject="dan")) == "refused: inject needs the drill role (dan has no role)"
-    )
-    assert refusal("submit", None) == "refused: submit needs the user role (sent without an identity)"
-    assert refusal("submit", None, "identity of eve: expired").endswith("(identity of eve: expired)")
+    assert refusal(STOP, user) is None
+    assert refusal(contract.job.progress.name, None) is None  # trainguard's own messages need no role
+    assert refusal(CORDON, user) == "refused: cordon needs the operator role (carol has user)"
+    assert refusal(INJECT, Claims(subject="dan")) == "refused: inject needs the drill role (dan has no role)"
+    assert refusal(SUBMIT, None) == "refused: submit needs the user role (sent without an identity)"
+    assert refusal(SUBMIT, None, "identity of eve: expired").endswith("(identity of eve: expired)")
 
 
 def test_a_users_job_is_stopped_or_updated_by_its_owner_or_an_operator() -> None:
     alice, bob = Claims(subject="alice", roles=("user",)), Claims(subject="bob", roles=("user",))
-    assert refusal("stop", alice, owner="alice") is None
-    assert refusal("update_code", bob, owner="alice") == (
+    assert refusal(STOP, alice, owner="alice") is None
+    assert refusal(UPDATE, bob, owner="alice") == (
         "refused: update_code of alice's job needs the operator role (bob is not alice)"
     )
-    assert refusal("cancel", Claims(subject="ops", roles=("user", "operator")), owner="alice") is None
-    assert refusal("stop", bob, owner=None) is None  # a job from before owners were recorded
+    assert refusal(CANCEL, Claims(subject="ops", roles=("user", "operator")), owner="alice") is None
+    assert refusal(STOP, bob, owner=None) is None  # a job from before owners were recorded
 
 
 def test_every_operation_that_needs_a_role_is_a_workflow_message() -> None:
     names = {m.name for m in (*contract.job.ALL, *contract.pool.ALL)}
-    assert set(REQUIRED) - {"submit"} <= names
+    assert set(REQUIRED) - {SUBMIT} <= names
     assert set(REQUIRED.values()) == set(ROLES)
 
 

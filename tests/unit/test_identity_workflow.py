@@ -16,6 +16,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
 from infra.stack import find_binary
+from trainguard import contract
 from trainguard.domain.identity import ROLES, AuditEntry, Claims, Refused, audited, sign
 from trainguard.services.identity import IdentityClientInterceptor
 from trainguard.services.temporal import wire_data_converter
@@ -25,7 +26,7 @@ KEY = b"k" * 32
 QUEUE = "identity-wf"
 
 
-@workflow.defn(name="TrainingJobWorkflow", sandboxed=False)
+@workflow.defn(name=contract.job.WORKFLOW.name, sandboxed=False)
 class Operated:
     """A job's shape as far as identities go: a stop signal, an update with a validator."""
 
@@ -44,11 +45,11 @@ class Operated:
         await workflow.wait_condition(lambda: self.stopped)
         return [f"{e.who} {e.what}{' refused' if e.refused else ''}" for e in self.audit]
 
-    @workflow.signal(name="stop")
+    @workflow.signal(name=contract.job.stop.name)
     def stop(self, reason: str) -> None:
         self.stopped = True
 
-    @workflow.update(name="update_code")
+    @workflow.update(name=contract.job.update_code.name)
     async def update_code(self, version: str) -> str:
         return version
 
@@ -90,37 +91,39 @@ async def test_operations_need_their_roles_and_are_recorded(env: WorkflowEnviron
     ):
         with pytest.raises(Refused, match=r"^refused: submit needs the user role \(nobody has no role\)$"):
             await client_of(env, Claims(subject="nobody")).start_workflow(
-                "TrainingJobWorkflow", id="x", task_queue=QUEUE
+                contract.job.WORKFLOW.name, id="x", task_queue=QUEUE
             )
         # Sent without an identity: the workflow's first run fails with the line.
         refused = await anonymous.start_workflow(
-            "TrainingJobWorkflow", id=f"a-{uuid.uuid4()}", task_queue=QUEUE
+            contract.job.WORKFLOW.name, id=f"a-{uuid.uuid4()}", task_queue=QUEUE
         )
         with pytest.raises(WorkflowFailureError) as failed:
             await refused.result()
         assert message(failed.value) == "refused: submit needs the user role (sent without an identity)"
 
         job = await alice.start_workflow(
-            "TrainingJobWorkflow",
+            contract.job.WORKFLOW.name,
             id=f"j-{uuid.uuid4()}",
             task_queue=QUEUE,
             execution_timeout=timedelta(minutes=1),
         )
         # Refused before the workflow's own validator, which would have said "not a version".
         with pytest.raises(WorkflowUpdateFailedError) as upd:
-            await forged.get_workflow_handle(job.id).execute_update("update_code", "bad")
+            await forged.get_workflow_handle(job.id).execute_update(contract.job.update_code.name, "bad")
         assert message(upd.value) == (
             "refused: update_code needs the user role (identity of eve: not signed by this cluster's key)"
         )
         with pytest.raises(WorkflowUpdateFailedError) as upd:
-            await bob.get_workflow_handle(job.id).execute_update("update_code", "v2")
+            await bob.get_workflow_handle(job.id).execute_update(contract.job.update_code.name, "v2")
         assert (
             message(upd.value)
             == "refused: update_code of alice's job needs the operator role (bob is not alice)"
         )
-        assert await ops.get_workflow_handle(job.id).execute_update("update_code", "v2") == "v2"
-        await anonymous.get_workflow_handle(job.id).signal("stop", "no")  # dropped
-        await alice.get_workflow_handle(job.id).signal("stop", "done")
+        assert (
+            await ops.get_workflow_handle(job.id).execute_update(contract.job.update_code.name, "v2") == "v2"
+        )
+        await anonymous.get_workflow_handle(job.id).signal(contract.job.stop.name, "no")  # dropped
+        await alice.get_workflow_handle(job.id).signal(contract.job.stop.name, "done")
         assert await job.result() == [
             "alice submit",
             "? (identity of eve: not signed by this cluster's key) update_code refused",

@@ -25,23 +25,8 @@ Role = Literal["user", "operator", "drill"]
 ROLES: tuple[Role, ...] = ("user", "operator", "drill")
 # The Temporal header the token travels in.
 HEADER = "trainguard-identity"
-# What each operation needs, by the name of its start, signal or update (trainguard.contract):
-# users run their jobs, operators run the machines, drills break them on purpose. Messages not
-# named here come from trainguard's own processes (agents, activities, the pool) and are left
-# to Temporal's authorization (docs/architecture.md, "Trust boundaries").
-REQUIRED: Mapping[str, Role] = {
-    "submit": "user",  # a job's start
-    "stop": "user",
-    "cancel": "user",
-    "update_code": "user",
-    "configure": "operator",
-    "cordon": "operator",
-    "release_node": "operator",
-    "inject": "drill",
-    "clear_faults": "drill",
-}
-# What only a job's owner (who submitted it) or an operator may do to it.
-OWNED = frozenset({"stop", "cancel", "update_code"})
+# The operation a job's start is (its role: trainguard.contract.roles, with every other one's).
+SUBMIT = "submit"
 # How many audit entries a job or pool keeps (its carried state stays small).
 AUDIT_KEEP = 50
 
@@ -109,16 +94,22 @@ def verify(token: str, keys: Iterable[bytes], now: float) -> Claims:
 
 
 def refusal(
-    operation: str, claims: Claims | None, why: str | None = None, owner: str | None = None
+    operation: str,
+    claims: Claims | None,
+    why: str | None = None,
+    owner: str | None = None,
+    required: Mapping[str, Role] | None = None,
+    owned: Iterable[str] = (),
 ) -> str | None:
     """None when ``claims`` may do ``operation``; else the one line that says what is missing
     (``why``: what was wrong with the identity, when there was one that did not verify;
-    ``owner``: who submitted the job it acts on, if known)."""
-    role = REQUIRED.get(operation)
+    ``owner``: who submitted the job it acts on, if known; ``required``, ``owned``: the role each
+    operation needs and those only a job's owner may do, ``trainguard.contract.roles``)."""
+    role = (required or {}).get(operation)
     if role is None:
         return None
     if claims is not None and role in claims.roles:
-        if owner is None or operation not in OWNED or claims.subject == owner or "operator" in claims.roles:
+        if owner is None or operation not in owned or claims.subject == owner or "operator" in claims.roles:
             return None
         return (
             f"refused: {operation} of {owner}'s job needs the operator role ({claims.subject} is not {owner})"

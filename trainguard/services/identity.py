@@ -2,7 +2,7 @@
 
 ``connect`` (``trainguard.services.temporal``) installs ``IdentityClientInterceptor`` with the
 token of the settings (``TRAINGUARD_IDENTITY`` or ``TRAINGUARD_IDENTITY_FILE``). An operation
-whose role the token's claims lack (``trainguard.domain.identity.REQUIRED``) is refused here,
+whose role the token's claims lack (``trainguard.contract.roles.REQUIRED``) is refused here,
 before anything is sent, with the line the workflow would give; the workflows verify the
 signature and refuse again (``workflows.identity``): this check is for the one line and the
 exit code, theirs is the one that holds.
@@ -25,10 +25,8 @@ from temporalio.client import (
     WorkflowUpdateHandle,
 )
 
-from trainguard import contract
+from trainguard.contract.roles import REQUIRED, START_OPERATION
 from trainguard.domain.identity import HEADER, Claims, Refused, read, refusal
-
-START_OPERATION = {contract.job.WORKFLOW.name: "submit"}
 
 
 class IdentityClientInterceptor(Interceptor):
@@ -48,7 +46,7 @@ class _Outbound(OutboundInterceptor):
     def _headers(self, operation: str | None, headers: Any) -> dict[str, Payload]:
         # Without a token nothing is checked here: the controller decides (it may check no role).
         claims = self.root.claims
-        problem = refusal(operation, claims) if operation and claims is not None else None
+        problem = refusal(operation, claims, required=REQUIRED) if operation and claims is not None else None
         if problem is not None:
             raise Refused(problem)
         out = dict(headers or {})
