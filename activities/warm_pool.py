@@ -1,9 +1,21 @@
 """Warm rank processes kept ready on a machine (``trainguard.runtime.warm``).
 
-Each one is started with its own report pipe (the rank writes progress to it
-once activated), in its own process group, niced like ranks and killed with
-the agent. ``take()`` hands one over and starts a replacement in the
-background, so a restart on this machine skips the interpreter and torch start.
+Each one is started with its own report pipe (the rank writes progress to it once activated), in
+its own process group, niced like ranks and killed with the agent. ``take()`` hands over one that
+has finished its preload, so a restart on this machine skips the interpreter and torch start.
+
+The refill never competes with training:
+
+- a warm process imports at ``SCHED_IDLE`` (``trainguard.runtime.warm``): only CPU time nothing
+  else wants;
+- one at a time (staggered): the next starts once the one before has finished its preload;
+- held back while ranks start on this machine (``hold``, the agent's sessions): their own start
+  (imports, rendezvous, restore) reads the same files and memory;
+- within a memory budget: a share of the machine's memory (its cgroup's limit where lower), with
+  each process's size measured once one is preloaded, and never into the last of what is free.
+
+How many: ``size``, or ``AUTO``: one per GPU (a rank per GPU), ``CPU_MACHINE_WARM`` on a machine
+without GPUs, grown to the ranks a job runs here (``note_ranks``); both within the budget.
 """
 
 from __future__ import annotations
@@ -19,9 +31,75 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from trainguard.runtime.env import inheritable_environ
 
 log = logging.getLogger(__name__)
+
+AUTO = -1  # size: one per GPU, or CPU_MACHINE_WARM, grown to the ranks a job runs here
+CPU_MACHINE_WARM = 2  # a machine without GPUs: the example's ranks per machine
+# Share of the machine's memory warm processes may hold, and the share that must stay free after
+# another one starts (page cache aside: MemAvailable).
+MEMORY_FRACTION = 0.1
+MIN_AVAILABLE_FRACTION = 0.2
+# A warm process's size before one was measured: torch, torch._dynamo and the runtime imported
+# take 0.35 GiB resident on the CPU build here; CUDA builds map more. Replaced by the largest
+# measured once one is preloaded.
+FIRST_ESTIMATE_BYTES = 1 << 30
+# How often a held-back refill looks again whether ranks are still starting.
+HOLD_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Memory:
+    total: int  # the machine's memory, or its cgroup's limit where lower
+    available: int  # what can still be had without swapping (MemAvailable, within the cgroup)
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def _cgroup_limit() -> tuple[int, int] | None:
+    """(limit, usage) of this process's memory cgroup, where it has a limit (v2, then v1)."""
+    for limit_path, usage_path in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        with contextlib.suppress(OSError, ValueError):
+            text = Path(limit_path).read_text().strip()
+            if text != "max" and int(text) < 1 << 60:  # v1 says "no limit" with a huge number
+                return int(text), int(Path(usage_path).read_text().strip())
+    return None
+
+
+def read_memory() -> Memory:
+    info = _meminfo()
+    total, available = info["MemTotal"], info.get("MemAvailable", info["MemFree"])
+    cgroup = _cgroup_limit()
+    if cgroup is not None and cgroup[0] < total:
+        total, available = cgroup[0], min(available, cgroup[0] - cgroup[1])
+    return Memory(total=total, available=available)
+
+
+def warm_target(wanted: int, memory: Memory, per_process: int, fraction: float = MEMORY_FRACTION) -> int:
+    """How many warm processes a machine keeps: ``wanted``, as far as ``fraction`` of its memory
+    holds them at ``per_process`` bytes each."""
+    return max(0, min(wanted, int(memory.total * fraction) // max(1, per_process)))
+
+
+def room_for_one(memory: Memory, held: int, per_process: int, fraction: float = MEMORY_FRACTION) -> bool:
+    """Whether one more warm process fits: inside the budget with the ``held`` bytes the others
+    take, and leaving the machine MIN_AVAILABLE_FRACTION of its memory free."""
+    return (
+        held + per_process <= memory.total * fraction
+        and memory.available - per_process >= memory.total * MIN_AVAILABLE_FRACTION
+    )
 
 
 @dataclass
@@ -36,6 +114,12 @@ class WarmProc:
         readable, _, _ = select.select([self.report_r], [], [], 0)
         return bool(readable)
 
+    def rss(self) -> int:
+        try:
+            return int(psutil.Process(self.proc.pid).memory_info().rss)
+        except psutil.Error:
+            return 0
+
     async def activate(
         self, argv: list[str], env: dict[str, str], cwd: str, stdout: Path, stderr: Path
     ) -> None:
@@ -48,16 +132,29 @@ class WarmProc:
 
 class WarmPool:
     def __init__(
-        self, size: int, log_dir: Path, preexec: Callable[[], None], refill_delay_s: float = 15.0
+        self,
+        size: int,
+        log_dir: Path,
+        preexec: Callable[[], None],
+        hold: Callable[[], bool] = lambda: False,
+        gpus: int = 0,
+        memory: Callable[[], Memory] = read_memory,
+        fraction: float = MEMORY_FRACTION,
+        preload: tuple[str, ...] | None = None,
     ) -> None:
-        self.size = size
+        self.auto = size == AUTO
+        self.wanted = (gpus or CPU_MACHINE_WARM) if self.auto else size
         self.log_dir = log_dir
         self.preexec = preexec
-        self.ready: list[WarmProc] = []
+        self.hold = hold  # ranks are starting on this machine: no new warm process now
+        self.memory = memory
+        self.fraction = fraction
+        self.preload = preload  # the modules a warm process imports (None: the runtime's PRELOAD)
+        self.procs: list[WarmProc] = []  # alive or not yet reaped, preloaded or still importing
+        self._measured: int | None = None  # the largest preloaded process seen, bytes resident
+        self._short = asyncio.Event()  # a process was taken or more are wanted: look again
         self._filling: asyncio.Task[None] | None = None
-        # After a take, refill only once the new ranks are past their own start: replacements
-        # importing torch would compete with them for the CPU.
-        self.refill_delay_s = refill_delay_s
+        self._said_full = False
 
     @property
     def env(self) -> dict[str, str]:
@@ -65,13 +162,28 @@ class WarmPool:
         # Never the agent's credentials: the rank's code could read them in /proc/self/environ.
         return {**inheritable_environ(), "PYTHONUNBUFFERED": "1"}
 
-    def start(self) -> None:
-        self._refill(0.0)
+    @property
+    def per_process(self) -> int:
+        return self._measured or FIRST_ESTIMATE_BYTES
 
-    def _refill(self, delay_s: float) -> None:
-        """Top the pool up in the background (after ``delay_s``) unless that is under way."""
-        if self.size and (self._filling is None or self._filling.done()):
-            self._filling = asyncio.create_task(self._fill(delay_s), name="warm-fill")
+    def target(self) -> int:
+        """How many this machine keeps now: the wanted number within the memory budget."""
+        return warm_target(self.wanted, self.memory(), self.per_process, self.fraction)
+
+    def ready_count(self) -> int:
+        """Processes preloaded and waiting (what the next restart here can take)."""
+        return sum(1 for w in self.procs if w.proc.returncode is None and w.preloaded())
+
+    def start(self) -> None:
+        if self.wanted and self._filling is None:
+            self._filling = asyncio.create_task(self._fill(), name="warm-fill")
+            self._short.set()
+
+    def note_ranks(self, ranks: int) -> None:
+        """A job runs ``ranks`` ranks here: an automatic pool keeps as many ready for its restart."""
+        if self.auto and ranks > self.wanted:
+            self.wanted = ranks
+            self._short.set()
 
     async def _spawn(self) -> WarmProc:
         r_fd, w_fd = os.pipe()
@@ -84,6 +196,7 @@ class WarmPool:
                 "trainguard.runtime.warm",
                 "--ready-fd",
                 str(w_fd),
+                *(["--preload", ",".join(self.preload)] if self.preload is not None else []),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=out,
                 stderr=out,
@@ -100,27 +213,59 @@ class WarmPool:
             out.close()
         return WarmProc(proc=proc, report_r=r_fd, report_w=w_fd)
 
-    async def _fill(self, delay_s: float) -> None:
-        if delay_s:
-            await asyncio.sleep(delay_s)
-        while len(self.ready) < self.size:
-            try:
-                self.ready.append(await self._spawn())
-            except OSError as exc:
-                log.warning("could not start a warm rank process: %s", exc)
-                return
+    async def _preload_done(self, w: WarmProc) -> bool:
+        """Until ``w`` announced its preload (True) or died (False)."""
+        loop = asyncio.get_running_loop()
+        readable = loop.create_future()
+        loop.add_reader(w.report_r, lambda: readable.done() or readable.set_result(None))
+        died = asyncio.ensure_future(w.proc.wait())
+        try:
+            await asyncio.wait([readable, died], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            loop.remove_reader(w.report_r)
+            died.cancel()
+        return w.proc.returncode is None and w.preloaded()
+
+    def _reap(self) -> None:
+        for w in [w for w in self.procs if w.proc.returncode is not None]:
+            self.procs.remove(w)
+            self._close(w)  # died while waiting
+
+    async def _fill(self) -> None:
+        while True:
+            await self._short.wait()
+            self._short.clear()
+            self._reap()
+            while len(self.procs) < self.target():
+                while self.hold():  # ranks starting here: a cheap look, twice a second
+                    await asyncio.sleep(HOLD_POLL_S)
+                held = sum(w.rss() for w in self.procs)
+                if not room_for_one(self.memory(), held, self.per_process, self.fraction):
+                    if not self._said_full:
+                        log.info("warm rank processes: %d kept, no memory for more", len(self.procs))
+                        self._said_full = True
+                    break
+                try:
+                    w = await self._spawn()
+                except OSError as exc:
+                    log.warning("could not start a warm rank process: %s", exc)
+                    break
+                self.procs.append(w)
+                # Staggered: the next one starts once this one is ready.
+                if not await self._preload_done(w):
+                    log.warning("a warm rank process exited before its preload (see warm.log)")
+                    break  # tried again at the next take: a failing import must not loop
+                self._measured = max(self._measured or 0, w.rss()) or None
 
     def take(self) -> WarmProc | None:
-        """A process that has finished its preload if there is one, else the oldest still
-        importing (sooner ready than a cold start); None: start the rank cold. Its replacement
-        follows after ``refill_delay_s``."""
-        for w in [w for w in self.ready if w.proc.returncode is not None]:
-            self.ready.remove(w)
-            self._close(w)  # died while waiting
-        taken = next((w for w in self.ready if w.preloaded()), self.ready[0] if self.ready else None)
+        """A process that has finished its preload, or None: start the rank cold. One still
+        importing is never handed out: it imports at idle priority and the rank would wait for it
+        (the cold start runs at the rank's). Its replacement follows (see the module's docstring)."""
+        self._reap()
+        taken = next((w for w in self.procs if w.preloaded()), None)
         if taken is not None:
-            self.ready.remove(taken)
-        self._refill(self.refill_delay_s)
+            self.procs.remove(taken)
+        self._short.set()
         return taken
 
     @staticmethod
@@ -134,10 +279,10 @@ class WarmPool:
             self._filling.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._filling
-        for w in self.ready:
+        for w in self.procs:
             if w.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     w.proc.kill()
                 await w.proc.wait()
             self._close(w)
-        self.ready = []
+        self.procs = []

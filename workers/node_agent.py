@@ -38,7 +38,7 @@ from activities.ranks import RankActivities
 from activities.session import Sessions
 from activities.session.process import rank_preexec
 from activities.stacks import StackActivities
-from activities.warm_pool import WarmPool
+from activities.warm_pool import AUTO, MEMORY_FRACTION, WarmPool
 from trainguard.agent.health.events import Probe
 from trainguard.agent.health.host import HostProbe
 from trainguard.agent.health.link import LinkProbe
@@ -88,9 +88,10 @@ async def main(
     gpus: int,
     rank_nice: int,
     nic: str | None = None,
-    warm_ranks: int = 0,
+    warm_ranks: int = AUTO,
     pool: str | None = None,
     metrics_port: int | None = None,
+    warm_memory: float = MEMORY_FRACTION,
 ) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     memory_dir = memory_dir_for(workdir)
@@ -108,15 +109,27 @@ async def main(
     # The client's TracingInterceptor applies to this worker too: its activities are traced.
     client = await connect(settings, endpoint.runtime if endpoint else None)
     pool = pool or settings.pool
-    info = NodeInfo(name=name, task_queue=node_queue(name, pool), host=host, gpus=gpus)
     # The agent's parts, each built on those before it: the sessions first, which the host
-    # probe, the rank output, the stack dumps, the fence and the shutdown all read.
+    # probe, the rank output, the stack dumps, the fence, the warm pool (held back while ranks
+    # start) and the shutdown all read.
     sessions = Sessions()
-    health = HealthMonitor(probes(name, [workdir, memory_dir], drills, gpus, sessions.rank_pids, nic))
+    machine_probes = probes(name, [workdir, memory_dir], drills, gpus, sessions.rank_pids, nic)
+    health = HealthMonitor(machine_probes)
     health.start()
     store = S3Store(settings)
-    warm = WarmPool(warm_ranks, workdir / "warm", functools.partial(rank_preexec, rank_nice))
+    found_gpus = next((p.gpu_count for p in machine_probes if isinstance(p, NvmlProbe)), 0)
+    warm = WarmPool(
+        warm_ranks,
+        workdir / "warm",
+        functools.partial(rank_preexec, rank_nice),
+        hold=sessions.starting,
+        gpus=gpus or found_gpus,
+        fraction=warm_memory,
+    )
     warm.start()
+    info = NodeInfo(
+        name=name, task_queue=node_queue(name, pool), host=host, gpus=gpus, warm_ranks=warm.target()
+    )
     logs = LogActivities(name, store, sessions)
     ranks = RankActivities(
         client, store, workdir, code_dir, host, health, drills, sessions, logs,
@@ -193,6 +206,26 @@ def node_name(text: str) -> str:
     return text
 
 
+def warm_ranks(text: str) -> int:
+    """argparse type: ``auto`` or a count of warm rank processes."""
+    if text == "auto":
+        return AUTO
+    if not text.isdigit() or int(text) > 64:
+        raise argparse.ArgumentTypeError("auto, or a whole number from 0 to 64")
+    return int(text)
+
+
+def fraction(text: str) -> float:
+    """argparse type: a share, above 0 and at most 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError("a number above 0 and at most 1")
+    return value
+
+
 def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--name", type=node_name, required=True, help="machine name, unique in the cluster")
@@ -208,9 +241,19 @@ def cli() -> None:
     )
     parser.add_argument(
         "--warm-ranks",
-        type=int,
-        default=0,
-        help="rank processes kept started (torch imported) for fast restarts; ranks per machine is right",
+        type=warm_ranks,
+        default=AUTO,
+        metavar="auto|N",
+        help="rank processes kept started (torch imported, at idle CPU priority) for fast restarts; "
+        "auto (default): one per GPU (2 without GPUs, more when a job runs more ranks here), "
+        "within --warm-memory; 0: none",
+    )
+    parser.add_argument(
+        "--warm-memory",
+        type=fraction,
+        default=MEMORY_FRACTION,
+        metavar="FRACTION",
+        help=f"share of the machine's memory warm rank processes may hold (default {MEMORY_FRACTION})",
     )
     parser.add_argument(
         "--pool",
@@ -240,6 +283,7 @@ def cli() -> None:
             args.warm_ranks,
             args.pool,
             args.metrics_port,
+            args.warm_memory,
         )
     )
 

@@ -66,7 +66,7 @@ class RankSession:
         self.state = s = SessionState(inp, workdir, code_dir, memory_dir)
         self.process = RankProcesses(s, drills, warm, rank_nice)
         self.snapshots = Snapshots(s, store)
-        self.progress = ProgressReporter(s, self.snapshots, send_progress)
+        self.progress = ProgressReporter(s, self.snapshots, send_progress, warm)
         self.ending = Ending(s, self.process, self.snapshots, self.progress)
         self.incidents = Incidents(s, self.process, self.progress, self.ending, drills)
         self.reports = Reports(s, self.process, self.snapshots, self.progress, self.incidents)
@@ -116,6 +116,11 @@ class RankSession:
         return self.state.frozen
 
     @property
+    def starting(self) -> bool:
+        """Its ranks are starting: about to be spawned, or not every one past its first step."""
+        return not self.done and len(self.progress.last_step) < len(self.state.inp.ranks)
+
+    @property
     def machine_step(self) -> int:
         return self.progress.machine_step
 
@@ -161,6 +166,8 @@ class RankSession:
             except Exception as exc:  # a storage outage: the script starts from what is here
                 log.warning("restoring the script's checkpoints of %s failed: %s", s.inp.job_id, exc)
             self._script_task = s.spawn(self.script_ckpts.run(), "script-ckpt")
+        if self.process.warm is not None:
+            self.process.warm.note_ranks(len(s.inp.ranks))  # the next restart here takes as many
         for local_rank, rank in enumerate(s.inp.ranks):
             self.reports.start_reading(rank, await self.process.spawn(local_rank, rank))
         s.spawn(self._supervise(), "supervise")

@@ -241,6 +241,8 @@ class JobState(BaseModel):
     snapshot_persist_every: int | None = None  # steps between S3 persists, with that interval
     # Step and productive time over wall time, bounded (trainguard report draws it).
     progress_series: ProgressSeries = ProgressSeries()
+    # Warm rank processes waiting on each machine, as its agent last reported.
+    warm: dict[str, int] = {}
 
 
 def status_json(state: JobState, now: datetime) -> dict[str, Any]:
@@ -257,8 +259,17 @@ def status_json(state: JobState, now: datetime) -> dict[str, Any]:
         "ettr": round(ettr.ettr(state.ledger, now), 4),
         "ettr_window_1h": round(ettr.ettr_window(state.ledger, now), 4),
         "badput_s": {k: round(state.ledger.badput_s.get(k, 0.0), 3) for k in ettr.BUCKETS},
+        # The start kept apart from the steady state: the first minute (still running while
+        # `complete` is false) and everything after it.
+        "first_minute": {
+            **_part(state.ledger.first_minute or ettr.so_far(state.ledger, now)),
+            "complete": state.ledger.first_minute is not None,
+        },
+        "steady": _part(steady) if (steady := ettr.after_first_minute(state.ledger, now)) else None,
         "protection": _protection(state),
         "nodes": {str(i): n.name for i, n in enumerate(state.nodes)},
+        # Per machine of the job: warm rank processes ready for its next restart there.
+        "warm": {n.name: state.warm[n.name] for n in state.nodes if n.name in state.warm},
         "world_size": state.spec.world_size,
         "pool": state.spec.pool or POOL_WORKFLOW_ID,
         "checkpoint": state.checkpoint.model_dump(mode="json") if state.checkpoint else None,
@@ -277,6 +288,14 @@ def status_json(state: JobState, now: datetime) -> dict[str, Any]:
         # When this document was made: a saved one still says how far its ETTR and open incident reach.
         "as_of": now.isoformat(),
         "progress": _progress(state.progress_series),
+    }
+
+
+def _part(part: ettr.Part) -> dict[str, Any]:
+    return {
+        "seconds": round(part.seconds, 1),
+        "ettr": round(part.ettr, 4),
+        "badput_s": {k: round(v, 3) for k, v in part.badput_s.items()},
     }
 
 

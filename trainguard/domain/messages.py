@@ -45,6 +45,8 @@ class NodeInfo(Msg):
     task_queue: str
     host: str = "127.0.0.1"
     gpus: int = 0
+    # Warm rank processes the agent keeps (its memory-budgeted target when it registered).
+    warm_ranks: int = 0
 
 
 # suspect: waiting for its self-test (new, returning, or evicted with a group); standby: passed it,
@@ -325,6 +327,8 @@ class ProgressReport(Msg):
     snapshot_settle_s: float | None = None
     # Steps between S3 persists the ranks derived with the interval (a multiple of it).
     snapshot_persist_every: int | None = None
+    # Warm rank processes preloaded and waiting on this machine (None: an agent without a pool).
+    warm_ready: int | None = None
 
 
 # -- drills and incidents ---------------------------------------------------------
