@@ -65,16 +65,30 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
+def _cgroup_dirs() -> list[tuple[Path, str, str]]:
+    """This process's memory cgroup directory (a Slurm step's, a container's) with the names of
+    its limit and usage files: v2, then v1."""
+    out = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            rel = path.lstrip("/")
+            if controllers == "":
+                out.append((Path("/sys/fs/cgroup") / rel, "memory.max", "memory.current"))
+            elif "memory" in controllers.split(","):
+                out.append(
+                    (Path("/sys/fs/cgroup/memory") / rel, "memory.limit_in_bytes", "memory.usage_in_bytes")
+                )
+    return out
+
+
 def _cgroup_limit() -> tuple[int, int] | None:
-    """(limit, usage) of this process's memory cgroup, where it has a limit (v2, then v1)."""
-    for limit_path, usage_path in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):
+    """(limit, usage) of this process's memory cgroup, where it has a limit."""
+    for d, limit_name, usage_name in _cgroup_dirs():
         with contextlib.suppress(OSError, ValueError):
-            text = Path(limit_path).read_text().strip()
+            text = (d / limit_name).read_text().strip()
             if text != "max" and int(text) < 1 << 60:  # v1 says "no limit" with a huge number
-                return int(text), int(Path(usage_path).read_text().strip())
+                return int(text), int((d / usage_name).read_text().strip())
     return None
 
 

@@ -226,20 +226,21 @@ def fraction(text: str) -> float:
     return value
 
 
-def cli() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--name", type=node_name, required=True, help="machine name, unique in the cluster")
-    parser.add_argument("--workdir", type=Path, required=True, help="local dir: rank logs, checkpoints")
-    parser.add_argument("--code-dir", type=Path, default=Path.cwd(), help="directory ranks run in")
-    parser.add_argument("--host", default="127.0.0.1", help="address peers use to reach this machine")
-    parser.add_argument("--gpus", type=int, default=0, help="GPUs expected on this machine (0: as found)")
-    parser.add_argument("--rank-nice", type=int, default=0, help="niceness of ranks (shared local hosts)")
-    parser.add_argument(
+def parser() -> argparse.ArgumentParser:
+    """The agent's command line (the deployment recipes' tests parse theirs with it)."""
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--name", type=node_name, required=True, help="machine name, unique in the cluster")
+    p.add_argument("--workdir", type=Path, required=True, help="local dir: rank logs, checkpoints")
+    p.add_argument("--code-dir", type=Path, default=Path.cwd(), help="directory ranks run in")
+    p.add_argument("--host", default="127.0.0.1", help="address peers use to reach this machine")
+    p.add_argument("--gpus", type=int, default=0, help="GPUs expected on this machine (0: as found)")
+    p.add_argument("--rank-nice", type=int, default=0, help="niceness of ranks (shared local hosts)")
+    p.add_argument(
         "--nic",
         default=None,
         help="this machine's NIC, a real interface link drills may take down (netns local stack)",
     )
-    parser.add_argument(
+    p.add_argument(
         "--warm-ranks",
         type=warm_ranks,
         default=AUTO,
@@ -248,23 +249,28 @@ def cli() -> None:
         "auto (default): one per GPU (2 without GPUs, more when a job runs more ranks here), "
         "within --warm-memory; 0: none",
     )
-    parser.add_argument(
+    p.add_argument(
         "--warm-memory",
         type=fraction,
         default=MEMORY_FRACTION,
         metavar="FRACTION",
         help=f"share of the machine's memory warm rank processes may hold (default {MEMORY_FRACTION})",
     )
-    parser.add_argument(
+    p.add_argument(
         "--pool",
         type=node_name,
         default=None,
         help="the pool to join, one per cluster or allocation (default: TRAINGUARD_POOL or trainguard-pool)",
     )
-    add_metrics_port(parser)
-    args = parser.parse_args()
+    add_metrics_port(p)
+    return p
+
+
+def cli() -> None:
+    p = parser()
+    args = p.parse_args()
     if importlib.util.find_spec("torch") is None:  # the ranks and the self-test train with it
-        parser.exit(
+        p.exit(
             1,
             "error: the node agent needs torch, which comes with the 'agent' extra: "
             "pip install 'trainguard[agent]'\n",
