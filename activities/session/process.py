@@ -245,7 +245,7 @@ class RankProcesses:
             finally:
                 os.close(warm.report_w)
             self.warm_started += 1
-            log.info("rank %d of %s started in a warm process", rank, s.inp.job_id)
+            log.info("rank %d of %s attempt %d started in a warm process", rank, s.inp.job_id, s.inp.attempt)
             self.procs[rank] = warm.proc
             return warm.report_r
         r_fd, w_fd = os.pipe()
