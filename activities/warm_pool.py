@@ -2,7 +2,9 @@
 
 Each one is started with its own report pipe (the rank writes progress to it once activated), in
 its own process group, niced like ranks and killed with the agent. ``take()`` hands over one that
-has finished its preload, so a restart on this machine skips the interpreter and torch start.
+has finished its preload, so a restart on this machine skips the interpreter and torch start; or,
+where the agent may raise its priority back (CAP_SYS_NICE: root, as the recipes run it), one still
+importing, which then finishes at the rank's priority: further along than a cold start.
 
 The refill never competes with training:
 
@@ -127,6 +129,19 @@ class WarmProc:
         for the rank's reader, which ignores it)."""
         readable, _, _ = select.select([self.report_r], [], [], 0)
         return bool(readable)
+
+    def raise_to_rank(self) -> bool:
+        """Its importing thread from SCHED_IDLE back to the rank's priority (it keeps its nice), so
+        that a rank can wait for the rest of the import; whether it worked. Leaving SCHED_IDLE
+        takes CAP_SYS_NICE (or an RLIMIT_NICE few machines grant): an unprivileged agent cannot."""
+        try:
+            for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+                with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                    if os.sched_getscheduler(int(tid)) == os.SCHED_IDLE:
+                        os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+        except (PermissionError, FileNotFoundError):
+            return False
+        return True
 
     def rss(self) -> int:
         try:
@@ -272,11 +287,14 @@ class WarmPool:
                 self._measured = max(self._measured or 0, w.rss()) or None
 
     def take(self) -> WarmProc | None:
-        """A process that has finished its preload, or None: start the rank cold. One still
-        importing is never handed out: it imports at idle priority and the rank would wait for it
-        (the cold start runs at the rank's). Its replacement follows (see the module's docstring)."""
+        """A process that has finished its preload; else one still importing, raised to the rank's
+        priority where the agent may (it is further along than a cold start); else None: start the
+        rank cold (a rank must never wait for an import at idle priority). Its replacement follows
+        (see the module's docstring)."""
         self._reap()
         taken = next((w for w in self.procs if w.preloaded()), None)
+        if taken is None:
+            taken = next((w for w in self.procs if w.raise_to_rank()), None)
         if taken is not None:
             self.procs.remove(taken)
         self._short.set()

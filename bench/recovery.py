@@ -317,6 +317,7 @@ async def trainguard_case(
     row = {
         "restart_s": gaps[len(crashes) - 1] if len(gaps) >= len(crashes) else None,
         "warm_ranks": warm_starts(state_dir, name, attempt),
+        "importing_ranks": warm_starts(state_dir, name, attempt, importing=True),
         "completed": final["phase"] == "completed",
         "pools_full_at_start": pools,
         "incidents": [f"{i['kind']}:{i['action']}" for i in final["incidents"]],
@@ -356,6 +357,10 @@ def _median(rows: list[dict[str, Any]]) -> float | None:
     return round(statistics.median(vals), 2) if vals else None
 
 
+def _restart(row: dict[str, Any]) -> tuple[float | None, int, int]:
+    return row["restart_s"], row["warm_ranks"], row["importing_ranks"]
+
+
 def summarize_cases(systems: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
     """Per case: each system's restarts and median; whether every trainguard restart met its goal
     (all ranks warm: <= WARM_RESTART_S; none warm: <= torchrun's median in the same run)."""
@@ -369,14 +374,14 @@ def summarize_cases(systems: dict[str, dict[str, list[dict[str, Any]]]]) -> dict
                 verdicts.append(False)
             elif r["warm_ranks"] == NNODES * NPROC:
                 verdicts.append(r["restart_s"] <= WARM_RESTART_S)
-            elif r["warm_ranks"] == 0 and torchrun is not None:
+            elif r["warm_ranks"] + r["importing_ranks"] == 0 and torchrun is not None:
                 verdicts.append(r["restart_s"] <= torchrun)
         out[case] = {
             "torchrun_s": torchrun,
             "trainguard_s": _median(warm),
-            "trainguard_restarts": [(r["restart_s"], r["warm_ranks"]) for r in warm],
+            "trainguard_restarts": [_restart(r) for r in warm],
             "trainguard_no_warm_s": _median(cold),
-            "trainguard_no_warm_restarts": [(r["restart_s"], r["warm_ranks"]) for r in cold],
+            "trainguard_no_warm_restarts": [_restart(r) for r in cold],
             "ok": bool(verdicts) and all(verdicts),
         }
     return out

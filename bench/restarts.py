@@ -97,15 +97,19 @@ def warm_waiting(state_dir: Path) -> dict[str, int]:
     return out
 
 
-WARM_START = re.compile(r"rank \d+ of (\S+) attempt (\d+) started in a warm process")
+WARM_START = re.compile(r"rank \d+ of (\S+) attempt (\d+) started in a warm process( \(still importing\))?")
 
 
-def warm_starts(state_dir: Path, job: str | None = None, attempt: int | None = None) -> int:
-    """Ranks the agents started in a warm process (their logs say so): all, or those of one job's
-    attempt."""
+def warm_starts(
+    state_dir: Path, job: str | None = None, attempt: int | None = None, importing: bool = False
+) -> int:
+    """Ranks the agents started in a preloaded warm process (``importing``: in one taken while it
+    still imported), as their logs say: all, or those of one job's attempt."""
     logs = (state_dir / "logs").glob("agent-*.log")
     found = [m for f in logs for m in WARM_START.finditer(f.read_text(errors="replace"))]
-    return sum(1 for m in found if job in (None, m[1]) and attempt in (None, int(m[2])))
+    return sum(
+        1 for m in found if job in (None, m[1]) and attempt in (None, int(m[2])) and bool(m[3]) == importing
+    )
 
 
 def descendants(pid: int) -> list[int]:

@@ -140,6 +140,42 @@ async def test_an_activated_process_is_the_rank(tmp_path: Path, monkeypatch: pyt
         await pool.stop()
 
 
+async def test_a_process_taken_while_importing_finishes_at_the_ranks_priority(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("leaving SCHED_IDLE takes CAP_SYS_NICE")
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "job.py").write_text(SCRIPT)
+    # An import that lasts until the test lets it end.
+    gate = tmp_path / "gate"
+    (tmp_path / "slow_import.py").write_text(
+        f"import os, time\nwhile not os.path.exists({str(gate)!r}):\n    time.sleep(0.01)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    pool = WarmPool(1, tmp_path / "warm", lambda: None, preload=("slow_import",))
+    pool.start()
+    try:
+        await _until(
+            lambda: pool.procs and os.SCHED_IDLE in _policies(pool.procs[0].proc.pid).values(), "importing"
+        )
+        w = pool.take()
+        assert w is not None and not w.preloaded()
+        assert os.SCHED_IDLE not in _policies(w.proc.pid).values()  # the import goes on at the rank's
+        env = {"PATH": os.environ["PATH"], "JOB_VAR": "j2", "TG_REPORT_FD": str(w.report_w)}
+        out, err = tmp_path / "rank.out", tmp_path / "rank.err"
+        await w.activate(["job.py"], env, str(tmp_path / "code"), out, err)
+        os.close(w.report_w)
+        gate.touch()
+        assert await asyncio.wait_for(w.proc.wait(), 60) == 3
+        assert out.read_text().strip() == "argv [] cwd code job j2"
+        assert err.read_text().splitlines()[1].split()[2:4] == ["idle", "0"]
+        os.close(w.report_r)
+    finally:
+        gate.touch()
+        await pool.stop()
+
+
 async def test_the_refill_waits_while_ranks_start_and_goes_one_at_a_time(tmp_path: Path) -> None:
     asked = asyncio.Event()
     holds: list[bool] = []
@@ -165,15 +201,22 @@ async def test_the_refill_waits_while_ranks_start_and_goes_one_at_a_time(tmp_pat
         await pool.stop()
 
 
-def test_a_process_still_importing_is_never_handed_out(tmp_path: Path) -> None:
+def test_a_process_still_importing_is_handed_out_only_raised_to_the_ranks_priority(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pool = WarmPool(0, tmp_path, lambda: None)  # size 0: take() starts no replacement
     pipes = [os.pipe(), os.pipe()]
     importing, preloaded = (WarmProc(_Alive(), r, w) for r, w in pipes)  # type: ignore[arg-type]
     os.write(preloaded.report_w, READY_LINE)
     pool.procs = [importing, preloaded]
+    # An agent that may not raise it (no CAP_SYS_NICE): a rank would wait for an import at idle
+    # priority. A cold start runs at the rank's.
+    monkeypatch.setattr(WarmProc, "raise_to_rank", lambda self: False)
     assert pool.take() is preloaded
-    # It imports at idle priority: the rank would wait for it. A cold start runs at the rank's.
     assert pool.take() is None and pool.procs == [importing]
+    # One that may: further along than a cold start.
+    monkeypatch.setattr(WarmProc, "raise_to_rank", lambda self: True)
+    assert pool.take() is importing
     for fd in (fd for pair in pipes for fd in pair):
         os.close(fd)
 

@@ -159,7 +159,8 @@ def main() -> None:
     line = sys.stdin.readline()
     if not line:
         sys.exit(0)  # the agent retired this process without using it
-    # The agent hands out only preloaded processes: this returns at once.
+    # At once for a preloaded process; one taken while importing was raised to the rank's
+    # priority by the agent (activities.warm_pool), and the rest of its import runs at it.
     importing.join()
     log(ACTIVATED)
     become(json.loads(line))
