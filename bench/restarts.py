@@ -139,7 +139,14 @@ def run_torchrun(args: list[str], nproc: int, nice: int, timeout_s: float, cwd: 
     its checkpoints in ``cwd``; killed, with its workers, past ``timeout_s``."""
     torchrun = Path(sys.executable).parent / "torchrun"
     argv = [str(torchrun), "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "3"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE, as a careful user sets it: without it each restart's ranks
+    # read the crashed round's addresses from the reused store and fail in gloo's connectFullMesh.
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
     t0 = time.time()
     proc = subprocess.Popen(
         ["nice", "-n", str(nice), *argv, str(REPO / args[0]), *args[1:]],
