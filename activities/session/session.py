@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 READ_TO_THE_END_S = 2.0
 # Kinds of incident a rank's death raises: the machine is probed once more for the cause.
 _DEATHS = ("crash", "comm", "oom", RENDEZVOUS_KIND)
+# The warm pool waits while a session's ranks start (imports, rendezvous, restore), but no longer
+# than this: a script that never steps an optimizer must not hold the refill for its whole life.
+STARTING_AT_MOST_S = 120.0
 
 
 class RankSession:
@@ -81,6 +84,7 @@ class RankSession:
             else None
         )  # fmt: skip
         self._script_task: asyncio.Task[Any] | None = None
+        self._created = time.monotonic()
 
     # -- what the agent's activities read and call ---------------------------------------
     @property
@@ -117,8 +121,11 @@ class RankSession:
 
     @property
     def starting(self) -> bool:
-        """Its ranks are starting: about to be spawned, or not every one past its first step."""
-        return not self.done and len(self.progress.last_step) < len(self.state.inp.ranks)
+        """Its ranks are starting: about to be spawned, or not every one past its first step (for
+        at most STARTING_AT_MOST_S)."""
+        if self.done or time.monotonic() - self._created > STARTING_AT_MOST_S:
+            return False
+        return len(self.progress.last_step) < len(self.state.inp.ranks)
 
     @property
     def machine_step(self) -> int:

@@ -7,10 +7,15 @@ import asyncio
 import contextlib
 import json
 import os
+import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from activities.session import RankSession, Sessions
+from activities.session.session import STARTING_AT_MOST_S
 from activities.warm_pool import (
     AUTO,
     CPU_MACHINE_WARM,
@@ -250,3 +255,25 @@ def test_an_automatic_pool_keeps_one_per_gpu_and_grows_to_the_ranks_a_job_runs(t
     fixed = WarmPool(1, tmp_path, lambda: None, memory=memory)
     fixed.note_ranks(4)  # an operator's number stays
     assert fixed.target() == 1
+
+
+def test_ranks_hold_the_refill_back_until_each_has_stepped_for_two_minutes_at_most() -> None:
+    def session(ranks: list[int], age_s: float = 0.0) -> Any:
+        sess: Any = RankSession.__new__(RankSession)
+        sess.state = SimpleNamespace(done=False, inp=SimpleNamespace(ranks=ranks), key=("j", len(ranks)))
+        sess.progress = SimpleNamespace(last_step={})
+        sess._created = time.monotonic() - age_s
+        return sess
+
+    sessions = Sessions()
+    assert not sessions.starting()
+    starting = session([0, 1])
+    sessions.add(starting)
+    assert sessions.starting()  # spawned, nothing stepped yet
+    starting.progress.last_step = {0: 1}
+    assert sessions.starting()  # one rank still in its start
+    starting.progress.last_step = {0: 1, 1: 1}
+    assert not sessions.starting()
+    # A script that never steps an optimizer does not hold it for its whole life.
+    sessions.add(session([0, 1, 2], age_s=STARTING_AT_MOST_S + 1))
+    assert not sessions.starting()
