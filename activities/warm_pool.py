@@ -16,8 +16,10 @@ The refill never competes with training:
 - within a memory budget: a share of the machine's memory (its cgroup's limit where lower), with
   each process's size measured once one is preloaded, and never into the last of what is free.
 
-How many: ``size``, or ``AUTO``: one per GPU (a rank per GPU), ``CPU_MACHINE_WARM`` on a machine
-without GPUs, grown to the ranks a job runs here (``note_ranks``); both within the budget.
+How many: ``size``, or ``AUTO``: two starts' worth of ranks, a rank per GPU (``CPU_MACHINE_RANKS``
+on a machine without GPUs), grown to the ranks a job runs here (``note_ranks``); within the budget.
+Two starts: a job's start takes one set, and a crash soon after it (or the next job on the
+machine) takes the other while the first is refilled.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from trainguard.runtime.env import inheritable_environ
 
 log = logging.getLogger(__name__)
 
-AUTO = -1  # size: one per GPU, or CPU_MACHINE_WARM, grown to the ranks a job runs here
-CPU_MACHINE_WARM = 2  # a machine without GPUs: the example's ranks per machine
+AUTO = -1  # size: two starts' worth of the machine's ranks (see the module's docstring)
+STARTS = 2
+CPU_MACHINE_RANKS = 2  # a machine without GPUs: the example's ranks per machine
 # Share of the machine's memory warm processes may hold, and the share that must stay free after
 # another one starts (page cache aside: MemAvailable).
 MEMORY_FRACTION = 0.1
@@ -172,7 +175,7 @@ class WarmPool:
         preload: tuple[str, ...] | None = None,
     ) -> None:
         self.auto = size == AUTO
-        self.wanted = (gpus or CPU_MACHINE_WARM) if self.auto else size
+        self.wanted = STARTS * (gpus or CPU_MACHINE_RANKS) if self.auto else size
         self.log_dir = log_dir
         self.preexec = preexec
         self.hold = hold  # ranks are starting on this machine: no new warm process now
@@ -209,9 +212,9 @@ class WarmPool:
             self._short.set()
 
     def note_ranks(self, ranks: int) -> None:
-        """A job runs ``ranks`` ranks here: an automatic pool keeps as many ready for its restart."""
-        if self.auto and ranks > self.wanted:
-            self.wanted = ranks
+        """A job runs ``ranks`` ranks here: an automatic pool keeps two starts' worth ready."""
+        if self.auto and STARTS * ranks > self.wanted:
+            self.wanted = STARTS * ranks
             self._short.set()
 
     async def _spawn(self) -> WarmProc:

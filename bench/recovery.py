@@ -38,9 +38,11 @@ from rank 0's step lines (``bench/restarts.py``): the crash's last step to the f
 - ``next-job``: a crash at step 150 of a job submitted as the one before it on the same machines
   completed.
 
-Per case and system the restarts' median, and for trainguard how many of the restart's 4 ranks
-started warm (``warm_ranks``). ``ok``: a restart with every rank warm took at most 3 s, one with
-none no longer than torchrun's cold restart (the median of the same run).
+Each trainguard run of a case runs beside torchrun's run of it (the order alternating), on each
+stack. Per case the restarts' medians, and for each trainguard restart how many of its 4 ranks
+started in a preloaded warm process and how many in one still importing, with the torchrun
+restart beside it. ``ok``: a restart with every rank warm took at most 3 s, one with none no
+longer than the torchrun restart beside it.
 
     python bench/recovery.py [--trials 5] [--case-trials 3] [--parts recovery,cases] [--json]
 """
@@ -326,16 +328,6 @@ async def trainguard_case(
     return row
 
 
-async def trainguard_cases(state_dir: Path, trials: int, warm: bool, log: Any) -> dict[str, Any]:
-    tg = await connect(state_dir)
-    rows: dict[str, list[dict[str, Any]]] = {c: [] for c in CASES}
-    for n in range(trials):
-        for case in CASES:
-            rows[case].append(row := await trainguard_case(tg, state_dir, case, n, warm))
-            log(f"{'trainguard' if warm else 'trainguard, no warm processes'} {case}: {row}")
-    return rows
-
-
 def torchrun_case(case: str) -> dict[str, Any]:
     """The same case under torchrun: the job (and for next-job the one before it) at normal priority."""
     work = Path(tempfile.mkdtemp(prefix="tg-bench-recovery-torchrun-"))
@@ -352,36 +344,63 @@ def torchrun_case(case: str) -> dict[str, Any]:
     }
 
 
-def _median(rows: list[dict[str, Any]]) -> float | None:
-    vals = [r["restart_s"] for r in rows if r["restart_s"] is not None]
+async def cases(state_dir: Path, trials: int, warm: bool, log: Any) -> dict[str, list[dict[str, Any]]]:
+    """Every case ``trials`` times on this stack, each run beside torchrun's run of the same case
+    (the order alternating), so that both meet the same load on a shared machine."""
+    tg = await connect(state_dir)
+    which = "trainguard" if warm else "trainguard without warm processes"
+    rows: dict[str, list[dict[str, Any]]] = {c: [] for c in CASES}
+    for n in range(trials):
+        for case in CASES:
+            pair: dict[str, Any] = {}
+            for system in ("trainguard", "torchrun")[:: 1 if n % 2 == 0 else -1]:
+                if system == "torchrun":
+                    pair["torchrun"] = await asyncio.to_thread(torchrun_case, case)
+                else:
+                    pair["trainguard"] = await trainguard_case(tg, state_dir, case, n, warm)
+            rows[case].append(pair)
+            log(f"{which} {case}: {pair['trainguard']}; torchrun: {pair['torchrun']}")
+    return rows
+
+
+def _median(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
     return round(statistics.median(vals), 2) if vals else None
 
 
-def _restart(row: dict[str, Any]) -> tuple[float | None, int, int]:
-    return row["restart_s"], row["warm_ranks"], row["importing_ranks"]
+def _restart(pair: dict[str, Any]) -> tuple[float | None, int, int, float | None]:
+    tg = pair["trainguard"]
+    return tg["restart_s"], tg["warm_ranks"], tg["importing_ranks"], pair["torchrun"]["restart_s"]
 
 
-def summarize_cases(systems: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
-    """Per case: each system's restarts and median; whether every trainguard restart met its goal
-    (all ranks warm: <= WARM_RESTART_S; none warm: <= torchrun's median in the same run)."""
+def _met(pair: dict[str, Any]) -> bool | None:
+    """A restart's goal: every rank warm, at most WARM_RESTART_S; none warm, no slower than the
+    torchrun run beside it; None for a restart with some ranks warm (no goal of its own)."""
+    tg, torchrun = pair["trainguard"], pair["torchrun"]["restart_s"]
+    if tg["restart_s"] is None:
+        return False
+    if tg["warm_ranks"] == NNODES * NPROC:
+        return bool(tg["restart_s"] <= WARM_RESTART_S)
+    if tg["warm_ranks"] + tg["importing_ranks"] == 0:
+        return torchrun is not None and tg["restart_s"] <= torchrun
+    return None
+
+
+def summarize_cases(
+    warm: dict[str, list[dict[str, Any]]], cold: dict[str, list[dict[str, Any]]]
+) -> dict[str, Any]:
+    """Per case: each system's restarts and medians, and whether every trainguard restart met its
+    goal (``_met``)."""
     out: dict[str, Any] = {}
     for case in CASES:
-        torchrun = _median(systems["torchrun"][case])
-        warm, cold = systems["trainguard"][case], systems["trainguard_no_warm"][case]
-        verdicts = []
-        for r in warm + cold:
-            if r["restart_s"] is None:
-                verdicts.append(False)
-            elif r["warm_ranks"] == NNODES * NPROC:
-                verdicts.append(r["restart_s"] <= WARM_RESTART_S)
-            elif r["warm_ranks"] + r["importing_ranks"] == 0 and torchrun is not None:
-                verdicts.append(r["restart_s"] <= torchrun)
+        pairs = warm[case] + cold[case]
+        verdicts = [v for v in map(_met, pairs) if v is not None]
         out[case] = {
-            "torchrun_s": torchrun,
-            "trainguard_s": _median(warm),
-            "trainguard_restarts": [_restart(r) for r in warm],
-            "trainguard_no_warm_s": _median(cold),
-            "trainguard_no_warm_restarts": [_restart(r) for r in cold],
+            "torchrun_s": _median([p["torchrun"]["restart_s"] for p in pairs]),
+            "trainguard_s": _median([p["trainguard"]["restart_s"] for p in warm[case]]),
+            "trainguard_restarts": [_restart(p) for p in warm[case]],
+            "trainguard_no_warm_s": _median([p["trainguard"]["restart_s"] for p in cold[case]]),
+            "trainguard_no_warm_restarts": [_restart(p) for p in cold[case]],
             "ok": bool(verdicts) and all(verdicts),
         }
     return out
@@ -394,7 +413,7 @@ def measure(trials: int, case_trials: int, parts: list[str]) -> dict[str, Any]:
         async def run(d: Path, log: Any) -> dict[str, Any]:
             res = await recovery(d, trials, log) if "recovery" in parts else {}
             if "cases" in parts:
-                res["cases"] = await trainguard_cases(d, case_trials, warm, log)
+                res["cases"] = await cases(d, case_trials, warm, log)
             return res
 
         return run
@@ -402,19 +421,10 @@ def measure(trials: int, case_trials: int, parts: list[str]) -> dict[str, Any]:
     warm = run_bench(
         "tg-bench-recovery-", NODES, side(run_warm, True), warm_ranks=WARM_RANKS, rank_nice=RANK_NICE
     )
-    tr_cases: dict[str, list[dict[str, Any]]] = {c: [] for c in CASES}
-    if "cases" in parts:
-        # Nothing of trainguard runs meanwhile: between the stacks.
-        for _ in range(case_trials):
-            for case in CASES:
-                tr_cases[case].append(row := torchrun_case(case))
-                print(f"torchrun {case}: {row}", file=sys.stderr, flush=True)
     cold = run_bench("tg-bench-recovery-cold-", NODES, side(run_cold, False), rank_nice=RANK_NICE)
     out["wall_s"] = round(warm.pop("wall_s") + cold.pop("wall_s"), 1)
     if "cases" in parts:
-        out["cases"] = summarize_cases(
-            {"trainguard": warm.pop("cases"), "trainguard_no_warm": cold.pop("cases"), "torchrun": tr_cases}
-        )
+        out["cases"] = summarize_cases(warm.pop("cases"), cold.pop("cases"))
         out["case_trials"] = case_trials
     if "recovery" in parts:
         lost = warm.pop("lost_steps") + cold.pop("lost_steps")

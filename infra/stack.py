@@ -76,8 +76,9 @@ class StackConfig(BaseModel):
     namespace: str = "default"
     bucket: str = Field(default="trainguard", pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
     headless: bool = False
-    # Rank processes each agent keeps started (torch imported) for fast restarts.
-    warm_ranks: int = Field(default=2, ge=0, le=64)
+    # Rank processes each agent keeps started (torch imported) for fast restarts: two starts of
+    # the example's 2 ranks per machine (a job's start takes one, a crash soon after the other).
+    warm_ranks: int = Field(default=4, ge=0, le=64)
     # The ranks' niceness: 0, the priority the user's own torchrun would give them (against
     # other work on the host, trainguard's ranks must not lose what a plain run would get).
     rank_nice: int = Field(default=0, ge=0, le=19)

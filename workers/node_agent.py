@@ -246,8 +246,8 @@ def parser() -> argparse.ArgumentParser:
         default=AUTO,
         metavar="auto|N",
         help="rank processes kept started (torch imported, at idle CPU priority) for fast restarts; "
-        "auto (default): one per GPU (2 without GPUs, more when a job runs more ranks here), "
-        "within --warm-memory; 0: none",
+        "auto (default): two starts of a rank per GPU (of 2 ranks without GPUs; more when a job runs "
+        "more ranks here), within --warm-memory; 0: none",
     )
     p.add_argument(
         "--warm-memory",

@@ -24,7 +24,7 @@ code_dir=${TRAINGUARD_CODE_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
 host=${TRAINGUARD_AGENT_HOST:-$(hostname -I | awk '{print $1}')}
 
 # exec: the agent gets Slurm's signals itself (SIGTERM drains, or leaves the pool when idle).
-# Warm rank processes (torch imported, at idle CPU priority, for restarts in about a second): one
+# Warm rank processes (torch imported, at idle CPU priority, for restarts in about a second): two
 # per GPU within 10% of the step's memory (its cgroup's limit); extra arguments override it.
 exec "$python" -m workers.node_agent \
     --name "$SLURMD_NODENAME" \

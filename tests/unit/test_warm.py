@@ -18,8 +18,9 @@ from activities.session import RankSession, Sessions
 from activities.session.session import STARTING_AT_MOST_S
 from activities.warm_pool import (
     AUTO,
-    CPU_MACHINE_WARM,
+    CPU_MACHINE_RANKS,
     FIRST_ESTIMATE_BYTES,
+    STARTS,
     Memory,
     WarmPool,
     WarmProc,
@@ -233,7 +234,7 @@ class _Alive:
 def test_the_pool_is_sized_by_its_memory_budget() -> None:
     big = Memory(total=1024 * GIB, available=900 * GIB)
     laptop = Memory(total=16 * GIB, available=10 * GIB)
-    assert warm_target(8, big, FIRST_ESTIMATE_BYTES) == 8  # one per GPU
+    assert warm_target(8, big, FIRST_ESTIMATE_BYTES) == 8  # all it wants
     assert warm_target(8, laptop, FIRST_ESTIMATE_BYTES) == 1  # 10% of 16 GiB
     assert warm_target(8, laptop, 400 << 20) == 4  # once one was measured
     assert warm_target(2, laptop, 400 << 20, fraction=0.0) == 0
@@ -243,15 +244,17 @@ def test_the_pool_is_sized_by_its_memory_budget() -> None:
     assert not room_for_one(Memory(total=16 * GIB, available=4 * GIB), held=0, per_process=GIB)
 
 
-def test_an_automatic_pool_keeps_one_per_gpu_and_grows_to_the_ranks_a_job_runs(tmp_path: Path) -> None:
+def test_an_automatic_pool_keeps_two_starts_of_the_machines_ranks(tmp_path: Path) -> None:
     def memory() -> Memory:
         return Memory(total=1024 * GIB, available=900 * GIB)
 
-    assert WarmPool(AUTO, tmp_path, lambda: None, gpus=8, memory=memory).target() == 8
+    # A start takes one set; a crash soon after it (or the next job) takes the other.
+    assert STARTS == 2
+    assert WarmPool(AUTO, tmp_path, lambda: None, gpus=8, memory=memory).target() == 16  # a rank per GPU
     cpu = WarmPool(AUTO, tmp_path, lambda: None, memory=memory)
-    assert cpu.target() == CPU_MACHINE_WARM
-    cpu.note_ranks(4)
-    assert cpu.target() == 4
+    assert cpu.target() == 2 * CPU_MACHINE_RANKS
+    cpu.note_ranks(4)  # a job runs 4 ranks here
+    assert cpu.target() == 8
     fixed = WarmPool(1, tmp_path, lambda: None, memory=memory)
     fixed.note_ranks(4)  # an operator's number stays
     assert fixed.target() == 1
