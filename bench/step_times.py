@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 OUT_ENV = "BENCH_STEP_TIMES"
 ended: list[float] = []
@@ -40,7 +40,7 @@ def main() -> None:
     if len(sys.argv) < 2:
         print("usage: step_times.py SCRIPT [ARGS...]", file=sys.stderr)
         sys.exit(2)
-    torch.optim.optimizer.register_optimizer_step_post_hook(_after_step)
+    register_optimizer_step_post_hook(_after_step)
     atexit.register(_dump)
     script = Path(sys.argv[1])
     sys.argv = [str(script), *sys.argv[2:]]
