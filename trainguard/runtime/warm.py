@@ -131,9 +131,9 @@ def preload(modules: list[str], ready_fd: int | None) -> None:
         t0 = time.monotonic()
         for mod in modules:
             importlib.import_module(mod)
+        log(f"{PRELOADED} in {time.monotonic() - t0:.1f} s" + (" at idle priority" if idle else ""))
         if ready_fd is not None:
             os.write(ready_fd, READY_LINE)
-        log(f"{PRELOADED} in {time.monotonic() - t0:.1f} s" + (" at idle priority" if idle else ""))
     except BaseException:
         traceback.print_exc()
         os._exit(1)
