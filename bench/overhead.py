@@ -196,6 +196,8 @@ async def run_trainguard(state_dir: Path, spec: JobSpec, pool_wait_s: float) -> 
         "ends": step_ends(read_tsv(trails, cols=(1, 2))),
         "load": [load, _load()],
         "warm_ready_at_submit": full,
+        # What `trainguard nodes` says each machine keeps.
+        "nodes_warm_ranks": {name: n.info.warm_ranks for name, n in (await tg.nodes()).nodes.items()},
         "status": {
             k: status.get(k)
             for k in ("ettr", "badput_s", "first_minute", "steady", "protection", "warm", "step_time_s")
