@@ -48,10 +48,10 @@ CPU_MACHINE_RANKS = 2  # a machine without GPUs: the example's ranks per machine
 # another one starts (page cache aside: MemAvailable).
 MEMORY_FRACTION = 0.1
 MIN_AVAILABLE_FRACTION = 0.2
-# A warm process's size before one was measured: torch, torch._dynamo and the runtime imported
-# take 0.35 GiB resident on the CPU build here; CUDA builds map more. Replaced by the largest
-# measured once one is preloaded.
-FIRST_ESTIMATE_BYTES = 1 << 30
+# A warm process's size before one was measured (what the agent registers its target with): torch,
+# torch._dynamo and the runtime imported take 0.35 GiB resident on the CPU build here; CUDA builds
+# map more. Replaced by the largest measured once one is preloaded.
+FIRST_ESTIMATE_BYTES = 512 << 20
 # How often a held-back refill looks again whether ranks are still starting.
 HOLD_POLL_S = 0.5
 

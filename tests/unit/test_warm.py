@@ -235,8 +235,8 @@ def test_the_pool_is_sized_by_its_memory_budget() -> None:
     big = Memory(total=1024 * GIB, available=900 * GIB)
     laptop = Memory(total=16 * GIB, available=10 * GIB)
     assert warm_target(8, big, FIRST_ESTIMATE_BYTES) == 8  # all it wants
-    assert warm_target(8, laptop, FIRST_ESTIMATE_BYTES) == 1  # 10% of 16 GiB
-    assert warm_target(8, laptop, 400 << 20) == 4  # once one was measured
+    assert warm_target(8, laptop, GIB) == 1  # 10% of 16 GiB
+    assert warm_target(8, laptop, 400 << 20) == 4
     assert warm_target(2, laptop, 400 << 20, fraction=0.0) == 0
     # One more only within the budget and with a fifth of the machine still free after it.
     assert room_for_one(laptop, held=0, per_process=GIB)
