@@ -14,22 +14,12 @@ import argparse
 import os
 import random
 
+import gpt_model as gpt
 import torch
 import torch.distributed as dist
-from gpt_model import (
-    LR,
-    SEED,
-    Config,
-    Pipe,
-    build_stage,
-    forward_backward,
-    get_batch,
-    load_corpus,
-    sync_and_clip,
-)
 
 
-def groups(rank: int, world: int, pp: int) -> tuple[Pipe, dist.ProcessGroup | None, dist.ProcessGroup | None]:
+def groups(rank: int, world: int, pp: int) -> tuple[gpt.Pipe, gpt.Group, gpt.Group]:
     """This rank's pipeline place and its dp and pp groups (None: the rank alone). Rank r is stage
     r % pp of replica r // pp; every rank makes every group, in the same order."""
     dp = world // pp
@@ -45,7 +35,7 @@ def groups(rank: int, world: int, pp: int) -> tuple[Pipe, dist.ProcessGroup | No
             pp_group = g
     prev = rank - 1 if stage > 0 else None
     nxt = rank + 1 if stage < pp - 1 else None
-    return Pipe(stage=stage, n_stages=pp, prev=prev, next=nxt), dp_group, pp_group
+    return gpt.Pipe(stage=stage, n_stages=pp, prev=prev, next=nxt), dp_group, pp_group
 
 
 def main() -> None:
@@ -59,18 +49,18 @@ def main() -> None:
         raise SystemExit(f"TG_PP={pp} does not divide the {world} ranks")
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    random.seed(SEED)
-    torch.manual_seed(SEED)
+    random.seed(gpt.SEED)
+    torch.manual_seed(gpt.SEED)
 
-    cfg = Config.from_env()
+    cfg = gpt.Config.from_env()
     pipe, dp_group, pp_group = groups(rank, world, pp)
-    corpus = load_corpus()
-    model = build_stage(cfg, pipe)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.01)
+    corpus = gpt.load_corpus()
+    model = gpt.build_stage(cfg, pipe)
+    opt = torch.optim.AdamW(model.parameters(), lr=gpt.LR, betas=(0.9, 0.95), weight_decay=0.01)
     for step in range(1, a.steps + 1):
-        inputs, targets = get_batch(corpus, step, rank // pp, cfg)
-        local_loss = forward_backward(model, pipe, cfg, inputs, targets)
-        loss, _ = sync_and_clip(model, local_loss, dp_group, pp_group, world // pp)
+        inputs, targets = gpt.get_batch(corpus, step, rank // pp, cfg)
+        local_loss = gpt.forward_backward(model, pipe, cfg, inputs, targets)
+        loss, _ = gpt.sync_and_clip(model, local_loss, dp_group, pp_group, world // pp)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if rank == 0 and step % 100 == 0:
