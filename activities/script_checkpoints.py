@@ -31,9 +31,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from trainguard.domain import checkpoints
 from trainguard.domain import script_checkpoints as sc
 from trainguard.domain.script_checkpoints import DCP_METADATA, ScriptFile, ScriptManifest
+from trainguard.services.checkpoint_store import newest_attempt
 from trainguard.services.storage import S3Store
 
 log = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ class ScriptCheckpoints:
         key = sc.manifest_key(self.sprefix, m.name, m.order)
         # Fenced like the runtime's shards: a machine of an older attempt (cut off, not yet
         # fenced) never completes a save once the job has moved on.
-        newest = checkpoints.newest_attempt(self.store, self.jprefix)
+        newest = newest_attempt(self.store, self.jprefix)
         if newest > self.attempt:
             log.warning(
                 "script checkpoint %s of attempt %d not stored: job on %d", m.name, self.attempt, newest

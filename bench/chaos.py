@@ -92,6 +92,7 @@ from trainguard.contract import calls  # noqa: E402
 from trainguard.domain import checkpoints  # noqa: E402
 from trainguard.domain.job_state import TERMINAL  # noqa: E402
 from trainguard.domain.spec import JobSpec  # noqa: E402
+from trainguard.services import checkpoint_store  # noqa: E402
 from trainguard.services.storage import S3Store  # noqa: E402
 from workflows.job.workflow import TrainingJobWorkflow  # noqa: E402
 
@@ -581,7 +582,7 @@ def mixed_checkpoints(tg: TrainguardClient, spec: JobSpec, job_id: str) -> int:
     """Committed checkpoints of ``job_id`` in S3 whose shards come from more than one attempt."""
     store = S3Store(tg.settings)
     jprefix = checkpoints.job_prefix(spec.checkpoint.s3_prefix, job_id)
-    return sum(not checkpoints.single_attempt(m) for m in checkpoints.manifests(store, jprefix))
+    return sum(not checkpoints.single_attempt(m) for m in checkpoint_store.manifests(store, jprefix))
 
 
 def plan_trials(trials: int, kinds: list[str], seed: int, per_trial: int = 2) -> list[list[ChaosFault]]:

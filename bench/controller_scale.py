@@ -14,11 +14,12 @@ for ``--minutes``, stops them, and reads what happened from Temporal itself:
 - history events per job-day and the longest single run (continue-as-new keeps
   each run under the job's ``max_history_events``).
 
-The jobs run with a production reporting profile (``trainguard.domain.report_interval``: the
-first machine reports every ``--progress-interval-s``, the others every
-``--peer-report-interval-s``; search attributes change at most every
-``--search-attribute-interval-s``): a local drill's 5 s reports from every machine
-would cost a 1,000-machine job 200 signals a second.
+The jobs run at the product's defaults (``trainguard.domain.report_interval``: the first
+machine reports every ``--progress-interval-s``, 5 s; the others routinely every 5 s, and a
+large job's machines so that the job sends about two routine reports a second whatever its size;
+search attributes change at most every ``--search-attribute-interval-s``, 30 s; S3 persists every
+``--persist-every-s``, 30 s). A job of more than 200 machines runs through machine groups
+(``workflows.job.group``): its cost and limits are read from every workflow of its tree.
 
     python bench/controller_scale.py [--machines 500 --jobs 50 --nodes-per-job 8 --minutes 15] [--json]
 """
@@ -43,8 +44,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from temporalio.api.enums.v1 import EventType  # noqa: E402
-from temporalio.client import Client  # noqa: E402
 
+from bench import history_metrics  # noqa: E402
 from bench.controller_scale_sim import machine_name  # noqa: E402
 from infra.local import bring_down, process_env  # noqa: E402
 from infra.private_stack import connect, log  # noqa: E402
@@ -108,16 +109,6 @@ async def wait_for(what: str, check: Callable[[], Any], timeout_s: float) -> Non
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         await asyncio.sleep(POLL_S)
-
-
-async def job_histories(client: Client, job_id: str) -> list[list[Any]]:
-    """Every run's events of ``job_id`` (continue-as-new makes several runs), oldest first."""
-    runs = [wf async for wf in client.list_workflows(f"WorkflowId = '{job_id}'")]
-    out = []
-    for wf in sorted(runs, key=lambda w: w.start_time):
-        history = await client.get_workflow_handle(job_id, run_id=wf.run_id).fetch_history()
-        out.append(list(history.events))
-    return out
 
 
 def timeline(runs: list[list[Any]], start: datetime, end: datetime, limit: int = 40) -> list[str]:
@@ -271,6 +262,7 @@ async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
             spec,
             search_attribute_interval_s=args.search_attribute_interval_s,
             max_history_events=args.max_history_events,
+            **({"group_size": args.group_size} if args.group_size else {}),
         )
     started = time.monotonic()
     log(f"{args.jobs} jobs submitted; training for {args.minutes:g} min")
@@ -308,6 +300,9 @@ async def collect(
     per_job = []
     not_stopped: list[str] = []
     incidents = evictions = 0
+    most_pending = workflows_per_job = 0
+    longest_task = 0.0
+    fanouts: list[float] = []
     for job in jobs:
         status = await client.job(job).status()
         if status.get("phase") != "stopped":  # every job runs until the bench stops it
@@ -320,14 +315,21 @@ async def collect(
                 latency = (decided - datetime.fromisoformat(inc["detected_at"])).total_seconds()
                 latencies.append(latency)
                 slowest.append((latency, f"{job} {inc['id']} {inc['kind']} -> {inc['action']}"))
-        runs = await job_histories(client.temporal, job)
+        histories = await history_metrics.tree(client.temporal, job)
+        runs = histories[job]
+        # The job's whole tree (its machine groups, fan-outs) counts toward its cost and limits.
+        everything = [run for wf_runs in histories.values() for run in wf_runs]
+        most_pending = max(most_pending, *(history_metrics.most_pending_activities(r) for r in everything))
+        longest_task = max(longest_task, *(history_metrics.longest_workflow_task_s(r) for r in everything))
+        fanouts += history_metrics.restart_fanout_s(status, history_metrics.ranks_started(histories))
+        workflows_per_job = max(workflows_per_job, len(histories))
         for inc in status.get("incidents", []):
             if inc.get("decided_at"):
                 detected, decided = (datetime.fromisoformat(inc[k]) for k in ("detected_at", "decided_at"))
                 if (latency := (decided - detected).total_seconds()) > slowest_timeline[0]:
                     head = f"{job} {inc['id']}: detected by the machine at +0.000, decided at +{latency:.3f}"
                     slowest_timeline = (latency, [head, *timeline(runs, detected, decided)])
-        per_job.append(analyse_job(runs, status, settle_s, stopped_at))
+        per_job.append({**analyse_job(everything, status, settle_s, stopped_at), "runs": len(runs)})
     job_hours = sum(j["span_s"] for j in per_job) / 3600
     steady_hours = sum(j["steady_s"] for j in per_job) / 3600
     events = sum(j["events"] for j in per_job)
@@ -349,6 +351,11 @@ async def collect(
         "actions_per_job_hour_with_failures": _round(sum(j["actions"] for j in per_job) / job_hours, 1),
         "history_events_per_job_day": round(events / job_hours * 24),
         "max_history_events": max(j["longest_run"] for j in per_job),
+        "max_pending_activities": most_pending,
+        "max_workflow_task_s": _round(longest_task),
+        "restart_fanout_p50_s": _round(statistics.median(fanouts) if fanouts else None),
+        "restart_fanout_p99_s": _round(percentile(fanouts, 0.99)),
+        "workflows_per_job": workflows_per_job,
         "continued_as_new": sum(j["runs"] - 1 for j in per_job),
         "jobs_not_stopped": not_stopped,
         "profile": {
@@ -376,13 +383,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=15.0, help="training time after the jobs started")
     p.add_argument("--mtbf-s", type=float, default=900.0, help="mean seconds between one job's incidents")
     p.add_argument("--step-time-s", type=float, default=2.0)
-    p.add_argument("--persist-every-s", type=float, default=900.0, help="S3 checkpoint interval")
-    p.add_argument("--progress-interval-s", type=float, default=120.0, help="the job's first machine")
-    p.add_argument("--peer-report-interval-s", type=float, default=600.0, help="the other machines")
-    p.add_argument("--search-attribute-interval-s", type=float, default=300.0)
+    # The product's defaults (CheckpointSpec.persist_every_s, DetectionSpec, JobInput).
+    p.add_argument("--persist-every-s", type=float, default=30.0, help="S3 checkpoint interval")
+    p.add_argument("--progress-interval-s", type=float, default=5.0, help="the job's first machine")
+    p.add_argument(
+        "--peer-report-interval-s", type=float, default=None, help="the other machines (unset: the product's)"
+    )
+    p.add_argument("--search-attribute-interval-s", type=float, default=30.0)
     p.add_argument("--standby-per-job", type=int, default=1)
     p.add_argument(
         "--max-history-events", type=int, default=5000, help="a job continues as new past this many events"
+    )
+    p.add_argument(
+        "--group-size", type=int, default=0, help="machines per group of a large job (0: the product's)"
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -404,7 +417,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "progress_interval_s",
         "peer_report_interval_s",
     ):
-        if getattr(args, name) <= 0:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             problems.append(f"--{name.replace('_', '-')}: must be positive")
     if problems:
         print(f"error: {problems[0]}", file=sys.stderr)

@@ -32,6 +32,7 @@ from datetime import UTC, datetime, timedelta
 
 from temporalio import activity
 from temporalio.client import Client
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 from temporalio.worker import Worker
 
@@ -42,9 +43,11 @@ from trainguard.domain.job_state import IncidentTelemetryInput
 from trainguard.domain.messages import (
     CONTROLLER_QUEUE,
     CheckpointRef,
+    CheckpointShardsInput,
     CheckResult,
     ClearFaultsInput,
     CommitCheckpointInput,
+    CommitCheckpointPartInput,
     DiagnosticInput,
     Endpoint,
     IncidentReport,
@@ -54,6 +57,7 @@ from trainguard.domain.messages import (
     LocalizeStacksInput,
     NodeInfo,
     PairTestInput,
+    PartRef,
     PortInput,
     ProgressReport,
     RunRanksInput,
@@ -70,8 +74,7 @@ from trainguard.services import pool_client
 from trainguard.services.settings import Settings
 from trainguard.services.temporal import connect
 from workers.common import run_until_signalled, setup_logging
-from workflows.job.workflow import TrainingJobWorkflow
-from workflows.node_pool import NodePoolWorkflow
+from workflows.registry import WORKFLOWS
 
 log = logging.getLogger("controller_scale")
 
@@ -155,7 +158,8 @@ class Session:
                 self.end(self._failure())
                 return
             # When to report: the agent's own rule (the first step is news for every machine).
-            if now - last_sent >= report_interval(spec.detection, inp.node_index, news=not first_sent):
+            due = report_interval(spec.detection, inp.node_index, news=not first_sent, nodes=spec.nodes)
+            if now - last_sent >= due:
                 first_sent = await self._report() or first_sent
                 last_sent = time.monotonic()
             await asyncio.sleep(max(0.0, min(fast, fail_at - time.monotonic())))
@@ -374,6 +378,10 @@ class SimController:
 
     def __init__(self) -> None:
         self.committed: dict[str, list[CheckpointRef]] = {}
+        # Every shard of each committed checkpoint, by its uri (a parts one's ref lists none).
+        self.shards: dict[str, list[ShardInfo]] = {}
+        # Parts not committed yet, per job: key -> (step, shards).
+        self.parts: dict[str, dict[str, tuple[int, list[ShardInfo]]]] = {}
 
     def activities(self, client: Client) -> list[object]:
         pool = PoolActivities(client)
@@ -383,6 +391,8 @@ class SimController:
             pool.evict_nodes,
             self.latest_checkpoint,
             self.commit_checkpoint,
+            self.commit_checkpoint_part,
+            self.checkpoint_shards,
             self.localize_stacks,
             self.record_incident,
             NotifyActivities({}).notify,  # no webhook in a simulation
@@ -397,10 +407,35 @@ class SimController:
 
     @activity.defn(name=calls.commit_checkpoint.name)
     async def commit_checkpoint(self, inp: CommitCheckpointInput) -> CheckpointRef:
-        ref = CheckpointRef(step=inp.step, uri=f"sim://{inp.job_id}/{inp.step}", shards=inp.shards)
+        uri = f"sim://{inp.job_id}/{inp.step}"
+        pending = self.parts.get(inp.job_id, {})
+        shards = inp.shards or [s for p in inp.parts for s in pending.get(p.key, (0, []))[1]]
+        ref = CheckpointRef(step=inp.step, uri=uri, shards=inp.shards, parts=len(inp.parts))
         kept = [r for r in self.committed.get(inp.job_id, []) if r.step < inp.step][-(inp.keep - 1) :]
         self.committed[inp.job_id] = [*kept, ref] if inp.keep > 1 else [ref]
+        # What a store would prune: checkpoints no longer kept, parts of older steps (this
+        # step's stay: a retried commit finds them).
+        kept_uris = {r.uri for r in kept}
+        for r in [r for r in self.shards if r.startswith(f"sim://{inp.job_id}/") and r not in kept_uris]:
+            del self.shards[r]
+        self.shards[uri] = shards
+        self.parts[inp.job_id] = {k: v for k, v in pending.items() if v[0] >= inp.step}
         return ref
+
+    @activity.defn(name=calls.commit_checkpoint_part.name)
+    async def commit_checkpoint_part(self, inp: CommitCheckpointPartInput) -> PartRef:
+        key = f"sim://{inp.job_id}/{inp.step}/attempt-{inp.attempt}/part-{inp.group}"
+        self.parts.setdefault(inp.job_id, {})[key] = (inp.step, inp.shards)
+        return PartRef(group=inp.group, step=inp.step, key=key, first_rank=inp.first_rank, ranks=inp.ranks)
+
+    @activity.defn(name=calls.checkpoint_shards.name)
+    async def checkpoint_shards(self, inp: CheckpointShardsInput) -> list[ShardInfo]:
+        if inp.uri not in self.shards:
+            raise ApplicationError(
+                f"{inp.uri}: not a kept checkpoint", type="IncompleteCheckpoint", non_retryable=True
+            )
+        ranks = range(inp.first_rank, inp.first_rank + inp.ranks)
+        return sorted((s for s in self.shards[inp.uri] if s.rank in ranks), key=lambda s: s.rank)
 
     @activity.defn(name=calls.localize_stacks.name)
     async def localize_stacks(self, inp: LocalizeStacksInput) -> StackFinding:
@@ -416,7 +451,7 @@ async def run_controller() -> None:
     worker = Worker(
         client,
         task_queue=CONTROLLER_QUEUE,
-        workflows=[TrainingJobWorkflow, NodePoolWorkflow],
+        workflows=list(WORKFLOWS),
         activities=SimController().activities(client),
         identity="sim-controller",
         graceful_shutdown_timeout=timedelta(seconds=1),

@@ -433,8 +433,7 @@ def train_worker(args: argparse.Namespace) -> None:
             ctx.wait_snapshot()
             drain_s = time.perf_counter() - t3
             ctx._fence_hook.remove()
-            if ctx._report is not None:
-                ctx._report.close()
+            ctx._reporter.close()
             shard = max((f.stat().st_size for f in Path(d).rglob("*.pt")), default=0)
             records = (
                 [protocol.decode(line) for line in reports.read_text().splitlines()]

@@ -61,9 +61,10 @@ from bench.step_times import OUT_ENV  # noqa: E402
 from infra.private_stack import choose, connect, run_bench  # noqa: E402
 from infra.processes import stop_pid  # noqa: E402
 from infra.stack import Stack, StackConfig  # noqa: E402
-from trainguard.domain.spec import JobSpec, env_problem, load_spec, shown  # noqa: E402
+from trainguard.domain.spec import JobSpec, env_problem, shown  # noqa: E402
 from trainguard.face.cli import exit_now  # noqa: E402
 from trainguard.runtime.env import inheritable_environ  # noqa: E402
+from trainguard.services.spec_file import load_spec  # noqa: E402
 
 SCRIPT = "examples/gpt/train.py"
 PLAIN = "examples/gpt/train_plain.py"

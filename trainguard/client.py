@@ -47,10 +47,10 @@ from trainguard.domain.messages import (
     PoolState,
 )
 from trainguard.domain.spec import NAME_RE, JobSpec, SpecError, first_validation_error, shown
-from trainguard.domain.spec import load_spec as load_spec
 from trainguard.domain.spec import parse_spec as parse_spec
 from trainguard.services import pool_client, telemetry
 from trainguard.services.settings import Settings
+from trainguard.services.spec_file import load_spec as load_spec
 from trainguard.services.temporal import connect
 
 T = TypeVar("T")

@@ -27,8 +27,7 @@ from trainguard.services.storage import S3Store
 from trainguard.services.temporal import connect
 from workers.common import add_metrics_port, run_until_signalled, setup_logging, start_metrics
 from workers.memory_trace import trace_memory_if_asked
-from workflows.job.workflow import TrainingJobWorkflow
-from workflows.node_pool import NodePoolWorkflow
+from workflows.registry import WORKFLOWS
 
 
 async def main(identity: str | None = None, metrics_port: int | None = None) -> None:
@@ -50,13 +49,15 @@ async def main(identity: str | None = None, metrics_port: int | None = None) -> 
     worker = Worker(
         client,
         task_queue=CONTROLLER_QUEUE,
-        workflows=[TrainingJobWorkflow, NodePoolWorkflow],
+        workflows=list(WORKFLOWS),
         activities=[
             pool.reserve_nodes,
             pool.release_nodes,
             pool.evict_nodes,
             ckpt.latest_checkpoint,
             ckpt.commit_checkpoint,
+            ckpt.commit_checkpoint_part,
+            ckpt.checkpoint_shards,
             stacks.localize_stacks,
             tele.record_incident,
             NotifyActivities().notify,

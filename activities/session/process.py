@@ -25,6 +25,7 @@ from activities.drills import DrillState
 from activities.session.state import SessionState
 from activities.warm_pool import WarmPool
 from trainguard.domain.messages import RankExit
+from trainguard.domain.report_interval import replica_every
 from trainguard.runtime.env import RankEnv, inheritable_environ
 from trainguard.runtime.launch import __file__ as LAUNCHER
 from trainguard.runtime.warm import HARMLESS_FLAGS, activatable, env_activatable
@@ -193,7 +194,7 @@ class RankProcesses:
             code_version=spec.code_version,
             report_fd=report_fd,
             fault_file=str(self.drills.path),
-            hash_every=spec.detection.replica_check_every,
+            hash_every=replica_every(spec.detection.replica_check_every, spec.nodes),
             backup=spec.checkpoint.peer_backup and spec.nodes > 1 and not s.inp.dry_run,
             restore_peers=dict(s.inp.restore_peers),
             node_rank=s.inp.node_index,

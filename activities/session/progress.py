@@ -29,7 +29,7 @@ from activities.warm_pool import WarmPool
 from trainguard.contract import job
 from trainguard.domain.messages import ProgressReport
 from trainguard.domain.protection import CpuBeside
-from trainguard.domain.report_interval import report_interval
+from trainguard.domain.report_interval import report_interval, uploads_are_news
 from trainguard.runtime import protocol
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ class ProgressReporter:
             await changed.wait()
             # News goes at the fast rate from every machine; the rest waits for the machine's
             # routine interval (trainguard.domain.report_interval), re-checked at the fast rate.
-            due = report_interval(detection, self.s.inp.node_index, self.news())
+            due = report_interval(detection, self.s.inp.node_index, self.news(), self.s.spec.nodes)
             wait = due - (time.monotonic() - last_sent)
             if wait > 0:
                 await asyncio.sleep(min(wait, detection.progress_interval_s))
@@ -215,11 +215,12 @@ class ProgressReporter:
 
     def news(self) -> bool:
         """What the workflow acts on soon, whichever machine has it: the attempt's first step
-        (the job is back), uploaded shards (a checkpoint commits once every machine's are in), a
-        replica hash step not sent yet (the replicas are compared at the same step)."""
+        (the job is back), uploaded shards (a checkpoint commits once every machine's are in; a
+        job of groups' ride on routine reports: ``uploads_are_news``), a replica hash step not
+        sent yet (the replicas are compared at the same step)."""
         if self.first_step_at is not None and not self.first_step_sent:
             return True
-        if self.snapshots.unsent:
+        if self.snapshots.unsent and uploads_are_news(self.s.spec.nodes):
             return True
         complete = [st for st, h in self.hashes.items() if len(h) == len(self.s.inp.ranks)]
         return bool(complete) and max(complete) != self.hash_sent

@@ -16,6 +16,7 @@ import yaml
 from tests.integration.helpers import JOB_TIMEOUT_S, REPO, cli, example_spec, run_to_end, wait_until
 from trainguard.client import JobAlreadyRunning, TrainguardClient
 from trainguard.domain import checkpoints
+from trainguard.services import checkpoint_store
 from trainguard.services.settings import Settings
 from trainguard.services.storage import S3Store
 
@@ -40,7 +41,7 @@ async def test_job_completes_with_checkpoints_in_s3(reference: dict[str, Any], s
         for rank in range(4):
             assert checkpoints.shard_key(jprefix, step, rank, attempt=1) in keys
     assert checkpoints.manifest_key(jprefix, 60) not in keys
-    latest = checkpoints.latest(store, jprefix, 4)
+    latest = checkpoint_store.latest(store, jprefix, 4)
     assert latest is not None and latest.step == 80
 
 

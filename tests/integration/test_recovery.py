@@ -12,6 +12,7 @@ from infra.stack import SEAWEEDFS, Stack
 from tests.integration.helpers import evicted_after_restart_in_place, example_spec, run_to_end, wait_until
 from trainguard.client import TrainguardClient
 from trainguard.domain import checkpoints
+from trainguard.services import checkpoint_store
 from trainguard.services.storage import S3Store
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("healthy_pool")]
@@ -85,7 +86,7 @@ async def test_storage_outage_restores_only_complete_checkpoints(
     assert inc["restored_from"] == "s3" and final["resumed_from_step"] % 10 == 0
     store = S3Store(tg.settings)
     prefix = checkpoints.job_prefix(spec.checkpoint.s3_prefix, spec.name)
-    latest = checkpoints.latest(store, prefix, spec.world_size)
+    latest = checkpoint_store.latest(store, prefix, spec.world_size)
     assert latest is not None and latest.step == 80
 
 

@@ -9,8 +9,6 @@ this clone's git history (``git archive``), run from there with the same virtual
 
 from __future__ import annotations
 
-import json
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,34 +20,18 @@ from infra.local import bring_down, bring_up, node_names, restore_pool, start_ag
 from infra.stack import Stack, StackConfig, client_env
 from tests.conftest import NODES
 from tests.integration.helpers import REPO, example_spec, run_to_end
+from tests.previous_release import PREVIOUS, materialize
 from trainguard.client import TrainguardClient
 from trainguard.services.settings import Settings
 from trainguard.services.temporal import wire_data_converter
-from workflows.job.workflow import TrainingJobWorkflow
-from workflows.node_pool import NodePoolWorkflow
-
-PREVIOUS = json.loads((REPO / "tests" / "wire_fields.json").read_text())["release"]
-
-
-def _git(*args: str, **kw: Any) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, timeout=120, **kw)
+from workflows.registry import WORKFLOWS
 
 
 @pytest.fixture(scope="session")
 def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The previous release's code, from this clone's history. Missing is a failure, not a skip:
     CI must run this test. (Named first by the tests: it fails before the stack starts.)"""
-    found = _git("cat-file", "-e", f"{PREVIOUS}^{{commit}}")
-    if found.returncode != 0:
-        pytest.fail(
-            f"the previous release {PREVIOUS} (tests/wire_fields.json) is not in this clone of {REPO} "
-            f"({found.stderr.decode().strip() or 'no such commit'}): a shallow clone? run "
-            f"`git fetch --unshallow` (or `git fetch origin {PREVIOUS}`)"
-        )
-    out = tmp_path_factory.mktemp(f"release-{PREVIOUS}")
-    archive = _git("archive", PREVIOUS)
-    assert archive.returncode == 0, archive.stderr.decode()
-    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True, timeout=120)
+    out = materialize(tmp_path_factory.mktemp(f"release-{PREVIOUS}"))
     assert (out / "workers" / "node_agent.py").is_file(), f"{PREVIOUS} has no workers/node_agent.py"
     return out
 
@@ -129,7 +111,7 @@ async def test_the_previous_releases_controller_with_these_agents(
     assert final["result"]["param_hash"] == reference["result"]["param_hash"], (final["result"], PREVIOUS)
     # The histories the previous release's workflow code wrote (the job's, and the pool's so
     # far) replay on this checkout's.
-    replayer = Replayer(workflows=[TrainingJobWorkflow, NodePoolWorkflow], data_converter=wire_data_converter)
+    replayer = Replayer(workflows=list(WORKFLOWS), data_converter=wire_data_converter)
     for workflow_id in ("skew-old-controller", tg.settings.pool):
         history = await tg.temporal.get_workflow_handle(workflow_id).fetch_history()
         result = await replayer.replay_workflow(history, raise_on_replay_failure=False)

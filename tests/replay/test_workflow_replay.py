@@ -17,8 +17,7 @@ from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
 from trainguard.services.temporal import wire_data_converter
-from workflows.job.workflow import TrainingJobWorkflow
-from workflows.node_pool import NodePoolWorkflow
+from workflows.registry import WORKFLOWS
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json.gz"))
 
@@ -35,6 +34,6 @@ def test_histories_are_kept() -> None:
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.name.removesuffix(".json.gz") for p in HISTORIES])
 async def test_replays_without_nondeterminism(path: Path) -> None:
-    replayer = Replayer(workflows=[TrainingJobWorkflow, NodePoolWorkflow], data_converter=wire_data_converter)
+    replayer = Replayer(workflows=list(WORKFLOWS), data_converter=wire_data_converter)
     result = await replayer.replay_workflow(_load(path), raise_on_replay_failure=False)
     assert result.replay_failure is None, f"{path.name}: {result.replay_failure}"

@@ -23,10 +23,17 @@ import activities
 from trainguard import contract
 from trainguard.contract import calls
 from trainguard.contract.kinds import Query, Signal, Update
+from workflows.job.fanout import FanOutWorkflow
+from workflows.job.group import RanksGroupWorkflow
 from workflows.job.workflow import TrainingJobWorkflow
 from workflows.node_pool import NodePoolWorkflow
 
-SIDES = [(TrainingJobWorkflow, contract.job), (NodePoolWorkflow, contract.pool)]
+SIDES = [
+    (TrainingJobWorkflow, contract.job),
+    (NodePoolWorkflow, contract.pool),
+    (RanksGroupWorkflow, contract.group),
+    (FanOutWorkflow, contract.fanout),
+]
 
 
 def _registered() -> dict[str, Callable[..., Any]]:
@@ -72,7 +79,9 @@ def test_each_activity_takes_and_returns_the_contracts_types(act: calls.Activity
     assert _same(result, act.result), (act.name, result, act.result)
 
 
-@pytest.mark.parametrize("module", [calls, contract.job, contract.pool], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [calls, contract.job, contract.pool, contract.group, contract.fanout], ids=lambda m: m.__name__
+)
 def test_every_entry_of_a_contract_module_is_in_its_list(module: types.ModuleType) -> None:
     kinds = (calls.Activity, Signal, Update, Query)
     entries = [e for e in vars(module).values() if isinstance(e, kinds)]

@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from trainguard.domain.spec import SpecError, load_spec, parse_spec
+from trainguard.domain.spec import SpecError, parse_spec
 from trainguard.domain.topology import Topology
 from trainguard.face import cli
 from trainguard.runtime.env import RankEnv
 from trainguard.services.settings import Settings
+from trainguard.services.spec_file import load_spec
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from trainguard.contract import calls
 from trainguard.domain.analysis import pairing
 from trainguard.domain.messages import CheckResult, DiagnosticInput, NodeInfo
 from trainguard.domain.policy import Decision
-from workflows.job import diagnosis
+from workflows.job import diagnosis, fanout
 from workflows.job.diagnosis import Diagnosis
 
 NODES = [NodeInfo(name=n, task_queue=f"q-{n}") for n in ("node-1", "node-2")]
@@ -42,7 +42,7 @@ def run_checks(monkeypatch: pytest.MonkeyPatch, bad: set[str]) -> tuple[Decision
             pairing.PairResult(machines=p, ok=False, elapsed_s=0.5, evidence="parts differ") for p in pairs
         ]
 
-    monkeypatch.setattr(calls, "on_machines", on_machines)
+    monkeypatch.setattr(fanout, "on_machines", on_machines)
     monkeypatch.setattr(Diagnosis, "_pair_round", pair_round)
     monkeypatch.setattr(diagnosis.workflow, "patched", lambda _id: True)
     state = SimpleNamespace(nodes=NODES, spec=SimpleNamespace(detection=SimpleNamespace(slow_factor=3.0)))

@@ -101,6 +101,78 @@ def arrows() -> list[tuple[str, str, str]]:
     return found
 
 
+# The domain is pure (trainguard/domain/__init__.py): the workflows replay its decisions and the
+# simulator runs them in simulated time. No module of it imports what reaches outside the process
+# (files, network, processes, threads, the clock, randomness, logs) or calls what does; the
+# services layer does the I/O. pathlib's pure paths only.
+IMPURE_MODULES = {
+    *("os", "io", "sys", "socket", "ssl", "select", "subprocess", "shutil", "tempfile", "glob"),
+    *("fcntl", "mmap", "signalfd", "threading", "multiprocessing", "concurrent", "asyncio"),
+    *("time", "random", "secrets", "uuid", "logging", "sqlite3", "urllib", "http", "requests"),
+    *("httpx", "aiohttp", "boto3", "botocore", "s3transfer", "temporalio", "torch", "pynvml"),
+    *("psutil", "opentelemetry"),
+}
+IMPURE_CALLS = {
+    *("open", "print", "input", "now", "utcnow", "today", "time", "monotonic", "sleep"),
+    *("read_text", "read_bytes", "write_text", "write_bytes", "iterdir", "mkdir", "unlink", "stat"),
+}
+# A store handed in is I/O all the same: its methods (trainguard.services.storage.S3Store's).
+STORE_METHODS = {"list", "get_json", "put_json", "get_bytes", "get_file", "put_file", "head", "delete"}
+
+
+def impurities(path: Path) -> list[str]:
+    """``line: what`` for every import or call in ``path`` that does I/O, reads a clock or draws
+    a random number."""
+    out: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [
+                f"{node.lineno}: import {a.name}"
+                for a in node.names
+                if a.name.split(".")[0] in IMPURE_MODULES
+            ]
+            out += [f"{node.lineno}: import pathlib" for a in node.names if a.name == "pathlib"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] in IMPURE_MODULES:
+                out.append(f"{node.lineno}: from {node.module} import ...")
+            if node.module == "pathlib":
+                out += [
+                    f"{node.lineno}: pathlib.{a.name}" for a in node.names if not a.name.startswith("Pure")
+                ]
+        elif isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            if name in IMPURE_CALLS or (isinstance(f, ast.Attribute) and name in STORE_METHODS):
+                out.append(f"{node.lineno}: {name}()")
+    return out
+
+
+def test_the_domain_does_no_io() -> None:
+    wrong = [
+        f"{p.relative_to(REPO)}:{where}"
+        for p in sorted((REPO / "trainguard" / "domain").rglob("*.py"))
+        for where in impurities(p)
+    ]
+    assert not wrong, "I/O in the domain (it belongs in trainguard/services):\n" + "\n".join(wrong)
+
+
+def test_the_purity_check_catches_io(tmp_path: Path) -> None:
+    f = tmp_path / "x.py"
+    f.write_text(
+        "import os.path\nfrom pathlib import Path, PurePath\nfrom datetime import datetime\n"
+        "from boto3 import client\n\ndef f(store):\n    store.list('x')\n"
+        "    datetime.now()\n    open('y')\n    return PurePath('a').relative_to('b')\n"
+    )
+    assert impurities(f) == [
+        "1: import os.path",
+        "2: pathlib.Path",
+        "4: from boto3 import ...",
+        "7: list()",
+        "8: now()",
+        "9: open()",
+    ]
+
+
 def test_every_import_runs_an_allowed_way() -> None:
     wrong = [f"{where} ({src} -> {dst})" for where, src, dst in arrows() if dst not in MAY_IMPORT[src]]
     assert not wrong, "imports against the layers:\n" + "\n".join(sorted(set(wrong)))

@@ -106,14 +106,14 @@ def test_status_shows_the_interval_and_the_protection_badput() -> None:
     assert spec.checkpoint.memory_every_steps is None
     old = ettr.Ledger(badput_s={b: 0.0 for b in ettr.BUCKETS if b != "protection"})  # an older state
     state = JobState(spec=spec, ledger=ettr.add_badput(old, "protection", 1.5), step_time_s=0.1)
-    state.snapshot_every, state.snapshot_cost_s = 20, 0.012
+    state.protection.snapshot_every, state.protection.snapshot_cost_s = 20, 0.012
     st = status_json(state, T0)
     assert st["badput_s"]["protection"] == 1.5 and st["badput_s"]["checkpoint"] == 0.0
     assert st["protection"]["memory_every_steps"] == 20
     assert st["protection"]["chosen_by"] == "budget"
     # The interval, the step in flight, and (once the ranks measured it) a snapshot's time to be stored.
     assert st["protection"]["lost_s_per_failure"] == pytest.approx(2.1)
-    state.snapshot_settle_s = 0.4
+    state.protection.snapshot_settle_s = 0.4
     assert status_json(state, T0)["protection"]["lost_s_per_failure"] == pytest.approx(2.5)
     fixed = JobState(
         spec=spec.model_copy(
@@ -124,7 +124,7 @@ def test_status_shows_the_interval_and_the_protection_badput() -> None:
     # S3: each snapshot at a multiple of every_steps until the ranks send their stride; a fixed
     # interval keeps that rule (no stride is derived without a vote).
     assert st["protection"]["persist_every_steps"] == 20 and st["protection"]["persist_every_s"] == 30.0
-    state.snapshot_persist_every = 180
+    state.protection.snapshot_persist_every = 180
     assert status_json(state, T0)["protection"]["persist_every_steps"] == 180
     assert status_json(fixed, T0)["protection"]["persist_every_steps"] == 10
     assert status_json(fixed, T0)["protection"]["persist_every_s"] is None

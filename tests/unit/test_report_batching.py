@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.unit.single_rank import single_rank_context
-from trainguard.runtime import context
+from trainguard.runtime import context, reporter
 from trainguard.runtime.context import Context
 from trainguard.runtime.grad_flag import GradFlagWatcher
 
@@ -48,7 +48,7 @@ def _model(grad: float) -> torch.nn.Module:
 def test_step_records_wait_for_the_flush_and_news_goes_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(context, "FLUSH_S", 3600.0)
+    monkeypatch.setattr(reporter, "FLUSH_S", 3600.0)
     r, w = os.pipe()
     fcntl.fcntl(r, fcntl.F_SETFL, os.O_NONBLOCK)
     ctx = _context(tmp_path, w)
@@ -75,16 +75,15 @@ def test_step_records_wait_for_the_flush_and_news_goes_at_once(
         ctx.report(10, loss=1.0)
         assert _received(r) == []
         # The interval over: the next record takes everything.
-        monkeypatch.setattr(context, "FLUSH_S", 0.0)
+        monkeypatch.setattr(reporter, "FLUSH_S", 0.0)
         ctx.report(11, loss=1.0)
         assert _received(r) == [("step", 10), ("step", 11)]
-        monkeypatch.setattr(context, "FLUSH_S", 3600.0)
+        monkeypatch.setattr(reporter, "FLUSH_S", 3600.0)
         ctx.report(20, loss=1.0)  # the last step
         assert _received(r) == [("step", 20)]
     finally:
         ctx._fence_hook.remove()
-        if ctx._report is not None:
-            ctx._report.close()
+        ctx._reporter.close()
         os.close(r)
 
 
@@ -104,7 +103,7 @@ def test_a_device_norm_is_read_off_the_training_thread_and_keeps_its_step(
     """The path a GPU's gradients take (a watcher thread reads the norm once the device is done),
     run on the CPU: before_sync does not wait for the value; a NaN still reaches the agent at once,
     named by its own step, and before that step's report."""
-    monkeypatch.setattr(context, "FLUSH_S", 3600.0)
+    monkeypatch.setattr(reporter, "FLUSH_S", 3600.0)
     held = HeldEvent()
     monkeypatch.setattr(GradFlagWatcher, "copy", staticmethod(lambda norm: (norm.detach(), held)))
     r, w = os.pipe()
@@ -134,8 +133,7 @@ def test_a_device_norm_is_read_off_the_training_thread_and_keeps_its_step(
         ctx._fence_hook.remove()
         if ctx._grad_flags is not None:
             ctx._grad_flags.close()
-        if ctx._report is not None:
-            ctx._report.close()
+        ctx._reporter.close()
         os.close(r)
 
 
@@ -154,7 +152,7 @@ def test_the_training_threads_checks_are_protection_and_a_drills_delay_is_not(
 
     monkeypatch.setattr(context, "param_hash", slow_hash)
     monkeypatch.setattr(context.faults, "apply", slow_drill)
-    monkeypatch.setattr(context, "FLUSH_S", 0.0)
+    monkeypatch.setattr(reporter, "FLUSH_S", 0.0)
     r, w = os.pipe()
     fcntl.fcntl(r, fcntl.F_SETFL, os.O_NONBLOCK)
     ctx = _context(tmp_path, w)
@@ -169,6 +167,5 @@ def test_the_training_threads_checks_are_protection_and_a_drills_delay_is_not(
         assert 0.2 <= protection_s[-1] < 0.3
     finally:
         ctx._fence_hook.remove()
-        if ctx._report is not None:
-            ctx._report.close()
+        ctx._reporter.close()
         os.close(r)

@@ -20,8 +20,14 @@ from activities.session.reports import Reports
 from activities.session.snapshots import Snapshots
 from activities.session.state import SessionState
 from trainguard.domain.detection import TrainingMonitor
+from trainguard.domain.groups import GROUP_SIZE
 from trainguard.domain.messages import ShardInfo
-from trainguard.domain.report_interval import report_interval
+from trainguard.domain.report_interval import (
+    JOB_ROUTINE_PER_S,
+    replica_every,
+    report_interval,
+    uploads_are_news,
+)
 from trainguard.domain.spec import DetectionSpec
 from trainguard.runtime import protocol
 
@@ -74,7 +80,9 @@ async def _send_times(
     monkeypatch.setattr(session_progress, "asyncio", SimpleNamespace(sleep=sleep))
     progress: Any = ProgressReporter.__new__(ProgressReporter)
     progress.s = SimpleNamespace(
-        spec=SimpleNamespace(detection=DetectionSpec(progress_interval_s=60.0, peer_report_interval_s=600.0)),
+        spec=SimpleNamespace(
+            detection=DetectionSpec(progress_interval_s=60.0, peer_report_interval_s=600.0), nodes=8
+        ),
         inp=SimpleNamespace(node_index=node_index, ranks=[0, 1]),
         changed=asyncio.Event(),
     )
@@ -102,6 +110,28 @@ async def _send_times(
     await done.wait()
     loop.cancel()
     return sent
+
+
+def test_a_large_jobs_routine_reports_stay_within_the_jobs_rate() -> None:
+    det = DetectionSpec(progress_interval_s=5.0)
+    assert report_interval(det, 3, news=False, nodes=8) == 5.0  # small jobs: as before
+    for nodes in (1200, 4096):
+        # Every machine's routine report once per nodes / JOB_ROUTINE_PER_S seconds: the job's
+        # routine signals per second do not grow with its machines.
+        assert nodes / report_interval(det, 3, news=False, nodes=nodes) == JOB_ROUTINE_PER_S
+    # News and the job's first machine keep the progress rate whatever the size.
+    assert report_interval(det, 3, news=True, nodes=4096) == 5.0
+    assert report_interval(det, 0, news=False, nodes=4096) == 5.0
+
+
+def test_a_job_of_groups_sends_uploads_with_routine_reports_and_checks_replicas_less_often() -> None:
+    assert uploads_are_news(8) and uploads_are_news(GROUP_SIZE) and not uploads_are_news(GROUP_SIZE + 1)
+    assert replica_every(50, 8) == 50 and replica_every(50, GROUP_SIZE) == 50
+    # Hash reports per step stay near a group's worth of machines per check.
+    for nodes in (1200, 4096):
+        every = replica_every(50, nodes)
+        assert nodes / every <= GROUP_SIZE / 50
+    assert replica_every(0, 4096) == 0  # no checks asked, none made
 
 
 async def test_an_agent_reports_at_its_machines_interval(monkeypatch: Any) -> None:

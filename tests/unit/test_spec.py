@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from trainguard.domain.spec import JobSpec, SpecError, load_spec, parse_spec
+from trainguard.domain.spec import JobSpec, SpecError, parse_spec
+from trainguard.services.spec_file import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -3,6 +3,7 @@
 - ``calls``: the activities (name, input, result, options), run from workflows by reference;
 - ``job``: ``TrainingJobWorkflow``: its type, signals, update and query;
 - ``pool``: ``NodePoolWorkflow``: its type, updates and query;
+- ``group``, ``fanout``: the children a large job starts (its machine groups, its fan-outs);
 - ``kinds``: the typed call of each kind (activity, workflow, signal, update, query).
 
 Both sides use the same entry: a workflow defines its handler under the entry's name
@@ -17,6 +18,6 @@ Names and types only, importable from the workflow sandbox: no torch, boto3 or s
 of the project only ``trainguard.domain``.
 """
 
-from trainguard.contract import calls, job, kinds, pool
+from trainguard.contract import calls, fanout, group, job, kinds, pool
 
-__all__ = ["calls", "job", "kinds", "pool"]
+__all__ = ["calls", "fanout", "group", "job", "kinds", "pool"]

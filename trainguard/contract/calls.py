@@ -12,7 +12,6 @@ controller activities run on ``CONTROLLER_QUEUE``.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -28,9 +27,11 @@ with workflow.unsafe.imports_passed_through():
         CHECK_START_BOUND_S,
         CONTROLLER_QUEUE,
         CheckpointRef,
+        CheckpointShardsInput,
         CheckResult,
         ClearFaultsInput,
         CommitCheckpointInput,
+        CommitCheckpointPartInput,
         DiagnosticInput,
         Endpoint,
         EvictInput,
@@ -39,14 +40,15 @@ with workflow.unsafe.imports_passed_through():
         InjectResult,
         LatestCheckpointInput,
         LocalizeStacksInput,
-        NodeInfo,
         PairTestInput,
+        PartRef,
         PortInput,
         ReleaseInput,
         ReserveInput,
         ReserveResult,
         RunRanksInput,
         RunRanksResult,
+        ShardInfo,
         SlurmNodeInput,
         SlurmReplacementInput,
         StackDump,
@@ -92,6 +94,17 @@ latest_checkpoint: Activity[LatestCheckpointInput, CheckpointRef | None] = Activ
 # Short: a controller that dies mid-commit is noticed by this timeout, then retried.
 commit_checkpoint: Activity[CommitCheckpointInput, CheckpointRef] = Activity(
     "commit_checkpoint", CommitCheckpointInput, CheckpointRef, ON_CONTROLLER
+)
+# A large job's checkpoint by parts: each group of machines commits its ranks' shards of a step
+# as one part, the job then commits the step's parts (``commit_checkpoint`` with ``parts``), so
+# no payload lists every rank's shard.
+commit_checkpoint_part: Activity[CommitCheckpointPartInput, PartRef] = Activity(
+    "commit_checkpoint_part", CommitCheckpointPartInput, PartRef, ON_CONTROLLER
+)
+# The shards of a range of ranks (a group's) of a checkpoint ``latest_checkpoint`` found: a ref
+# to a checkpoint by parts lists none.
+checkpoint_shards: Activity[CheckpointShardsInput, list[ShardInfo]] = Activity(
+    "checkpoint_shards", CheckpointShardsInput, list[ShardInfo], ON_CONTROLLER
 )
 localize_stacks: Activity[LocalizeStacksInput, StackFinding] = Activity(
     "localize_stacks", LocalizeStacksInput, StackFinding, ON_CONTROLLER
@@ -190,6 +203,8 @@ ALL: tuple[Activity[Any, Any], ...] = (
     evict_nodes,
     latest_checkpoint,
     commit_checkpoint,
+    commit_checkpoint_part,
+    checkpoint_shards,
     localize_stacks,
     record_incident,
     notify,
@@ -207,22 +222,3 @@ ALL: tuple[Activity[Any, Any], ...] = (
     slurm_node,
     slurm_request_node,
 )
-
-
-async def on_machines(
-    activity: Activity[I, R], arg: I, nodes: list[NodeInfo], only: list[str] | None = None, **over: Any
-) -> list[R]:
-    """Run one short activity on every machine of ``nodes`` (or ``only`` these) at once;
-    machines that cannot answer are skipped. ``over``: options for these calls."""
-    answers = await by_machine(activity, arg, nodes, only, **over)
-    return [r for r in answers.values() if not isinstance(r, BaseException)]
-
-
-async def by_machine(
-    activity: Activity[I, R], arg: I, nodes: list[NodeInfo], only: list[str] | None = None, **over: Any
-) -> dict[str, R | BaseException]:
-    """As :func:`on_machines`, each machine's answer by its name, or the error it gave."""
-    chosen = [n for n in nodes if only is None or n.name in only]
-    runs = [activity(arg, task_queue=n.task_queue, **over) for n in chosen]
-    results = await asyncio.gather(*runs, return_exceptions=True)
-    return {n.name: r for n, r in zip(chosen, results, strict=True)}

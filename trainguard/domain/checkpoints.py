@@ -1,35 +1,43 @@
 """Checkpoint layout in S3 and the rules that make a checkpoint trustworthy.
 
-    <prefix>/<job>/step-0000000020/attempt-0003/rank-00003.pt   one shard per rank
-    <prefix>/<job>/step-0000000020/manifest.json                written last
-    <prefix>/<job>/attempt.json                                 the newest attempt begun
+    <prefix>/<job>/step-0000000020/attempt-0003/rank-00003.pt    one shard per rank
+    <prefix>/<job>/step-0000000020/attempt-0003/part-0002.json   one group's shards (large jobs)
+    <prefix>/<job>/step-0000000020/manifest.json                 written last
+    <prefix>/<job>/attempt.json                                  the newest attempt begun
 
-A checkpoint exists only when its manifest exists, lists one shard per rank of
-the job, all written by one attempt, and every listed shard is present with the
-recorded size. Shards of each attempt have keys of their own, so a stale writer
-(the ranks of an attempt the workflow has given up on, on a machine cut off from
-it) can never replace or complete another attempt's checkpoint. A manifest is
-written only by the attempt the job is on (``attempt.json``, written as each
-attempt begins) and never over a newer attempt's. Checkpoints written before
-shards carried their attempt (``rank-00003.pt`` beside the manifest, which names
-no attempt) stay readable. Resume takes
-the newest such checkpoint; anything else is ignored and, once a newer complete
-checkpoint exists, deleted. The previous good checkpoint is never deleted before
-a newer one is complete.
+A checkpoint exists only when its manifest exists, covers one shard per rank of the job, all
+written by one attempt, and every shard is present with the recorded size. A manifest lists the
+shards themselves, or, for a job whose shard list would not fit one Temporal payload (2 MB: about
+10,000 ranks), the parts that do: a part lists the shards of one group's contiguous range of
+ranks, and a parts manifest counts only when every part it names is present and is that part
+(its step, its attempt, its ranks) and the parts cover every rank once. Shards and parts of each
+attempt have keys of their own, so a stale writer (the ranks of an attempt the workflow has given
+up on, on a machine cut off from it) can never replace or complete another attempt's checkpoint.
+A manifest or part is written only by the attempt the job is on (``attempt.json``, written as
+each attempt begins) and never over a newer attempt's manifest. Checkpoints written before shards
+carried their attempt (``rank-00003.pt`` beside the manifest, which names no attempt) stay
+readable. Resume takes the newest such checkpoint; anything else is ignored and, once a newer
+complete checkpoint exists, deleted. The previous good checkpoint is never deleted before a newer
+one is complete.
+
+Rules and data only: the listings, reads and writes they judge are
+``trainguard.services.checkpoint_store``'s.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from trainguard.domain.messages import CheckpointRef, CommitCheckpointInput, ShardInfo
+from trainguard.domain.messages import (
+    CheckpointRef,
+    CommitCheckpointInput,
+    CommitCheckpointPartInput,
+    PartRef,
+    ShardInfo,
+)
 
 MANIFEST = "manifest.json"
 ATTEMPT_MARKER = "attempt.json"
@@ -38,27 +46,6 @@ _ATTEMPT_DIR = "attempt-"
 
 class StaleAttempt(ValueError):
     """A write by an attempt older than the job's newest: refused."""
-
-
-class StoredObject(Protocol):
-    key: str
-    size: int
-    # Changes whenever the object's bytes do (S3: the MD5 of a single PUT); "" where unknown.
-    etag: str
-
-
-class ObjectStore(Protocol):
-    """What the rules below need of a store (trainguard.services.storage.S3Store is one); a
-    protocol keeps boto3, and the services layer, out of the domain and of workflow code."""
-
-    def uri(self, key: str) -> str: ...
-    def put_json(self, key: str, data: Any) -> str | None:
-        """Write ``data``; returns the new object's ETag where the store tells it."""
-        ...
-
-    def get_json(self, key: str) -> Any | None: ...
-    def list(self, prefix: str) -> Sequence[StoredObject]: ...
-    def delete(self, keys: list[str]) -> None: ...
 
 
 def step_dir_name(step: int) -> str:
@@ -83,10 +70,21 @@ class Manifest(BaseModel):
     job: str
     step: int
     world_size: int
+    # Empty in a parts manifest: written all the same, so a release from before parts reads the
+    # manifest as one without shards, incomplete, and ignores it.
     shards: list[ShardInfo]
     created_at: str
     # The attempt whose ranks wrote every shard (None: written before shards carried it).
     attempt: int | None = None
+    # The parts that list the shards (a large job's checkpoint); empty: ``shards`` lists them.
+    parts: list[PartRef] = []
+
+
+class Part(CommitCheckpointPartInput):
+    """The object a PartRef names: what one group committed of a step (its ranks' shards, by
+    one attempt), and when."""
+
+    created_at: str
 
 
 def job_prefix(prefix: str, job: str) -> str:
@@ -104,8 +102,13 @@ def shard_key(jprefix: str, step: int, rank: int, attempt: int | None = None) ->
     return f"{jprefix}/{step_dir_name(step)}/{attempt_dir_name(attempt)}/rank-{rank:05d}.pt"
 
 
+def part_key(jprefix: str, step: int, attempt: int, group: int) -> str:
+    """One group's part of ``step``, under the attempt that wrote it (and so pruned with its step)."""
+    return f"{jprefix}/{step_dir_name(step)}/{attempt_dir_name(attempt)}/part-{group:04d}.json"
+
+
 def attempt_of_key(key: str) -> int | None:
-    """The attempt a shard key names, or None (a key from before shards carried it)."""
+    """The attempt a shard or part key names, or None (a key from before shards carried it)."""
     for part in key.split("/"):
         if part.startswith(_ATTEMPT_DIR) and part[len(_ATTEMPT_DIR) :].isdigit():
             return int(part[len(_ATTEMPT_DIR) :])
@@ -116,11 +119,21 @@ def attempt_marker_key(jprefix: str) -> str:
     return f"{jprefix}/{ATTEMPT_MARKER}"
 
 
+def attempt_marker(attempt: int) -> dict[str, int]:
+    """The content of ``attempt.json`` for ``attempt``."""
+    return {"attempt": attempt}
+
+
+def attempt_in_marker(data: Any) -> int:
+    """The attempt ``attempt.json`` records (0: none yet, or unreadable)."""
+    return int(data.get("attempt", 0)) if isinstance(data, dict) else 0
+
+
 def single_attempt(m: Manifest) -> bool:
-    """Every shard of ``m`` was written by one attempt, the one the manifest names."""
-    attempts = {attempt_of_key(s.key) for s in m.shards}
+    """Every shard and part ``m`` lists was written by one attempt, the one the manifest names."""
+    attempts = {attempt_of_key(k) for k in [*(s.key for s in m.shards), *(p.key for p in m.parts)]}
     if m.attempt is None:  # written by a controller from before fencing
-        return len(attempts) <= 1
+        return len(attempts) <= 1 and not m.parts
     return attempts == {m.attempt}
 
 
@@ -128,19 +141,62 @@ def manifest_key(jprefix: str, step: int) -> str:
     return f"{jprefix}/{step_dir_name(step)}/{MANIFEST}"
 
 
-def manifest_complete(m: Manifest, world_size: int, sizes: dict[str, int]) -> bool:
-    """True when ``m`` covers every rank once and every shard is stored whole."""
-    if m.world_size != world_size or sorted(s.rank for s in m.shards) != list(range(world_size)):
-        return False
-    if not single_attempt(m):
-        return False
-    return all(s.step == m.step and sizes.get(s.key) == s.size for s in m.shards)
+def _whole(shards: list[ShardInfo], step: int, ranks: range, sizes: Mapping[str, int]) -> bool:
+    """``shards`` are one per rank of ``ranks``, of ``step``, each stored with its size."""
+    return sorted(s.rank for s in shards) == list(ranks) and all(
+        s.step == step and sizes.get(s.key) == s.size for s in shards
+    )
 
 
-def choose_latest(manifests: list[Manifest], world_size: int, sizes: dict[str, int]) -> Manifest | None:
+def part_is(part: Part, ref: PartRef, m: Manifest) -> bool:
+    """``part`` is the part ``ref`` of ``m`` names: its step, attempt, group and ranks, one shard
+    each, every shard of the attempt (what any reader of a part relies on)."""
+    return (
+        (part.step, part.attempt, part.group, part.first_rank, part.ranks)
+        == (m.step, m.attempt, ref.group, ref.first_rank, ref.ranks)
+        and ref.step == m.step
+        and sorted(s.rank for s in part.shards) == list(range(ref.first_rank, ref.first_rank + ref.ranks))
+        and all(attempt_of_key(s.key) == part.attempt for s in part.shards)
+    )
+
+
+def part_shards(m: Manifest, parts: Mapping[str, Part]) -> list[ShardInfo] | None:
+    """Every shard the parts of ``m`` list, in rank order (``parts``: those read, by key);
+    None when a part is missing or is not the one ``m`` names."""
+    shards: list[ShardInfo] = []
+    for ref in sorted(m.parts, key=lambda r: r.first_rank):
+        part = parts.get(ref.key)
+        if part is None or not part_is(part, ref, m):
+            return None
+        shards += part.shards
+    return shards
+
+
+def manifest_complete(
+    m: Manifest, world_size: int, sizes: Mapping[str, int], parts: Mapping[str, Part] | None = None
+) -> bool:
+    """True when ``m`` covers every rank once and every shard is stored whole; a parts manifest's
+    shards are those its ``parts`` (read by key) list."""
+    if m.world_size != world_size or not single_attempt(m):
+        return False
+    if m.parts:
+        shards = part_shards(m, parts or {}) if not m.shards else None
+        if shards is None:
+            return False
+    else:
+        shards = m.shards
+    return _whole(shards, m.step, range(world_size), sizes)
+
+
+def choose_latest(
+    manifests: list[Manifest],
+    world_size: int,
+    sizes: Mapping[str, int],
+    parts: Mapping[str, Part] | None = None,
+) -> Manifest | None:
     """The newest complete checkpoint, or None."""
     for m in sorted(manifests, key=lambda m: m.step, reverse=True):
-        if manifest_complete(m, world_size, sizes):
+        if manifest_complete(m, world_size, sizes, parts):
             return m
     return None
 
@@ -168,120 +224,20 @@ def steps_to_prune(
     )
 
 
-@dataclass
-class Listing:
-    """One LIST of a job's prefix: every object's size and ETag, the keys of each step."""
-
-    sizes: dict[str, int] = field(default_factory=dict)
-    etags: dict[str, str] = field(default_factory=dict)
-    by_step: dict[int, list[str]] = field(default_factory=dict)
-
-
-def _scan(store: ObjectStore, jprefix: str) -> Listing:
-    seen = Listing()
-    for obj in store.list(jprefix + "/"):
-        seen.sizes[obj.key] = obj.size
-        seen.etags[obj.key] = obj.etag
-        rel = obj.key[len(jprefix) + 1 :]
-        step = parse_step_dir(rel.split("/", 1)[0])
-        if step is not None:
-            seen.by_step.setdefault(step, []).append(obj.key)
-    return seen
-
-
-class ManifestCache:
-    """Manifests and attempt markers read before, by key and ETag: a listing that shows an object
-    with the ETag it had when read shows the same bytes (S3 changes the ETag with the content), so
-    a commit reads only what changed since the last, not every manifest the job keeps. Objects
-    whose store gives no ETag are read every time. An object replaced between the listing and the
-    read is kept under the listed ETag; that ETag never names those bytes again, since a manifest
-    carries its creation time and the attempt marker only grows."""
-
-    def __init__(self, entries: int = 256) -> None:
-        self.entries = entries
-        self._data: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._lock = threading.Lock()  # commits of several jobs run in threads at once
-
-    def get_json(self, store: ObjectStore, key: str, etag: str) -> Any | None:
-        if etag:
-            with self._lock:
-                if (key, etag) in self._data:
-                    self._data.move_to_end((key, etag))
-                    return self._data[(key, etag)]
-        data = store.get_json(key)
-        if etag and data is not None:
-            self.put(key, etag, data)
-        return data
-
-    def put(self, key: str, etag: str, data: Any) -> None:
-        with self._lock:
-            self._data[(key, etag)] = data
-            self._data.move_to_end((key, etag))
-            while len(self._data) > self.entries:
-                self._data.popitem(last=False)
-
-
-def manifests(store: ObjectStore, jprefix: str) -> list[Manifest]:
-    """Every readable manifest under the job's prefix."""
-    return _manifests(store, jprefix, _scan(store, jprefix), ManifestCache())
-
-
-def _manifest_in(store: ObjectStore, mkey: str, seen: Listing, cache: ManifestCache) -> Manifest | None:
-    """The manifest at ``mkey`` as ``seen`` lists it (None: absent or unreadable)."""
-    if mkey not in seen.sizes:
-        return None
-    try:
-        return Manifest.model_validate(cache.get_json(store, mkey, seen.etags.get(mkey, "")))
-    except ValueError:
-        return None  # a corrupt manifest is the same as none
-
-
-def _manifests(store: ObjectStore, jprefix: str, seen: Listing, cache: ManifestCache) -> list[Manifest]:
-    found = (_manifest_in(store, manifest_key(jprefix, step), seen, cache) for step in seen.by_step)
-    return [m for m in found if m is not None]
-
-
-def latest(
-    store: ObjectStore,
-    jprefix: str,
-    world_size: int,
-    max_step: int | None = None,
-    cache: ManifestCache | None = None,
-) -> CheckpointRef | None:
-    """The newest complete checkpoint, optionally no newer than ``max_step``."""
-    seen = _scan(store, jprefix)
-    found = _manifests(store, jprefix, seen, cache or ManifestCache())
-    m = choose_latest([m for m in found if max_step is None or m.step <= max_step], world_size, seen.sizes)
-    if m is None:
-        return None
-    return CheckpointRef(step=m.step, uri=store.uri(manifest_key(jprefix, m.step)), shards=m.shards)
-
-
-def begin_attempt(store: ObjectStore, jprefix: str, attempt: int) -> None:
-    """Record that the job is on ``attempt``: from now on older attempts commit nothing.
-
-    Never lowers the marker (a retried call of an older attempt comes late)."""
-    if attempt > newest_attempt(store, jprefix):
-        store.put_json(attempt_marker_key(jprefix), {"attempt": attempt})
-
-
-def newest_attempt(store: ObjectStore, jprefix: str) -> int:
-    return _attempt_of(store.get_json(attempt_marker_key(jprefix)))
-
-
-def _attempt_of(data: Any) -> int:
-    return int(data.get("attempt", 0)) if isinstance(data, dict) else 0
-
-
-def check_commit(inp: CommitCheckpointInput, newest: int, existing: Manifest | None) -> None:
-    """Refuse a commit by a stale attempt (StaleAttempt): shards of another attempt, an attempt
-    older than the job's newest, or a manifest over one a newer attempt wrote (the rewrite of a
-    step after a silent corruption goes the other way: newer over older)."""
+def check_commit(
+    inp: CommitCheckpointInput | CommitCheckpointPartInput, newest: int, existing: Manifest | None
+) -> None:
+    """Refuse a commit (of a manifest, or of a part) by a stale attempt (StaleAttempt): shards or
+    parts of another attempt, an attempt older than the job's newest, or a write over a manifest
+    a newer attempt wrote (the rewrite of a step after a silent corruption goes the other way:
+    newer over older)."""
     if inp.attempt is None:
         return  # a workflow from before fencing: unchecked, as then
-    others = sorted({a for s in inp.shards if (a := attempt_of_key(s.key)) != inp.attempt}, key=str)
-    if others:
-        raise StaleAttempt(f"step {inp.step} of attempt {inp.attempt} has shards of attempts {others}")
+    parts = inp.parts if isinstance(inp, CommitCheckpointInput) else []
+    for what, keys in (("shards", [s.key for s in inp.shards]), ("parts", [p.key for p in parts])):
+        others = sorted({a for k in keys if (a := attempt_of_key(k)) != inp.attempt}, key=str)
+        if others:
+            raise StaleAttempt(f"step {inp.step} of attempt {inp.attempt} has {what} of attempts {others}")
     if inp.attempt < newest:
         raise StaleAttempt(f"attempt {inp.attempt} may not commit step {inp.step}: the job is on {newest}")
     if existing is not None and (existing.attempt or 0) > inp.attempt:
@@ -290,72 +246,61 @@ def check_commit(inp: CommitCheckpointInput, newest: int, existing: Manifest | N
         )
 
 
-def commit(
-    store: ObjectStore, inp: CommitCheckpointInput, cache: ManifestCache | None = None
-) -> CheckpointRef:
-    """Verify every shard of ``inp.step`` is stored, write the manifest, then prune.
-
-    One listing of the job's prefix, taken before the manifest is written, serves every check:
-    each shard's stored size (what a HEAD of each would say, at the same moment), the attempt
-    marker and an existing manifest of the step (read only when their ETag changed, ``cache``),
-    and the pruning. Idempotent: committing the same step twice rewrites an identical manifest.
-    A stale attempt's commit is refused (``check_commit``).
-    """
-    cache = cache or ManifestCache()
-    jprefix = job_prefix(inp.prefix, inp.job_id)
-    mkey = manifest_key(jprefix, inp.step)
-    seen = _scan(store, jprefix)
-    if inp.attempt is not None:
-        marker = attempt_marker_key(jprefix)
-        newest = _attempt_of(cache.get_json(store, marker, seen.etags[marker])) if marker in seen.sizes else 0
-        check_commit(inp, newest, _manifest_in(store, mkey, seen, cache))
-    shards = sorted(inp.shards, key=lambda s: s.rank)
-    manifest = Manifest(
-        job=inp.job_id,
-        step=inp.step,
-        world_size=inp.world_size,
-        shards=shards,
-        created_at=datetime.now(UTC).isoformat(),
-        attempt=inp.attempt,
-    )
-    if not manifest_complete(manifest, inp.world_size, seen.sizes):
-        missing = [s.rank for s in shards if seen.sizes.get(s.key) != s.size]
-        raise ValueError(f"checkpoint step {inp.step} incomplete: ranks {missing} missing or truncated")
-    data = manifest.model_dump(mode="json")
-    etag = store.put_json(mkey, data) or ""
-    if etag:
-        cache.put(mkey, etag, data)
-    # The listing as it stands now: this step's manifest written (sizes only matter for shards).
-    seen.sizes[mkey], seen.etags[mkey] = 0, etag
-    if mkey not in seen.by_step.setdefault(inp.step, []):
-        seen.by_step[inp.step].append(mkey)
-    prune(store, jprefix, inp.world_size, inp.keep, inp.verified_step, cache=cache, seen=seen)
-    return CheckpointRef(step=inp.step, uri=store.uri(mkey), shards=shards)
+def missing_ranks(shards: list[ShardInfo], step: int, ranks: range, sizes: Mapping[str, int]) -> list[int]:
+    """Ranks of ``ranks`` without exactly one shard of ``step`` stored with its size (what a
+    commit names when it refuses)."""
+    count: dict[int, int] = {}
+    for s in shards:
+        count[s.rank] = count.get(s.rank, 0) + 1
+    stored = {s.rank for s in shards if s.step == step and sizes.get(s.key) == s.size}
+    return [r for r in ranks if count.get(r) != 1 or r not in stored]
 
 
-def prune(
-    store: ObjectStore,
-    jprefix: str,
-    world_size: int,
-    keep: int,
-    verified_step: int | None = None,
-    cache: ManifestCache | None = None,
-    seen: Listing | None = None,
-) -> list[int]:
-    """Delete the steps ``steps_to_prune`` names, judged from one listing (``seen``: the caller's,
-    else a new one) and the manifests it shows (``cache``: read only those not read before)."""
-    seen = seen or _scan(store, jprefix)
-    found = _manifests(store, jprefix, seen, cache or ManifestCache())
-    complete = {m.step for m in found if manifest_complete(m, world_size, seen.sizes)}
-    doomed = steps_to_prune(set(seen.by_step), complete, keep, verified_step)
-    # Manifests go first so a half-deleted checkpoint is never mistaken for a complete one.
-    for step in doomed:
-        keys = seen.by_step[step]
-        mkey = manifest_key(jprefix, step)
-        if mkey in keys:
-            store.delete([mkey])
-        store.delete([k for k in keys if k != mkey])
-    return doomed
+def uncovered_ranks(parts: list[PartRef], world_size: int) -> list[int]:
+    """Ranks of the job that ``parts`` do not cover exactly once (by the ranges they name)."""
+    count = [0] * world_size
+    for p in parts:
+        for r in range(max(p.first_rank, 0), min(p.first_rank + p.ranks, world_size)):
+            count[r] += 1
+    return [r for r, n in enumerate(count) if n != 1]
+
+
+def check_rank_range(first_rank: int, ranks: int, world_size: int) -> None:
+    if first_rank < 0 or ranks < 1 or first_rank + ranks > world_size:
+        raise ValueError(
+            f"ranks {first_rank}..{first_rank + ranks - 1} are not ranks of a world of {world_size}"
+        )
+
+
+def parts_covering(m: Manifest, first_rank: int, ranks: int) -> list[PartRef]:
+    """The parts of ``m`` that hold a shard of ranks ``first_rank .. first_rank + ranks - 1``."""
+    end = first_rank + ranks
+    return [p for p in m.parts if p.first_rank < end and first_rank < p.first_rank + p.ranks]
+
+
+def shards_of_ranks(
+    m: Manifest, first_rank: int, ranks: int, parts: Mapping[str, Part] | None = None
+) -> list[ShardInfo] | None:
+    """The shards of ranks ``first_rank .. first_rank + ranks - 1`` in rank order, from ``m``'s own
+    list or from its parts (``parts``: at least those ``parts_covering`` names, by key); None
+    when a part is missing or not the one ``m`` names, or a rank has no shard."""
+    wanted = range(first_rank, first_rank + ranks)
+    if m.parts:
+        shards: list[ShardInfo] = []
+        for ref in parts_covering(m, first_rank, ranks):
+            part = (parts or {}).get(ref.key)
+            if part is None or not part_is(part, ref, m):
+                return None
+            shards += part.shards
+    else:
+        shards = m.shards
+    found = sorted((s for s in shards if s.rank in wanted), key=lambda s: s.rank)
+    return found if [s.rank for s in found] == list(wanted) else None
+
+
+def checkpoint_ref(m: Manifest, uri: str) -> CheckpointRef:
+    """What a job is handed of a complete checkpoint: a parts checkpoint's shards stay in its parts."""
+    return CheckpointRef(step=m.step, uri=uri, shards=m.shards, parts=len(m.parts))
 
 
 MEMORY_URI = "memory://"

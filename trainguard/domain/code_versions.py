@@ -9,7 +9,7 @@ known name switches back to exactly what it ran before.
 A hot update (``trainguard update JOB --code-version V``) is urgent (stop and
 resume at once on the same machines) or lazy (applied at the next recovery,
 forced once ``window_s`` has passed). The decision ladder's rollback goes
-through the same path. Pure functions; the workflow keeps the state.
+through the same path. Pure; the workflow keeps ``CodeVersions`` in its state.
 """
 
 from __future__ import annotations
@@ -145,3 +145,60 @@ def check_update(
 
 def deadline(now: datetime, req: CodeUpdate) -> datetime:
     return now + timedelta(seconds=req.window_s)
+
+
+class CodeVersions(BaseModel):
+    """A job's code versions (``JobState.code``): the current one, what each runs, every change of
+    the current one, and an update waiting. Changed by the workflow's ``update_code`` and
+    ``apply_version`` (hot updates and rollbacks alike)."""
+
+    version: str = "v1"
+    releases: dict[str, CodeRelease] = {}
+    history: list[CodeEvent] = []
+    pending: PendingUpdate | None = None
+
+    @classmethod
+    def submitted(cls, spec: JobSpec) -> CodeVersions:
+        return cls(version=spec.code_version, releases={spec.code_version: first_release(spec)})
+
+    def start(self, now: datetime) -> None:
+        """The history begins with the submitted version, applied from the start."""
+        if not self.history:
+            first = CodeEvent(version=self.version, how="submitted", requested_at=now, applied_at=now)
+            self.history = [first]
+
+    def release(self) -> CodeRelease:
+        """What the current version runs."""
+        return self.releases[self.version]
+
+    def check(self, spec: JobSpec, req: CodeUpdate) -> CodeRelease:
+        return check_update(spec, self.releases, self.version, self.pending, req)
+
+    def requested(self, release: CodeRelease, event: CodeEvent, due: datetime) -> None:
+        """``release`` is known from now on, and waits to be applied at ``due``."""
+        self.releases[release.version] = release
+        self.pending = PendingUpdate(event=event, deadline=due)
+
+    def applied(self, event: CodeEvent, now: datetime) -> None:
+        """``event.version`` is current from ``now`` (the history keeps the newest 50 changes)."""
+        self.version = event.version
+        self.history = [*self.history[-49:], event.model_copy(update={"applied_at": now})]
+        if self.pending is not None and self.pending.event.version == event.version:
+            self.pending = None
+
+    def due(self, now: datetime) -> bool:
+        return self.pending is not None and now >= self.pending.deadline
+
+    def until_due(self, now: datetime) -> timedelta | None:
+        """How long until a lazy update is due (at least a second); None when none waits."""
+        p = self.pending
+        if p is None or p.event.how == "urgent":
+            return None
+        return max(p.deadline - now, timedelta(seconds=1))
+
+    def force(self) -> None:
+        """A lazy update whose window passed without a recovery is forced now."""
+        p = self.pending
+        assert p is not None
+        if p.event.how == "lazy":
+            self.pending = p.model_copy(update={"event": p.event.model_copy(update={"how": "forced"})})

@@ -21,7 +21,7 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import PurePath
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -75,12 +75,12 @@ def _last_exception(tail: str) -> tuple[str | None, str]:
     return name.rsplit(".", 1)[-1], msg.strip()
 
 
-def _user_frame(tail: str, code_dir: Path | None) -> str | None:
+def _user_frame(tail: str, code_dir: PurePath | None) -> str | None:
     """The innermost traceback frame in the job's own code (not libraries, not trainguard)."""
     for path, line, _func in reversed(_TRACE_FRAME.findall(tail)):
         if "site-packages" in path or "/trainguard/" in path or path.startswith("<"):
             continue
-        p = Path(path)
+        p = PurePath(path)
         if code_dir is not None and p.is_absolute():
             try:
                 p = p.relative_to(code_dir)
@@ -92,7 +92,7 @@ def _user_frame(tail: str, code_dir: Path | None) -> str | None:
 
 
 def classify_exit(
-    exit_code: int | None, signal: int | None, stderr_tail: str, code_dir: Path | None = None
+    exit_code: int | None, signal: int | None, stderr_tail: str, code_dir: PurePath | None = None
 ) -> ExitInfo:
     stderr_tail = _RANK_PREFIX.sub("", stderr_tail)
     low = stderr_tail.lower()

@@ -13,8 +13,11 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from trainguard.domain import ettr, protection
-from trainguard.domain.code_versions import CodeEvent, CodeRelease, PendingUpdate
+from trainguard.domain.code_versions import CodeVersions
 from trainguard.domain.detection import RENDEZVOUS_KIND
+from trainguard.domain.groups import GROUP_SIZE
+from trainguard.domain.job_parts import FailSlow, Protection, ReplicaCheck, ResumeBounds, Snapshots
+from trainguard.domain.job_state_flat import FlatFields
 from trainguard.domain.messages import (
     POOL_WORKFLOW_ID,
     CheckpointRef,
@@ -40,6 +43,14 @@ def _seen(other: IncidentReport, kind: str) -> str:
     if other.kind == kind == RENDEZVOUS_KIND:
         return f"{other.node}: {other.evidence[:300]}"
     return f"{other.node}: {other.kind}"
+
+
+def _evidence(primary: IncidentReport, others: list[IncidentReport]) -> str:
+    evidence = primary.evidence
+    seen_also = sorted({_seen(o, primary.kind) for o in others if o.node != primary.node})
+    if seen_also:
+        evidence += " | also seen: " + ", ".join(seen_also)
+    return evidence[:2000]
 
 
 class Incident(BaseModel):
@@ -82,10 +93,6 @@ class Incident(BaseModel):
     ) -> Incident:
         """Detected: the report that names the cause, and what the other machines saw."""
         detection_s = round((primary.detected_at - fault_at).total_seconds(), 3) if fault_at else None
-        evidence = primary.evidence
-        seen_also = sorted({_seen(o, primary.kind) for o in others if o.node != primary.node})
-        if seen_also:
-            evidence += " | also seen: " + ", ".join(seen_also)
         return cls(
             id=f"i-{number}",
             kind=primary.kind,
@@ -94,10 +101,15 @@ class Incident(BaseModel):
             detection_s=detection_s,
             suspects=suspects,
             action="reattempt",
-            evidence=evidence[:2000],
+            evidence=_evidence(primary, others),
             attempt=attempt,
             log_uri=primary.log_uri,
         )
+
+    def saw(self, primary: IncidentReport, others: list[IncidentReport]) -> None:
+        """What the other machines saw, once every one answered (a large job decides on the cause
+        its groups named first, before its other machines' results are in)."""
+        self.evidence = _evidence(primary, others)
 
     def facts(self, primary: IncidentReport) -> IncidentFacts:
         """What the decision ladder (``trainguard.domain.policy``) weighs."""
@@ -180,14 +192,17 @@ class RunningAttempt(BaseModel):
     peers: dict[int, tuple[int, str]] = {}
 
 
-class JobState(BaseModel):
+class JobState(FlatFields):
+    """What the job remembers. The job's own facts are fields here; what one collaborator of the
+    workflow keeps and changes is a part (``trainguard.domain.job_parts``: the parts, who keeps
+    each). ``FlatFields``: the previous release's shape, read and written for the upgrade."""
+
     spec: JobSpec
     phase: Phase = "pending"
     attempt: int = 0
     step: int = 0
     loss: float | None = None
     step_time_s: float | None = None
-    code_version: str = "v1"
     nodes: list[NodeInfo] = []
     checkpoint: CheckpointStatus | None = None
     incidents: list[Incident] = []
@@ -202,45 +217,20 @@ class JobState(BaseModel):
     # Shards uploaded but not yet committed under a manifest: step -> rank -> shard.
     pending_shards: dict[int, dict[int, ShardInfo]] = {}
     resumed_from_step: int | None = None
-    # Never resume past this step (set when replicas were found to disagree after it).
-    max_resume_step: int | None = None
-    # Checkpoints up to this step (the furthest reached when the corruption was found) may hold
-    # it; later attempts, resumed from clean state, overwrite them as they commit (same keys), so
-    # each of their commits moves max_resume_step up, and past this step the bound is gone.
-    suspect_until: int | None = None
-    suspect_attempt: int | None = None
     drills: list[InjectResult] = []
-    # Fail-slow: the latest forward/backward time per machine, and the current streak.
-    compute_s: dict[str, float] = {}
-    slow_suspect: str | None = None
-    slow_rounds: int = 0
-    slow_round_at: datetime | None = None
-    # Replica check: step -> rank -> parameter hash, until every rank reported.
-    replica_hashes: dict[int, dict[int, str]] = {}
-    replicas_agreed_step: int | None = None
     attempts_without_progress: int = 0
     # What the decision ladder remembers: incidents, their actions, code versions.
     history: JobHistory = JobHistory()
     progress_at_attempt_start: int = 0
-    # Code versions: what each runs, every change of the current one, a lazy update waiting.
-    releases: dict[str, CodeRelease] = {}
-    code_history: list[CodeEvent] = []
-    pending_update: PendingUpdate | None = None
-    # Each machine's newest memory snapshots (ShardInfo with key ""): the fastest restore.
-    memory: dict[str, list[ShardInfo]] = {}
-    # Other machines' snapshots each machine keeps (peer backups), by the machine keeping them.
-    backups: dict[str, list[ShardInfo]] = {}
-    # Checkpoint blocking reported this attempt, per machine (cumulative).
-    ckpt_block_s: dict[str, float] = {}
-    # Step time lost to the snapshots' background work this attempt, per machine (cumulative).
-    protection_s: dict[str, float] = {}
-    # The memory-snapshot interval the ranks chose within the cost budget, and a snapshot's cost.
-    snapshot_every: int | None = None
-    snapshot_cost_s: float | None = None
-    snapshot_settle_s: float | None = None  # a snapshot's hand-over to stored (median)
-    snapshot_persist_every: int | None = None  # steps between S3 persists, with that interval
     # Step and productive time over wall time, bounded (trainguard report draws it).
     progress_series: ProgressSeries = ProgressSeries()
+    # The parts.
+    bounds: ResumeBounds = ResumeBounds()
+    slow: FailSlow = FailSlow()
+    replicas: ReplicaCheck = ReplicaCheck()
+    code: CodeVersions = CodeVersions()
+    protection: Protection = Protection()
+    snapshots: Snapshots = Snapshots()
     # Warm rank processes waiting on each machine, as its agent last reported.
     warm: dict[str, int] = {}
 
@@ -253,8 +243,8 @@ def status_json(state: JobState, now: datetime) -> dict[str, Any]:
         "step": state.step,
         "target_steps": state.spec.target_steps,
         "attempt": state.attempt,
-        "code_version": state.code_version,
-        "code_history": [e.model_dump(mode="json") for e in state.code_history],
+        "code_version": state.code.version,
+        "code_history": [e.model_dump(mode="json") for e in state.code.history],
         "pending_code_version": _pending(state),
         "ettr": round(ettr.ettr(state.ledger, now), 4),
         "ettr_window_1h": round(ettr.ettr_window(state.ledger, now), 4),
@@ -301,34 +291,26 @@ def _part(part: ettr.Part) -> dict[str, Any]:
 
 def _protection(state: JobState) -> dict[str, Any]:
     """The memory-snapshot interval in force and what a failure loses with it."""
-    ckpt = state.spec.checkpoint
-    every = ckpt.memory_every_steps or state.snapshot_every
+    ckpt, kept = state.spec.checkpoint, state.protection
+    every = kept.interval(ckpt)
     step_s = state.step_time_s
     return {
         "memory_every_steps": every,
         "chosen_by": "spec" if ckpt.memory_every_steps is not None else "budget",
         "overhead_budget": None if ckpt.memory_every_steps is not None else ckpt.overhead_budget,
         "max_lost_s": ckpt.max_lost_s,
-        "snapshot_cost_s": state.snapshot_cost_s,
+        "snapshot_cost_s": kept.snapshot_cost_s,
         # The worst case, which the interval's cap keeps within max_lost_s.
         "lost_s_per_failure": (
-            round(protection.worst_loss_s(every, step_s, state.snapshot_settle_s or 0.0), 3)
+            round(protection.worst_loss_s(every, step_s, kept.snapshot_settle_s or 0.0), 3)
             if every and step_s
             else None
         ),
         # S3 holds a checkpoint at most this many steps old (plus its upload): for the loss of a
         # machine and its backup peer at once, or a restart of the whole job.
-        "persist_every_steps": _persist_every(state, every),
+        "persist_every_steps": kept.persist_every(ckpt, every),
         "persist_every_s": ckpt.persist_floor_s,
     }
-
-
-def _persist_every(state: JobState, every: int | None) -> int:
-    """Steps between S3 persists: the ranks' stride, else each snapshot at a multiple of
-    ``every_steps`` (no interval agreed yet, a fixed one, or ranks that send no stride)."""
-    if state.snapshot_persist_every and state.spec.checkpoint.memory_every_steps is None:
-        return state.snapshot_persist_every
-    return protection.persist_stride(every or 1, state.spec.checkpoint.every_steps, 0.0, 0.0)
 
 
 def _iso(t: datetime | None) -> str | None:
@@ -350,7 +332,7 @@ def _progress(series: ProgressSeries) -> list[list[Any]]:
 
 
 def _pending(state: JobState) -> dict[str, Any] | None:
-    p = state.pending_update
+    p = state.code.pending
     if p is None:
         return None
     return {"version": p.event.version, "how": p.event.how, "deadline": p.deadline.isoformat()}
@@ -377,3 +359,5 @@ class JobInput(BaseModel):
     schedule_to_start_s: float = 60.0
     heartbeat_timeout_s: float = 30.0
     pool_retry_s: float = 5.0
+    # A job of more machines runs its ranks through groups of at most this many (workflows.job.group).
+    group_size: int = GROUP_SIZE

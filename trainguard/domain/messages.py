@@ -7,7 +7,7 @@ Payloads stay small: checkpoint shards are referenced by S3 key, never inlined.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -201,6 +201,20 @@ class CheckpointRef(Msg):
     step: int
     uri: str
     shards: list[ShardInfo]
+    # How many parts hold the shards (a large job's checkpoint: ``shards`` is then empty, and
+    # ``checkpoint_shards`` gives a range of ranks theirs); 0: ``shards`` lists them all.
+    parts: int = 0
+
+
+class PartRef(Msg):
+    """One group's part of a checkpoint step: the shards of ranks ``first_rank`` to
+    ``first_rank + ranks - 1``, listed in the object at ``key``."""
+
+    group: int
+    step: int
+    key: str
+    first_rank: int
+    ranks: int
 
 
 class JobGauges(Msg):
@@ -216,6 +230,7 @@ class CommitCheckpointInput(Msg):
     prefix: str
     step: int
     world_size: int
+    # Every rank's shard, or none where ``parts`` lists the parts that hold them.
     shards: list[ShardInfo]
     keep: int
     # The newest step the replicas agreed on: the newest checkpoint at or before it is kept.
@@ -224,6 +239,30 @@ class CommitCheckpointInput(Msg):
     gauges: JobGauges | None = None
     # The attempt whose shards these are: refused when the job is on a newer one (None: unchecked).
     attempt: int | None = None
+    # The parts (``commit_checkpoint_part``) that together list every rank's shard once: a large
+    # job's commit, whose shard list would not fit one payload. Needs ``attempt``.
+    parts: list[PartRef] = []
+
+
+class CommitCheckpointPartInput(Msg):
+    """One group's shards of a step: ranks ``first_rank`` to ``first_rank + ranks - 1``."""
+
+    job_id: str
+    prefix: str
+    step: int
+    attempt: int
+    group: int
+    first_rank: int
+    ranks: int
+    shards: list[ShardInfo]
+
+
+class CheckpointShardsInput(Msg):
+    """The shards of ranks ``first_rank`` to ``first_rank + ranks - 1`` of a committed checkpoint."""
+
+    uri: str  # its CheckpointRef's
+    first_rank: int
+    ranks: int
 
 
 class LatestCheckpointInput(Msg):
@@ -331,6 +370,82 @@ class ProgressReport(Msg):
     warm_ready: int | None = None
 
 
+# -- groups of a large job's machines (workflows.job.group) ------------------------
+
+
+class GroupInput(Msg):
+    """One group of a large job's machines, for one attempt: start (or, ``attach``, wait for)
+    their ranks, keep what each machine reports, and tell the job what it must know."""
+
+    parent: str  # the job's workflow id: where the group's news goes (any run of it)
+    group: int
+    first_index: int  # node_index of nodes[0]
+    nodes: list[NodeInfo]
+    # The run_ranks input of every machine but its own parts (node, node_index, ranks and resume
+    # shards are filled in per machine; every machine gets every peer restore: its holders send
+    # what the others receive); ``resume.shards`` holds the group's ranks'.
+    ranks_input: RunRanksInput
+    schedule_to_start_s: float
+    heartbeat_timeout_s: float
+    # A machine asked to re-attach after missing heartbeats must pick it up within this.
+    pickup_s: float
+    # Routine summaries to the job at most this often (news goes at once).
+    summary_every_s: float
+    # A group that continued as new (its history grew long): its machines' ranks run on, to be
+    # re-attached; and what it knew of them.
+    attach: bool = False
+    first_step_sent: bool = False
+    compute: dict[str, float] = {}
+    block: dict[str, tuple[float, float]] = {}
+
+
+class GroupStop(Msg):
+    """The job stops the group's ranks (a failure elsewhere, a user's stop, a code update)."""
+
+    persist: bool = False
+    # A user's stop waits this long for the uploads of the persist (seconds).
+    limit_s: float | None = None
+
+
+class ReplicaRun(Msg):
+    """Consecutive data-parallel replicas (``first_dp``..``last_dp``) of one model position whose
+    parameters hash alike: a group's replica hashes without one entry per rank."""
+
+    position: int
+    first_dp: int
+    last_dp: int
+    hash: str
+
+
+class GroupNews(Msg):
+    """What a group tells the job: its progress (a summary), a machine that failed, a complete
+    part of a checkpoint, and, once every machine ended, every machine's result."""
+
+    group: int
+    attempt: int
+    at: datetime
+    # The group's summary: step, loss and step time of its most advanced report, its first step,
+    # checkpoint blocking and protection (its slowest machine's), the agreed snapshot interval.
+    progress: ProgressReport | None = None
+    # The fastest and slowest machine's compute time per step (fail-slow) and how many machines
+    # of the group reported one.
+    compute: dict[str, float] = {}
+    computed: int = 0
+    hash_step: int | None = None
+    replicas: list[ReplicaRun] = []
+    parts: list[PartRef] = []
+    # Machines that ended with a failure since the group's last news, and those whose run_ranks
+    # failed (lost, with the error); machines still running and heard from.
+    failed: list[RunRanksResult] = []
+    lost: dict[str, str] = {}
+    running: int = 0
+    # Every machine ended: each one's result (their memory snapshots and backups name the
+    # restore point), and those cut off (missed heartbeats, answered neither re-attach nor stop).
+    done: bool = False
+    results: list[RunRanksResult] = []
+    cut_off: list[str] = []
+
+
 # -- drills and incidents ---------------------------------------------------------
 
 RANK_FAULTS = ("crash", "hang", "nan", "loss-spike", "slow", "sdc")
@@ -403,6 +518,28 @@ class StopRanksInput(Msg):
     persist: bool = False
 
 
+# -- fan-out of one activity over many machines (workflows.job.fanout) ------------
+
+
+class FanOutCall(Msg):
+    node: NodeInfo
+    arg: Any  # the activity's input, as JSON
+
+
+class FanOutInput(Msg):
+    activity: str  # its name in the activity contract
+    calls: list[FanOutCall]
+    # Options passed to every call (schedule_to_start, start_to_close, heartbeat), in seconds.
+    timeouts_s: dict[str, float] = {}
+
+
+class FanOutResult(Msg):
+    """Each machine's answer (as JSON), or the error it gave."""
+
+    answers: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+
+
 # A stop-time check process must say it is ready (Python started, torch imported) within this;
 # its budget (``timeout_s``) counts from then: two processes importing torch on a loaded 2-core
 # machine took most of a minute.
@@ -467,3 +604,4 @@ class IncidentReport(Msg):
 
 
 RunRanksResult.model_rebuild()
+GroupNews.model_rebuild()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
@@ -496,21 +495,16 @@ def parse_spec(data: Any) -> JobSpec:
         raise first_validation_error(exc) from None
 
 
-def load_spec(path: str | Path) -> JobSpec:
-    """Load and validate a YAML spec file (at most 1 MiB of UTF-8)."""
-    p = Path(path)
-    try:
-        with p.open("rb") as f:
-            raw = f.read(MAX_SPEC_FILE_BYTES + 1)
-    except OSError as exc:
-        raise SpecError("spec", f"cannot read {p}: {exc.strerror}") from None
+def parse_spec_yaml(raw: bytes, source: str) -> JobSpec:
+    """Validate a YAML spec given as the bytes of a file (at most 1 MiB of UTF-8; ``source``
+    names it in errors). Reading the file is ``trainguard.services.spec_file.load_spec``'s."""
     if len(raw) > MAX_SPEC_FILE_BYTES:
-        raise SpecError("spec", f"{p} is larger than {MAX_SPEC_FILE_BYTES >> 20} MiB")
+        raise SpecError("spec", f"{source} is larger than {MAX_SPEC_FILE_BYTES >> 20} MiB")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise SpecError("spec", f"{p} is not UTF-8 text (byte {exc.start})") from None
-    return parse_spec(_load_yaml(text, p))
+        raise SpecError("spec", f"{source} is not UTF-8 text (byte {exc.start})") from None
+    return parse_spec(_load_yaml(text, source))
 
 
 class _SpecLoader(yaml.SafeLoader):
@@ -535,7 +529,7 @@ class _SpecLoader(yaml.SafeLoader):
         return super().add_indent(column)
 
 
-def _load_yaml(text: str, path: Path) -> Any:
+def _load_yaml(text: str, path: str) -> Any:
     """Safe YAML, refusing what a plain ``safe_load`` would silently accept or choke on:
     a key given twice (the last one would win), integers too long to be meant, values
     YAML cannot construct."""

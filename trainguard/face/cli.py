@@ -40,9 +40,10 @@ from trainguard.client import (
     inject_request,
 )
 from trainguard.domain.messages import PoolState
-from trainguard.domain.spec import JobSpec, SpecError, env_problem, load_spec, parse_spec, shown
+from trainguard.domain.spec import JobSpec, SpecError, env_problem, parse_spec, shown
 from trainguard.services.codec import PayloadKeyError
 from trainguard.services.settings import Settings, SettingsError, state_dir_from_env
+from trainguard.services.spec_file import load_spec
 from trainguard.services.telemetry import TelemetryError
 
 try:  # typer vendors click from 0.2x on

@@ -22,9 +22,9 @@ from rich.console import Console
 from infra.local import bring_up, start_controller
 from infra.stack import Stack
 from trainguard.client import TERMINAL_PHASES, TrainguardClient
-from trainguard.domain.spec import load_spec
 from trainguard.face.cli import _print_status, exit_now
 from trainguard.services.settings import DEFAULT_STATE_DIR, Settings, state_dir_from_env
+from trainguard.services.spec_file import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 console = Console()

@@ -1,8 +1,8 @@
 """The rank's view of its job: process groups, reports to the agent, checkpoints.
 
-Reports travel as JSON lines over a pipe the agent opened for this rank
-(``TG_REPORT_FD``); the agent turns them into progress, checkpoint uploads and,
-later, real-time checks. A report never blocks on the network.
+Reports go to the agent through the rank's reporter (``trainguard.runtime.reporter``, the
+launcher's too); the agent turns them into progress, checkpoint uploads and real-time checks.
+A report never blocks on the network.
 """
 
 from __future__ import annotations
@@ -12,14 +12,11 @@ import math
 import os
 import statistics
 import sys
-import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -32,6 +29,7 @@ from trainguard.domain.topology import GroupKind, all_groups, coords
 from trainguard.runtime import backup, faults, protocol, shardfile
 from trainguard.runtime.env import RankEnv, backup_shard_name
 from trainguard.runtime.grad_flag import GradFlagWatcher
+from trainguard.runtime.reporter import Reporter
 from trainguard.runtime.snapshots import Snapshot, SnapshotPipeline
 from trainguard.runtime.state import param_hash
 from trainguard.runtime.tracked import TrackedState
@@ -45,13 +43,6 @@ VOTE_EVERY_S = 2.0
 VOTE_WARMUP = 5
 VOTE_LAG = 2
 MAX_STRETCH = 10.0
-# Step and own-gradient records wait in the pipe's buffer for up to FLUSH_S: one write (and one
-# wake-up of the agent) per flush instead of two a step. Anything the agent acts on at once (a
-# NaN, a local spike, the attempt's first step, checkpoints, errors) goes at once with what waits.
-FLUSH_S = 0.25
-# An own-gradient norm this many times the rank's recent median is sent before the all-reduce,
-# so the agent sees where a spike started (its spike factor is larger).
-LOCAL_SPIKE_FLUSH = 2.0
 PARAMS_RELIST = 100
 # A report waits at most this long for its step's own-gradient record (the device ran it long ago).
 GRAD_FLAG_WAIT_S = 60.0
@@ -75,14 +66,10 @@ class Context:
         self.target_steps = env.target_steps
         self.start_step = 1 if env.resume_step is None else env.resume_step + 1
         self._groups: dict[GroupKind, dist.ProcessGroup | None] = {}
-        self._report = None
-        if env.report_fd is not None:
-            # Not inherited by the rank's own children (data loader workers): the agent
-            # must see the pipe close when the rank dies.
-            os.set_inheritable(env.report_fd, False)
-            self._report = os.fdopen(env.report_fd, "w", buffering=1 << 16)
-        self._flushed_at = 0.0  # monotonic time of the last write to the pipe
-        self._local_norms: list[float] = []  # this rank's own gradient norms, the newest 20
+        # Step records and own-gradient norms wait for the reporter's flush; what the agent acts on
+        # at once (a NaN, a local spike, the attempt's first and last step, checkpoints, errors)
+        # goes at once, with what waits.
+        self._reporter = Reporter(env.report_fd, env.rank)
         self._params: tuple[weakref.ref[torch.nn.Module], list[torch.nn.Parameter]] | None = None
         self._last_report_t: float | None = None
         self._last_report_cpu = 0.0  # the training thread's CPU time at the last report
@@ -104,7 +91,6 @@ class Context:
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._fence_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
         self._tracked: TrackedState | None = None
-        self._send_lock = threading.Lock()
         # Own-gradient norms on a device are read by a watcher thread (trainguard.runtime.grad_flag);
         # ``defer_grad_flag`` takes that path on the CPU too (tests).
         self.defer_grad_flag = False
@@ -153,24 +139,6 @@ class Context:
         return self._groups[kind]
 
     # -- reports --------------------------------------------------------------
-    def _send(self, record: protocol.Message, hold: bool = False) -> None:
-        """Write ``record`` to the agent: at once, with whatever waits, or (``hold``) with the
-        next flush, at most FLUSH_S from the last."""
-        if self._report is None:
-            return
-        record["rank"] = self.rank
-        record["ts"] = time.time()
-        try:
-            with self._send_lock:  # the snapshot thread reports too
-                self._report.write(protocol.encode(record))
-                mono = time.monotonic()
-                if not hold or mono - self._flushed_at >= FLUSH_S:
-                    self._report.flush()
-                    self._flushed_at = mono
-        except (BrokenPipeError, ValueError):  # ValueError: closed by finish() meanwhile
-            # The agent went away; the rank will be stopped by it or its replacement.
-            self._report = None
-
     def before_sync(self, step: int, model: torch.nn.Module) -> None:
         """Call between backward and the gradient all-reduce (optional, recommended).
 
@@ -212,20 +180,11 @@ class Context:
     def _local_norm(self, step: int, norm: float) -> None:
         """This rank's own gradient norm at ``step``, sent before the all-reduce spreads a NaN or a
         spike to every rank (from the watcher thread where the norm is on a device)."""
-        finite = math.isfinite(norm)
-        recent = self._local_norms
-        urgent = not finite or (len(recent) >= 5 and norm > LOCAL_SPIKE_FLUSH * statistics.median(recent))
-        if finite:
-            self._local_norms = [*recent[-19:], norm]
-        if not urgent:
+        riding = self._reporter.own_grad_norm(step, norm)
+        if riding is not None:
             # Nothing to act on before the all-reduce: it rides on the step's record (one record a
             # step for the rank to write and the agent to read, not two).
-            self._local["local_grad_norm"] = norm
-            return
-        local: protocol.Local = {"t": "local", "step": step, "local_grad_norm": norm if finite else None}
-        if not finite:
-            local["local_nonfinite"] = True
-        self._send(local)
+            self._local["local_grad_norm"] = riding
 
     def _params_of(self, model: torch.nn.Module, step: int) -> list[torch.nn.Parameter]:
         """``model``'s parameters, listed again only for another model or every PARAMS_RELIST
@@ -237,7 +196,7 @@ class Context:
 
     def _fault_fired(self, fault: dict[str, Any]) -> None:
         self._faults.used.add(str(fault.get("id")))
-        self._send(protocol.Fault(t="fault", id=fault.get("id"), fault=fault.get("fault")))
+        self._reporter.fault_fired(fault)
 
     def _median_step_s(self) -> float:
         return statistics.median(self._step_times) if self._step_times else 0.1
@@ -280,7 +239,7 @@ class Context:
         # The attempt's first step, the last and a NaN go at once: the job is back, done, or broken.
         last = self.target_steps is not None and step >= self.target_steps
         finite = all(math.isfinite(v) for v in (rec.get("loss"), rec.get("grad_norm")) if v is not None)
-        self._send(rec, hold=step_time is not None and not last and finite)
+        self._reporter.send(rec, hold=step_time is not None and not last and finite)
         self._report_s = time.monotonic() - now
 
     # -- the snapshot interval ---------------------------------------------------
@@ -338,7 +297,7 @@ class Context:
             persist = protection.persist_stride(agreed, env.persist_every, step_us / 1e6, env.persist_every_s)
             if agreed > 0 and ((agreed, persist) != (self._every, self._persist) or not self._announced):
                 self._every, self._persist, self._announced = agreed, persist, True
-                self._send(
+                self._reporter.send(
                     protocol.Interval(
                         t="interval",
                         step=step,
@@ -402,7 +361,7 @@ class Context:
         if self.env.resume_step is None:
             return None
         state = shardfile.load_shard(self._shard_path(self.env.resume_step))
-        self._send(protocol.Restored(t="restored", step=self.env.resume_step))
+        self._reporter.send(protocol.Restored(t="restored", step=self.env.resume_step))
         return state
 
     def should_save(self, step: int) -> bool:
@@ -504,10 +463,10 @@ class Context:
                 sha256=digest,
             )
             for of_rank, (size, sha) in got.items():
-                self._send(
+                self._reporter.send(
                     protocol.Backup(t="backup", step=snap.step, of_rank=of_rank, bytes=size, sha256=sha)
                 )
-        self._send(
+        self._reporter.send(
             protocol.Ckpt(
                 t="ckpt",
                 step=snap.step,
@@ -532,29 +491,12 @@ class Context:
         self._fence_hook.remove()
         if self._grad_flags is not None:
             self._grad_flags.close()  # every record it had is sent
-        self._send(protocol.Final(t="final", step=self.target_steps, param_hash=param_hash))
+        self._reporter.send(protocol.Final(t="final", step=self.target_steps, param_hash=param_hash))
         if dist.is_initialized():
             dist.barrier()
             if self._owns_group:  # an adopted group is its framework's to destroy
                 dist.destroy_process_group()
-        if self._report is not None:
-            self._report.close()
-            self._report = None
-
-
-def _report_fatal_errors(ctx: Context) -> None:
-    """Send an uncaught exception to the agent before the interpreter unwinds: exiting
-    a process with torch loaded takes a second or more, the report takes microseconds."""
-    previous = sys.excepthook
-
-    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        ctx._send(protocol.Error(t="error", traceback=text[-8000:]))
-        if ctx._report is not None:
-            ctx._report.flush()
-        previous(exc_type, exc, tb)
-
-    sys.excepthook = hook
+        self._reporter.close()
 
 
 class RendezvousError(RuntimeError):
@@ -645,6 +587,6 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> Context:
     ctx._make_groups()
     if env.restore_peers and env.resume_step is not None:
         ctx._restore_from_peers()
-    ctx._send(protocol.Start(t="start", pid=os.getpid(), start_step=ctx.start_step))
-    _report_fatal_errors(ctx)
+    ctx._reporter.send(protocol.Start(t="start", pid=os.getpid(), start_step=ctx.start_step))
+    ctx._reporter.report_fatal_errors()
     return ctx

@@ -11,7 +11,7 @@ runs the script as ``python SCRIPT ARGS`` would, after installing, when torch is
 - a non-finite gradient check at each optimizer step: a flag kept on the gradients' device (no
   synchronisation per step), read at the reporting cadence; a step a GradScaler skipped never
   reaches the optimizer, so it is never flagged; DTensor gradients are checked by their local shard;
-- the uncaught-exception report the runtime sends (``error``), before the interpreter unwinds;
+- the uncaught-exception report (``error``), before the interpreter unwinds;
 - the drill faults of ``trainguard inject`` (``TG_FAULT_FILE``), acting at the optimizer step;
 - a liveness look every ``LIVE_EVERY_S``: when no optimizer step came since the last look but the
   main thread's Python stack moved (frames and their instruction offsets differ), the rank works
@@ -20,9 +20,10 @@ runs the script as ``python SCRIPT ARGS`` would, after installing, when torch is
   whenever the counter grew: ranks waiting at a barrier while rank 0 evaluates are not hung. A
   hung job (everyone blocked in one C call: a collective, a kernel, a lock) moves nowhere.
 
-Self-contained: this file imports only the standard library, torch and its sibling ``faults.py``
-(loaded by path when trainguard is not installed), so the agent can run it with any interpreter:
-the user's own venv or image. The messages are those of ``trainguard.runtime.protocol``.
+Self-contained: this file imports only the standard library, torch and its siblings
+``protocol.py``, ``reporter.py`` and ``faults.py`` (loaded by path when trainguard is not
+installed), so the agent can run it with any interpreter: the user's own venv or image. It reports
+through ``trainguard.runtime.reporter``, as the runtime does: the same records, written alike.
 
 Step counting: a step is one ``step()`` of the first optimizer that steps (a second optimizer
 stepping in the same training step does not count twice). The count starts from the optimizer's
@@ -34,22 +35,21 @@ the optimizer once to make its state) moves the count forward. Either way the st
 an attempt only grow.
 
 A script that calls ``trainguard.runtime.init()`` gets the runtime's reports instead: the runtime
-calls :func:`stand_down` and this launcher sends nothing more.
+calls :func:`stand_down` and this launcher sends nothing more (its exception report included).
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import importlib
 import importlib.util
-import json
 import os
 import runpy
 import sys
 import threading
 import time
-import traceback
-from types import ModuleType, TracebackType
+from types import ModuleType
 from typing import Any
 
 # Reports are sent at most this often (and at exit): a pipe write per step would cost more than
@@ -62,6 +62,28 @@ ALIVE_KEY = "trainguard/alive"
 # The name other modules (the runtime) find this launcher under, however it was started.
 MODULE_NAME = "_trainguard_launch"
 FLAGS = ("-u", "-B", "-s", "-E")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _sibling(name: str) -> ModuleType:
+    """``trainguard.runtime.<name>``, or, where trainguard is not installed (the script's own
+    interpreter), the file beside this one, loaded by path as ``_trainguard_<name>``."""
+    try:
+        return importlib.import_module(f"trainguard.runtime.{name}")
+    except ImportError:
+        pass
+    alias = f"_trainguard_{name}"
+    if alias not in sys.modules:
+        spec = importlib.util.spec_from_file_location(alias, os.path.join(HERE, f"{name}.py"))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[alias] = module
+        spec.loader.exec_module(module)
+    return sys.modules[alias]
+
+
+protocol = _sibling("protocol")  # first: the reporter imports it, by that name where loaded by path
+reporter = _sibling("reporter")
 
 
 class _Params:
@@ -96,11 +118,9 @@ def _group_store() -> Any:
 
 class Launcher:
     def __init__(self, fd: int, rank: int) -> None:
-        os.set_inheritable(fd, False)  # the pipe must close when the rank dies, not its children
-        self.fd = fd
+        self.reporter = reporter.Reporter(fd, rank)
         self.rank = rank
         self.active = True
-        self.lock = threading.Lock()
         self.counted: int | None = None  # id of the optimizer whose steps count
         self.step = 0
         self.reported_step = 0
@@ -110,18 +130,6 @@ class Launcher:
         self.fault_file: Any = None
         self.step_times: list[float] = []
         self.hooks: list[Any] = []
-
-    # -- pipe -------------------------------------------------------------------
-    def send(self, rec: dict[str, Any]) -> None:
-        if self.fd < 0:
-            return
-        rec["rank"] = self.rank
-        rec["ts"] = time.time()
-        try:
-            with self.lock:
-                os.write(self.fd, (json.dumps(rec) + "\n").encode())
-        except OSError:  # the agent went away; it (or its replacement) stops this rank
-            self.fd = -1
 
     # -- optimizer hooks ----------------------------------------------------------
     def install(self, torch: ModuleType) -> None:
@@ -166,16 +174,7 @@ class Launcher:
         path = os.environ.get("TG_FAULT_FILE")
         if not path:
             return
-        try:
-            from trainguard.runtime import faults
-        except ImportError:  # another Python environment: the sibling file, by path
-            where = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults.py")
-            spec = importlib.util.spec_from_file_location("_trainguard_faults", where)
-            if spec is None or spec.loader is None:
-                return
-            faults = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(faults)
-        self.faults = faults
+        faults = self.faults = _sibling("faults")  # it imports torch: only where drills stand
         self.fault_file = faults.FaultFile(path, self.rank)
 
     def _counts(self, optimizer: Any) -> bool:
@@ -195,7 +194,7 @@ class Launcher:
 
     def _fired(self, fault: dict[str, Any]) -> None:
         self.fault_file.used.add(str(fault.get("id")))
-        self.send({"t": "fault", "id": fault.get("id"), "fault": fault.get("fault")})
+        self.reporter.fault_fired(fault)
 
     def _check_grads(self, optimizer: Any) -> None:
         torch = self.torch
@@ -260,11 +259,11 @@ class Launcher:
             bad = bool(self.nonfinite.item())  # the one synchronisation, at the reporting cadence
             self.nonfinite = None
             if bad:
-                self.send({"t": "local", "step": self.step, "local_grad_norm": None, "local_nonfinite": True})
+                self.reporter.non_finite(self.step)
         step_time = (now - self.last_report_t) / done if self.reported_step else None
         if step_time is not None:
             self.step_times = [*self.step_times[-19:], step_time]
-        self.send({"t": "step", "step": self.step, "step_time_s": step_time})
+        self.reporter.send(protocol.Step(t="step", step=self.step, step_time_s=step_time))
         self.reported_step = self.step
         self.last_report_t = now
 
@@ -275,7 +274,7 @@ class Launcher:
     def _liveness(self) -> None:
         main = threading.main_thread().ident
         state: dict[str, Any] = {"sig": None, "count": None, "step": -1}
-        while self.active and self.fd >= 0:
+        while self.active and self.reporter.open:
             time.sleep(LIVE_EVERY_S)
             try:
                 self._look(main, state)
@@ -298,31 +297,21 @@ class Launcher:
         # Not before the group exists or a step came: a rank moving through its imports and
         # then waiting for its peers' rendezvous is starting, not hung.
         if alive and not stepped and self.active and (store is not None or self.step > 0):
-            self.send({"t": "alive"})
+            self.reporter.send(protocol.Alive(t="alive"))
 
     def stand_down(self) -> None:
-        """The script joined through trainguard.runtime: its reports are the runtime's."""
+        """The script joined through trainguard.runtime: its reports are the runtime's, from the
+        runtime's own reporter on the same pipe."""
         self.active = False
+        self.reporter.hand_over()
         for h in self.hooks:
             h.remove()
         self.hooks = []
 
-    # -- errors -------------------------------------------------------------------
-    def report_fatal_errors(self) -> None:
-        previous = sys.excepthook
-
-        def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-            if self.active:
-                text = "".join(traceback.format_exception(exc_type, exc, tb))
-                self.send({"t": "error", "traceback": text[-8000:]})
-            previous(exc_type, exc, tb)
-
-        sys.excepthook = hook
-
     def at_exit(self) -> None:
         if self.active:
             self.report()
-            self.send({"t": "exiting"})
+            self.reporter.send(protocol.Exiting(t="exiting"))
 
 
 _launcher: Launcher | None = None
@@ -338,7 +327,7 @@ def install() -> Launcher | None:
         return None
     launcher = Launcher(int(fd), int(os.environ.get("RANK", "0")))
     sys.modules.setdefault(MODULE_NAME, sys.modules[__name__])
-    launcher.report_fatal_errors()
+    launcher.reporter.report_fatal_errors()
     launcher.start_liveness()
     try:
         import torch
@@ -378,8 +367,7 @@ def run_target(argv: list[str]) -> None:
 
 def main() -> None:
     # This file's directory (trainguard/runtime) must not shadow the script's imports.
-    here = os.path.dirname(os.path.abspath(__file__))
-    if sys.path and os.path.abspath(sys.path[0] or ".") == here:
+    if sys.path and os.path.abspath(sys.path[0] or ".") == HERE:
         sys.path.pop(0)
     install()
     run_target(sys.argv[1:])

@@ -1,9 +1,11 @@
 """The report pipe between a rank and its machine's agent: one JSON object per line, rank to
 agent, each with its kind in ``t`` and the sender's ``rank`` and ``ts`` (time.time()).
 
-The rank side (``trainguard.runtime.context``) writes them, the agent side
-(``activities.rank_session``, and the torchrun drill's reader) reads them; both import the
-shapes from here. TypedDicts: plain dicts on the wire and in memory, no import cost in a rank.
+The rank side writes them through ``trainguard.runtime.reporter`` (the launcher's reports and the
+runtime's alike), the agent side (``activities.session.reports``, and the torchrun drill's reader)
+reads them; both take the shapes from here. TypedDicts: plain dicts on the wire and in memory, no
+import cost in a rank. The standard library only: the launcher loads this file by path where
+trainguard is not installed.
 """
 
 from __future__ import annotations

@@ -147,14 +147,31 @@ class S3Store:
             raise
         return ObjectInfo(key=key, size=int(r["ContentLength"]))
 
-    def list(self, prefix: str) -> list[ObjectInfo]:
+    def list(self, prefix: str, first: str = "", last: str = "") -> list[ObjectInfo]:
+        """Objects under ``prefix``; with ``first``/``last``, only keys from ``first`` to ``last``
+        (S3 lists in lexical order, so the listing starts at ``first`` and stops past ``last``:
+        one group's shards of a step, not the whole step)."""
         out: list[ObjectInfo] = []
-        for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
-            out.extend(
-                ObjectInfo(key=o["Key"], size=int(o["Size"]), etag=o.get("ETag", ""))
-                for o in page.get("Contents", [])
-            )
+        # StartAfter is exclusive: ``first`` less its last character sorts just before it.
+        start = {"StartAfter": first[:-1]} if first else {}
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=prefix, **start
+        )
+        for page in pages:
+            for o in page.get("Contents", []):
+                key = o["Key"]
+                if last and key > last:
+                    return out
+                if key >= first:
+                    out.append(ObjectInfo(key=key, size=int(o["Size"]), etag=o.get("ETag", "")))
         return out
+
+    def key_of(self, uri: str) -> str:
+        """The key of an ``s3://`` URI of this store's bucket (the inverse of :meth:`uri`)."""
+        head = f"s3://{self.bucket}/"
+        if not uri.startswith(head):
+            raise ValueError(f"{uri} is not in bucket {self.bucket}")
+        return uri[len(head) :]
 
     def delete(self, keys: list[str]) -> None:
         for i in range(0, len(keys), 1000):

@@ -1,9 +1,10 @@
 """The job under trainguard: the workflow's incident handling, step by step, in simulated time.
 
-Follows ``workflows.job.recovery.Recovery.recover``: detection, stopping the ranks (and
-for a hang, taking every rank's stack), :func:`trainguard.domain.policy.decide`, the
-diagnosis it asks for ending in the matching ``outcome_after_*`` decision,
-:func:`~trainguard.domain.policy.record_incident`, then acting: evict through the pool
+Runs the decision sequence the workflow's ``Recovery.recover`` runs
+(:mod:`trainguard.domain.recovery`): detection, stopping the ranks (and for a hang, taking every
+rank's stack), :func:`~trainguard.domain.policy.decide`, the diagnosis it asks for ending in the
+matching ``outcome_after_*`` decision, :func:`~trainguard.domain.recovery.conclude`, then
+acting: evict through the pool
 (all or nothing; when the pool is short the job restarts on the same machines,
 as the workflow does), reattempt, roll back, or stop with a verdict (a person
 then resubmits). Restarts restore the per-step memory snapshot (a peer's backup
@@ -29,16 +30,19 @@ from trainguard.domain.policy import (
     Decision,
     IncidentFacts,
     JobHistory,
-    PolicyConfig,
     apply_code_version,
     decide,
     mark_progress,
-    outcome_after_alignment,
     outcome_after_checks,
     outcome_after_replay,
-    outcome_after_stacks,
-    record_incident,
     start_over,
+)
+from trainguard.domain.recovery import (
+    alignment_outcome,
+    check_targets,
+    conclude,
+    policy_config,
+    stacks_outcome,
 )
 from trainguard.domain.spec import Topology
 from trainguard.domain.topology import place_ranks
@@ -77,13 +81,7 @@ class TrainguardJob(JobSim):
 
     def __init__(self, trace: Trace, cfg: SimConfig) -> None:
         super().__init__(trace, cfg, checkpoint_fraction=cfg.snapshot_cost_fraction)
-        det = cfg.detection
-        # As the workflow builds it from the job's detection spec.
-        self.policy_cfg = PolicyConfig(
-            evict_confidence=det.evict_confidence,
-            max_recoveries_without_progress=det.max_attempts,
-            reattempt_first=det.reattempt_first,
-        )
+        self.policy_cfg = policy_config(cfg.detection)
         self.history = JobHistory(
             code_versions=[CodeVersion(version="v1", note="submitted")], current_version="v1"
         )
@@ -176,13 +174,12 @@ class TrainguardJob(JobSim):
             error_class=v.error_class,
             code_location=v.code_location,
         )
-        decisions = [decide(facts, self.history, self.policy_cfg)]
-        follow, seconds = self._diagnose(decisions[0], occ, stuck)
-        if follow is not None:
-            decisions.append(follow)
+        first = decide(facts, self.history, self.policy_cfg)
+        follow, seconds = self._diagnose(first, occ, stuck)
         self.tl.spend("diagnosis", diagnosis + seconds)
-        self.history = record_incident(self.history, facts, decisions)
-        final = decisions[-1]
+        done = conclude(facts, self.history, first, follow)
+        self.history = done.history
+        final = done.final
         self.resolutions[final.rung] += 1
         if final.action == "stop":
             self._resubmit()
@@ -190,7 +187,7 @@ class TrainguardJob(JobSim):
         if final.action == "rollback":
             self.rollbacks += 1
         recovery = cfg.restart_s
-        if final.action == "evict" and self._evict(final.machines, confirmed=final.rung != "stacks-culprit"):
+        if final.action == "evict" and self._evict(final.machines, confirmed=done.confirmed):
             recovery = cfg.evict_restart_s
         self._resume("recovery", recovery, self._memory_step())
 
@@ -202,20 +199,15 @@ class TrainguardJob(JobSim):
         if decision.action == "stop-time-checks":
             return self._stop_time_checks(decision)
         if decision.action == "stack-aggregation":
-            # Stacks were taken while the hung ranks stood; fail-slow rounds named the slow machine.
-            machines = stuck or ([self.name(occ.machine)] if occ.variant.kind == "slow" else [])
-            return outcome_after_stacks(machines, "simulated stacks"), cfg.decide_s
+            found = stacks_outcome(stuck or [], occ.variant.kind, self.name(occ.machine), "simulated stacks")
+            return found, cfg.decide_s
         if decision.action == "alignment-test":
             hashes: dict[str, str | None] = {self.name(m): "agree" for m in self.slots}
             for d in self.in_job_defects():
                 if d.variant.kind in self.policy_cfg.numeric_kinds and d.found_by_test():
                     assert d.machine is not None
                     hashes[self.name(d.machine)] = None if d.variant.down else "differs"
-            hashes["(exact reference)"] = "agree"
-            follow = outcome_after_alignment(hashes)
-            if follow.action == "evict":
-                follow = follow.model_copy(update={"machines": [m for m in follow.machines if m in hashes]})
-            return follow, cfg.alignment_s + cfg.fanout_s
+            return alignment_outcome(hashes, "agree"), cfg.alignment_s + cfg.fanout_s
         if decision.action == "replay":
             return self._replay(), cfg.replay_s
         if decision.action == "rollback":
@@ -226,7 +218,7 @@ class TrainguardJob(JobSim):
         """Self-test and intra-machine collective on the suspects, then pairwise rounds over the
         job's machines, stopping at the first stage that names one (``_stop_time_checks``)."""
         cfg = self.cfg
-        targets = set(decision.suspects) if decision.scope == "suspects" and decision.suspects else None
+        targets = check_targets(decision)
         defects = self.in_job_defects()
         failed = [
             self.name(d.machine)  # type: ignore[arg-type]

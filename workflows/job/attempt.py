@@ -8,17 +8,19 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, CancelledError, TimeoutType
-from temporalio.exceptions import TimeoutError as ActivityTimeout
+from temporalio.exceptions import ActivityError, CancelledError
 
 from trainguard.contract import calls
-from workflows.job import patches
+from workflows.job import fanout, patches
+from workflows.job.grouped import Groups, is_large
 from workflows.job.outcome import (
     AttemptOutcome,
     Handles,
+    Settle,
     cancel_all,
     collect_failure,
     failed,
+    heartbeat_lost,
     hung,
     localize_hang,
     stop_request,
@@ -62,7 +64,7 @@ async def latest_checkpoint(s: JobState, attempt: int | None = None) -> Checkpoi
             job_id=spec.name,
             prefix=spec.checkpoint.s3_prefix,
             world_size=spec.world_size,
-            max_step=s.max_resume_step,
+            max_step=s.bounds.max_resume_step,
             attempt=attempt,
         )
     )
@@ -84,22 +86,28 @@ class Attempt:
         self.progress = progress
         self.stopping = stopping  # the user asked the job to stop
         self.cancelled = cancelled  # ... at once (`cancel`): no wait for the commits in flight
+        self.groups = Groups(inp, s, progress)  # a large job's groups of machines
+        # A large job's failed attempt decided before every machine answered: waits for them.
+        self.settle: Settle | None = None
 
     async def begin(self) -> None:
         """The restore point (memory, a peer's backup or S3) and the rendezvous for a new attempt."""
         s, spec = self.s, self.s.spec
-        if s.pending_update is not None:
+        if s.code.pending is not None:
             # Nothing runs between attempts: an urgent, due or lazy update takes effect now.
-            apply_version(s, s.pending_update.event)
-        if s.suspect_attempt == s.attempt:
-            # The corrupt attempt is over: every step it reached (it may have trained on while
-            # the corruption was diagnosed) may be in a checkpoint.
-            s.suspect_until = max(s.suspect_until or 0, s.ledger.high_water_step)
+            apply_version(s, s.code.pending.event)
+        s.bounds.attempt_over(s.attempt, s.ledger.high_water_step)
         s.attempt += 1
         s.progress_at_attempt_start = s.ledger.high_water_step
         resume = await latest_checkpoint(s, s.attempt)
+        kept = self.progress.snapshots()
         in_memory = checkpoints.memory_restore_point(
-            s.memory, [n.name for n in s.nodes], spec.ranks_per_node, spec.name, s.max_resume_step, s.backups
+            kept.memory,
+            [n.name for n in s.nodes],
+            spec.ranks_per_node,
+            spec.name,
+            s.bounds.max_resume_step,
+            kept.backups,
         )
         peers: dict[int, tuple[int, str]] = {}
         if in_memory is not None and (
@@ -124,9 +132,8 @@ class Attempt:
         )
         s.step = resume.step if resume else 0
         s.resumed_from_step = resume.step if resume else None
-        s.compute_s, s.slow_suspect, s.slow_rounds = {}, None, 0
-        s.ckpt_block_s, s.protection_s = {}, {}
-        s.replica_hashes = {}
+        for part in (s.slow, s.protection, s.replicas):
+            part.new_attempt()
         if s.incidents and s.incidents[-1].attempt == s.attempt - 1:
             # Steps reached before the failure that must be computed again.
             s.incidents[-1].relaunched(
@@ -148,7 +155,7 @@ class Attempt:
             node=self.s.nodes[index],
             node_index=index,
             ranks=ranks_on(index, spec.ranks_per_node),
-            spec=spec_for(spec, self.s.releases[self.s.code_version]),
+            spec=spec_for(spec, self.s.code.release()),
             master=run.master,
             ckpt_prefix=checkpoints.job_prefix(spec.checkpoint.s3_prefix, spec.name),
             resume=run.resume,
@@ -171,25 +178,13 @@ class Attempt:
             summary=f"{node.name}: ranks {inp.ranks[0]}-{inp.ranks[-1]} (attempt {inp.attempt})",
         )
 
-    @staticmethod
-    def _heartbeat_lost(h: workflow.ActivityHandle[RunRanksResult]) -> bool:
-        """Whether ``h`` ended because the server heard no heartbeat in time."""
-        if not h.done():
-            return False
-        try:
-            h.result()
-        except ActivityError as err:
-            cause = err.cause
-            return isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.HEARTBEAT
-        return False
-
     def _reattach(self, handles: Handles, reattached: dict[str, int]) -> bool:
         """Ask machines whose heartbeats timed out to re-attach to their ranks; True if any was.
 
         An agent that is alive picks it up at once and adopts the ranks it kept running; a dead
         one lets it time out in ``REATTACH_PICKUP_S``, and a restarted one answers that its
         ranks are gone: both then count as lost."""
-        lost = [name for name, h in handles.items() if self._heartbeat_lost(h)]
+        lost = [name for name, h in handles.items() if heartbeat_lost(h)]
         lost = [name for name in lost if reattached.get(name, 0) < MAX_REATTACH]
         if not lost or not workflow.patched(patches.REATTACH):
             return False
@@ -209,6 +204,8 @@ class Attempt:
         return frozenset(n for n, at in self.reattached_at.items() if n not in seen or seen[n] < at)
 
     async def run(self, attach: bool) -> AttemptOutcome:
+        if is_large(self.s, self.inp) and workflow.patched(patches.GROUPS):
+            return await self._run_groups(attach)
         self.reattached_at: dict[str, datetime] = {}
         handles = {node.name: self._start_ranks(i, attach) for i, node in enumerate(self.s.nodes)}
         reattached: dict[str, int] = {}
@@ -249,28 +246,73 @@ class Attempt:
             if history_full(self.inp):
                 return AttemptOutcome(kind="continue")
 
+    async def _run_groups(self, attach: bool) -> AttemptOutcome:
+        """As ``run``, for a job of more machines than a group: through its groups."""
+        groups, progress = self.groups, self.progress
+        progress.transient = True
+        progress.groups = len(groups.ranges())
+        run = self.s.running
+        assert run is not None
+        groups.attempt = run.attempt
+        if not attach:
+            await groups.start(self._ranks_input(0, attach=False))
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(
+                    lambda: (
+                        bool(groups.inbox)
+                        or bool(progress.inbox)
+                        or self.stopping()
+                        or progress.found is not None
+                        or history_full(self.inp)
+                        or self.update_due()
+                    ),
+                    timeout=self._until_update_due(),
+                )
+            groups.drain()
+            if self.stopping():
+                at_once = self.cancelled()
+                limit = None if at_once else calls.PERSIST_AT_STOP_LIMIT.total_seconds()
+                await groups.stop(persist=not at_once, limit_s=limit)
+                for r in groups.results():
+                    progress.note_memory(r)
+                progress.drain()
+                if not at_once:
+                    await progress.wait_commits()
+                return AttemptOutcome(kind="stopped")
+            if self.update_due() and not groups.failing():
+                self._force_update()
+                self.vis.set_phase("recovering")
+                await groups.stop()
+                for r in groups.results():
+                    progress.note_memory(r)
+                self.s.running = None
+                return AttemptOutcome(kind="update")
+            if progress.found is not None or groups.failing():
+                finding = await localize_hang(self.s, self.vis) if groups.hung() else None
+                outcome, self.settle = await groups.collect_failure(finding)
+                return outcome
+            if groups.all_done():
+                return AttemptOutcome(kind="completed", results=groups.results())
+            if history_full(self.inp) and not groups.done:
+                return AttemptOutcome(kind="continue")
+
     def update_due(self) -> bool:
-        p = self.s.pending_update
-        return p is not None and workflow.now() >= p.deadline
+        return self.s.code.due(workflow.now())
 
     def _until_update_due(self) -> timedelta | None:
-        p = self.s.pending_update
-        if p is None or p.event.how == "urgent":
-            return None
-        return max(p.deadline - workflow.now(), timedelta(seconds=1))
+        return self.s.code.until_due(workflow.now())
 
     async def _stop_for_update(self, handles: Handles) -> AttemptOutcome:
         """Stop the ranks for a code update, keeping the checkpoints they already sent."""
-        p = self.s.pending_update
-        assert p is not None
-        if p.event.how == "lazy":
-            # Its window passed without a recovery: forced now.
-            forced = p.event.model_copy(update={"how": "forced"})
-            self.s.pending_update = p.model_copy(update={"event": forced})
+        self._force_update()
         self.vis.set_phase("recovering")
         await self.stop_ranks_now(handles, wait_commits=False)
         self.s.running = None
         return AttemptOutcome(kind="update")
+
+    def _force_update(self) -> None:
+        self.s.code.force()
 
     async def stop_ranks_now(
         self, handles: Handles, wait_commits: bool = True, persist: bool = False
@@ -282,7 +324,7 @@ class Attempt:
         # Directly: a cancellation reaches the agents only with their next heartbeat, seconds later.
         req = stop_request(self.s, run.attempt, persist=persist)
         bound = {"start_to_close": calls.PERSIST_AT_STOP_LIMIT} if persist else {}
-        await calls.on_machines(calls.stop_ranks, req, self.s.nodes, **bound)
+        await fanout.on_machines(calls.stop_ranks, req, self.s.nodes, **bound)
         await cancel_all(handles)
         for h in handles.values():
             # Machines whose ranks stop_ranks ended returned a result: it names their snapshots.

@@ -12,7 +12,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 from trainguard.contract import calls
-from workflows.job import patches
+from workflows.job import fanout, patches
 from workflows.job.attempt import latest_checkpoint
 from workflows.job.outcome import AttemptOutcome, stop_request
 
@@ -34,13 +34,8 @@ with workflow.unsafe.imports_passed_through():
         RunRanksInput,
         RunRanksResult,
     )
-    from trainguard.domain.policy import (
-        Decision,
-        outcome_after_alignment,
-        outcome_after_checks,
-        outcome_after_replay,
-        outcome_after_stacks,
-    )
+    from trainguard.domain.policy import Decision, outcome_after_checks, outcome_after_replay
+    from trainguard.domain.recovery import alignment_outcome, check_targets, stacks_outcome
     from trainguard.domain.topology import ranks_on
 
 
@@ -74,20 +69,12 @@ class Diagnosis:
         if decision.action == "replay":
             return await self._replay(attempt)
         if decision.action == "stack-aggregation":
-            # Stacks were taken while the hung ranks still stood; fail-slow rounds named the machine.
-            machines = outcome.evict or ([primary.node] if primary.kind == "slow" else [])
-            return outcome_after_stacks(machines, primary.evidence[-300:])
+            # Stacks were taken while the hung ranks still stood: the attempt's outcome names them.
+            return stacks_outcome(outcome.evict, primary.kind, primary.node, primary.evidence[-300:])
         if decision.action == "alignment-test":
-            results = await calls.on_machines(calls.alignment_test, req, self.s.nodes)
-            hashes: dict[str, str | None] = {r.node: r.digest for r in results}
+            results = await fanout.on_machines(calls.alignment_test, req, self.s.nodes)
             reference = next((r.reference for r in results if r.reference), None)
-            if reference is not None:
-                # The exact answer votes too: with two machines, it breaks the tie.
-                hashes["(exact reference)"] = reference
-            follow = outcome_after_alignment(hashes)
-            if follow.action == "evict":
-                follow = follow.model_copy(update={"machines": [m for m in follow.machines if m in hashes]})
-            return follow
+            return alignment_outcome({r.node: r.digest for r in results}, reference)
         return None
 
     async def _stop_time_checks(self, decision: Decision, req: DiagnosticInput) -> Decision:
@@ -95,7 +82,7 @@ class Diagnosis:
         self-test, the intra-machine collective (both on the suspects), then pairwise
         inter-machine rounds over the job's machines."""
         nodes = self.s.nodes
-        targets = decision.suspects if decision.scope == "suspects" and decision.suspects else None
+        targets = check_targets(decision)
         failed, details = await self._alone(req, targets)
         stragglers: list[str] = []
         links: list[tuple[str, str]] = []
@@ -124,11 +111,11 @@ class Diagnosis:
         """The checks a machine passes or fails by itself: the compute self-test, then the
         intra-machine collective (where it has more than one rank). Failed machines, details."""
         nodes = self.s.nodes
-        results = await calls.on_machines(calls.self_test, req, nodes, only=only)
+        results = await fanout.on_machines(calls.self_test, req, nodes, only=only)
         failed = [r.node for r in results if not r.passed]
         details = ["self-test: " + "; ".join(f"{r.node}: {r.evidence}" for r in results)]
         if not failed and req.local_world > 1:
-            results = await calls.on_machines(calls.collective_test, req, nodes, only=only)
+            results = await fanout.on_machines(calls.collective_test, req, nodes, only=only)
             failed = [r.node for r in results if not r.passed]
             details.append(
                 "intra-machine collective: " + "; ".join(f"{r.node}: {r.evidence}" for r in results)
@@ -181,6 +168,13 @@ class Diagnosis:
         failing row and column cross at the faulty machine."""
         spec = self.s.spec
         per_replica, rpn = spec.topology.tp * spec.topology.pp, spec.ranks_per_node
+        if len(self.s.nodes) > self.inp.group_size:
+            # Every machine at once from here, and a checkpoint by parts lists no shard to restore.
+            return Decision(
+                action="reattempt",
+                rung="replay-clean",
+                evidence=f"replay: not run on a job of more than {self.inp.group_size} machines",
+            )
         if per_replica % rpn and rpn % per_replica:
             return Decision(
                 action="reattempt",
@@ -213,7 +207,7 @@ class Diagnosis:
         index = {n.name: i for i, n in enumerate(self.s.nodes)}
         nodes = [self.s.nodes[index[m]] for m in machines]
         start = resume.step if resume else 0
-        group_spec = spec_for(spec, self.s.releases[self.s.code_version]).model_copy(
+        group_spec = spec_for(spec, self.s.code.release()).model_copy(
             update={
                 "nodes": len(nodes),
                 "topology": spec.topology.model_copy(
@@ -255,7 +249,7 @@ class Diagnosis:
         ]
         results: list[RunRanksResult | BaseException] = await asyncio.gather(*runs, return_exceptions=True)
         # Ranks kept alive after a hang (for their stacks) are not needed here.
-        await calls.on_machines(
+        await fanout.on_machines(
             calls.stop_ranks, stop_request(self.s, tag, job_id), self.s.nodes, only=machines
         )
         bad = []

@@ -5,13 +5,15 @@ waiting for every machine's outcome lets the cause outrank its consequences)."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, CancelledError
+from temporalio.exceptions import ActivityError, CancelledError, TimeoutType
+from temporalio.exceptions import TimeoutError as ActivityTimeout
 
 from trainguard.contract import calls
-from workflows.job import patches
+from workflows.job import fanout, patches
 from workflows.job.progress import Progress
 from workflows.job.visibility import Visibility
 
@@ -52,6 +54,10 @@ class AttemptOutcome(BaseModel):
     evict: list[str] = []
 
 
+# Waits until every machine of a failed attempt answered: the outcome with all their results.
+Settle = Callable[[], Awaitable[AttemptOutcome]]
+
+
 def stop_request(
     s: JobState, attempt: int, job_id: str | None = None, persist: bool = False
 ) -> StopRanksInput:
@@ -64,9 +70,15 @@ def stop_request(
     )
 
 
-def machine_lost(node: str, err: ActivityError) -> IncidentReport:
+def what_failed(err: ActivityError) -> str:
+    """What an activity's error says of the machine: its cause, named."""
     cause = err.cause
-    what = f"{type(cause).__name__}: {cause}" if cause is not None else str(err)
+    return f"{type(cause).__name__}: {cause}" if cause is not None else str(err)
+
+
+def machine_lost(node: str, err: ActivityError | str) -> IncidentReport:
+    """``node``'s agent stopped answering: ``err`` is its activity's error (or what it said)."""
+    what = err if isinstance(err, str) else what_failed(err)
     return IncidentReport(
         kind="machine-lost",
         node=node,
@@ -75,6 +87,18 @@ def machine_lost(node: str, err: ActivityError) -> IncidentReport:
         origin=True,
         detected_at=workflow.now(),
     )
+
+
+def heartbeat_lost(h: workflow.ActivityHandle[RunRanksResult]) -> bool:
+    """Whether ``h`` ended because the server heard no heartbeat in time."""
+    if not h.done():
+        return False
+    try:
+        h.result()
+    except ActivityError as err:
+        cause = err.cause
+        return isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.HEARTBEAT
+    return False
 
 
 def failed(h: workflow.ActivityHandle[RunRanksResult]) -> bool:
@@ -136,7 +160,7 @@ async def localize_hang(s: JobState, vis: Visibility) -> StackFinding:
     run = s.running
     assert run is not None
     prefix = checkpoints.job_prefix(spec.checkpoint.s3_prefix, spec.name)
-    dumps = await calls.on_machines(
+    dumps = await fanout.on_machines(
         calls.dump_stacks, StackInput(job_id=spec.name, attempt=run.attempt, prefix=prefix), s.nodes
     )
     return await calls.localize_stacks(
@@ -151,7 +175,7 @@ async def localize_hang(s: JobState, vis: Visibility) -> StackFinding:
 
 async def stop_silent(s: JobState, attempt: int, only: list[str]) -> set[str]:
     """``stop_ranks`` on the machines ``only`` names; returns those that did not answer."""
-    answers = await calls.by_machine(calls.stop_ranks, stop_request(s, attempt), s.nodes, only)
+    answers = await fanout.by_machine(calls.stop_ranks, stop_request(s, attempt), s.nodes, only)
     return {name for name, r in answers.items() if isinstance(r, BaseException)}
 
 
@@ -208,42 +232,76 @@ async def collect_failure(
         # Ranks kept for their stacks are stopped now.
         run = s.running
         assert run is not None
-        await calls.on_machines(calls.stop_ranks, stop_request(s, run.attempt), s.nodes)
+        await fanout.on_machines(calls.stop_ranks, stop_request(s, run.attempt), s.nodes)
+    cut = lost if lost and workflow.patched(patches.FENCE_BOUND) else []
+    return name_cause(s, progress, [(name, end_of(h)) for name, h in handles.items()], cut, finding)
+
+
+# A machine's end: its result, the error that lost it (what it said), or None (cancelled).
+Ended = RunRanksResult | str | None
+
+
+def end_of(h: workflow.ActivityHandle[RunRanksResult]) -> Ended:
+    try:
+        return h.result()
+    except ActivityError as err:
+        return None if isinstance(err.cause, CancelledError) else what_failed(err)
+
+
+def name_cause(
+    s: JobState,
+    progress: Progress,
+    ends: list[tuple[str, Ended]],
+    cut: list[str],
+    finding: StackFinding | None = None,
+) -> AttemptOutcome:
+    """Every report of an attempt's end (the workflow's own finding, machines ``cut`` off, each
+    machine's end in ``ends``), the cause first: the incident and what the others saw."""
     reports: list[IncidentReport] = [progress.found] if progress.found else []
     progress.found = None
-    if lost and workflow.patched(patches.FENCE_BOUND):
-        reports.extend(cut_off(name) for name in lost)
+    reports.extend(cut_off(name) for name in cut)
     results: list[RunRanksResult] = []
-    for name, h in handles.items():
-        try:
-            r = h.result()
-        except ActivityError as err:
-            if isinstance(err.cause, CancelledError):
-                continue
-            reports.append(machine_lost(name, err))
+    for name, r in ends:
+        if r is None:
+            continue
+        if isinstance(r, str):
+            reports.append(machine_lost(name, r))
             continue
         results.append(r)
         progress.note_memory(r)
-        if r.gone:
-            # Asked to re-attach after missing heartbeats: the agent restarted, its ranks died.
-            reports.append(
-                IncidentReport(
-                    kind="machine-lost",
-                    node=name,
-                    evidence=f"{name}'s agent restarted: {r.message}",
-                    confidence=1.0,
-                    origin=True,
-                    detected_at=workflow.now(),
-                )
-            )
-        elif r.incident is not None:
-            reports.append(r.incident)
-        elif not r.ok and r.message != "ranks stopped":
-            reports.append(
-                IncidentReport(
-                    kind="crash", node=name, evidence=r.message or "ranks failed", detected_at=workflow.now()
-                )
-            )
+        if (report := report_of(name, r)) is not None:
+            reports.append(report)
+    return rank_reports(s, reports, results, finding)
+
+
+def report_of(name: str, r: RunRanksResult) -> IncidentReport | None:
+    """What a machine's result says of the failure, if anything."""
+    if r.gone:
+        # Asked to re-attach after missing heartbeats: the agent restarted, its ranks died.
+        return IncidentReport(
+            kind="machine-lost",
+            node=name,
+            evidence=f"{name}'s agent restarted: {r.message}",
+            confidence=1.0,
+            origin=True,
+            detected_at=workflow.now(),
+        )
+    if r.incident is not None:
+        return r.incident
+    if not r.ok and r.message != "ranks stopped":
+        return IncidentReport(
+            kind="crash", node=name, evidence=r.message or "ranks failed", detected_at=workflow.now()
+        )
+    return None
+
+
+def rank_reports(
+    s: JobState,
+    reports: list[IncidentReport],
+    results: list[RunRanksResult],
+    finding: StackFinding | None = None,
+) -> AttemptOutcome:
+    """The cause first (``incident_priority``, then the earliest): the failed attempt's outcome."""
     if not reports:
         reports.append(
             IncidentReport(

@@ -67,3 +67,9 @@ CAUSE_GRACE = "cause-grace"
 # longer bound) and commits the newest step every machine sent: S3 otherwise holds the last
 # periodic persist, up to `checkpoint.persist_every_s` old.
 PERSIST_AT_STOP = "persist-at-stop"
+# A call on more machines than a workflow should keep activities pending for (a job of hundreds
+# of machines) runs through FanOutWorkflow children, a chunk of machines each.
+FANOUT = "fanout-children"
+# A job of more machines than a group (workflows.job.group) runs its ranks through groups of
+# machines (child workflows) that its machines report to.
+GROUPS = "machine-groups"

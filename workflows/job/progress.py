@@ -19,12 +19,14 @@ from workflows.job.visibility import Visibility
 with workflow.unsafe.imports_passed_through():
     from trainguard.domain import checkpoints, ettr, progress_series
     from trainguard.domain.code_versions import CodeEvent
-    from trainguard.domain.detection import SlowStreak, fail_slow_round, replica_mismatch
+    from trainguard.domain.detection import replica_mismatch
+    from trainguard.domain.job_parts import Snapshots
     from trainguard.domain.job_state import CheckpointStatus, JobState
     from trainguard.domain.messages import (
         CheckpointRef,
         CommitCheckpointInput,
         IncidentReport,
+        PartRef,
         ProgressReport,
         RunRanksResult,
     )
@@ -38,10 +40,7 @@ def apply_version(s: JobState, event: CodeEvent) -> None:
     if event.how != "rollback":
         # A new version is a human's answer: the ladder starts over (a rollback already moved it).
         s.history = apply_code_version(s.history, event.version, note=event.why)
-    s.code_version = event.version
-    s.code_history = [*s.code_history[-49:], event.model_copy(update={"applied_at": now})]
-    if s.pending_update is not None and s.pending_update.event.version == event.version:
-        s.pending_update = None
+    s.code.applied(event, now)
 
 
 class Progress:
@@ -54,6 +53,15 @@ class Progress:
         self.found: IncidentReport | None = None
         # When a report of the running attempt from each machine was last folded in (workflow time).
         self.last_seen: dict[str, datetime] = {}
+        # A large job (workflows.job.grouped) keeps each machine's snapshots here, not in its
+        # state (thousands of machines' lists would outgrow a payload), and counts the machines
+        # whose compute time its groups' summaries stand for.
+        self.transient = False
+        self.kept = Snapshots()
+        self.computed: int | None = None
+        # A large job's groups (their count) and the parts of each step they committed so far.
+        self.groups: int | None = None
+        self.parts: dict[int, dict[int, PartRef]] = {}
 
     def drain(self) -> None:
         reports, self.inbox = self.inbox, []
@@ -72,7 +80,7 @@ class Progress:
             self._note_ckpt_block(r)
             self._note_replicas(r)
             if r.compute_s is not None:
-                self.s.compute_s[r.node] = r.compute_s
+                self.s.slow.compute_s[r.node] = r.compute_s
             if r.warm_ready is not None:
                 self.s.warm[r.node] = r.warm_ready
         if not self.vis.report_clock:
@@ -133,26 +141,29 @@ class Progress:
         """The job waits for its slowest machine: badput grows with the largest machine's total.
         Step time counted as productive moves to ``checkpoint`` (training waited for snapshots)
         and ``protection`` (the snapshots' background work slowed the steps)."""
-        for bucket, per_node, value in (
-            ("checkpoint", self.s.ckpt_block_s, r.ckpt_block_s),
-            ("protection", self.s.protection_s, r.protection_s),
-        ):
-            before = max(per_node.values(), default=0.0)
-            per_node[r.node] = max(per_node.get(r.node, 0.0), value)
-            grown = max(per_node.values()) - before
+        for bucket, grown in self.s.protection.note(r).items():
             if grown > 0:
                 self.s.ledger = ettr.reclassify(self.s.ledger, bucket, grown)
-        if r.snapshot_every is not None:
-            self.s.snapshot_every = r.snapshot_every
-            self.s.snapshot_cost_s = r.snapshot_cost_s
-            self.s.snapshot_settle_s = r.snapshot_settle_s
-            self.s.snapshot_persist_every = r.snapshot_persist_every
 
     def note_memory(self, r: ProgressReport | RunRanksResult) -> None:
-        if r.memory:
-            self.s.memory[r.node] = list(r.memory)
-        if r.backups:
-            self.s.backups[r.node] = list(r.backups)
+        self.snapshots().note(r.node, r.memory, r.backups)
+
+    def snapshots(self) -> Snapshots:
+        """Each machine's newest memory snapshots and the backups it keeps, as last reported."""
+        return self.kept if self.transient else self.s.snapshots
+
+    def forget_all(self) -> None:
+        self.snapshots().clear()
+
+    def forget(self, nodes: list[str]) -> None:
+        """``nodes`` left the job (evicted): their snapshots left with them."""
+        self.snapshots().forget(nodes)
+
+    def note_parts(self, parts: list[PartRef]) -> None:
+        committed = self.s.checkpoint.step if self.s.checkpoint else -1
+        for part in parts:
+            if part.step > committed:
+                self.parts.setdefault(part.step, {})[part.group] = part
 
     def note_shards(self, r: ProgressReport | RunRanksResult) -> None:
         for shard in r.shards:
@@ -172,53 +183,46 @@ class Progress:
         """Data-parallel replicas hold identical parameters; a mismatch is silent corruption."""
         if r.hash_step is None or not r.hashes:
             return
+        self.s.replicas.add(r.hash_step, r.hashes)
+        for step, hashes in self.s.replicas.complete(self.s.spec.world_size):
+            if not self.judge_replicas(step, hashes):
+                return
+
+    def judge_replicas(self, step: int, hashes: dict[int, str]) -> bool:
+        """Every rank's parameter hash at ``step``: agreement moves the last agreed step; a
+        mismatch is silent corruption (``found``). False when it found one."""
         spec = self.s.spec
-        self.s.replica_hashes.setdefault(r.hash_step, {}).update(r.hashes)
-        for step in sorted(self.s.replica_hashes):
-            hashes = self.s.replica_hashes[step]
-            if len(hashes) < spec.world_size:
-                continue
-            del self.s.replica_hashes[step]
-            placement = place_ranks([n.name for n in self.s.nodes], spec.ranks_per_node)
-            bad, evidence = replica_mismatch(hashes, spec.topology, placement)
-            if not bad:
-                self.s.replicas_agreed_step = max(step, self.s.replicas_agreed_step or 0)
-                continue
-            if self.found is None:
-                # Checkpoints after the last agreement may hold the corruption.
-                self.s.max_resume_step = self.s.replicas_agreed_step or 0
-                self.s.suspect_until = self.s.ledger.high_water_step
-                self.s.suspect_attempt = self.s.running.attempt if self.s.running else self.s.attempt
-                self.found = IncidentReport(
-                    kind="sdc",
-                    node=bad[0],
-                    suspects=bad,
-                    evidence=f"replicas disagree after step {step} (last agreement: step "
-                    f"{self.s.replicas_agreed_step}): " + "; ".join(evidence) + f"; suspects {bad}",
-                    confidence=0.6 if len(bad) == 1 else 0.3,
-                    origin=True,
-                    detected_at=workflow.now(),
-                    step=step,
-                )
-            return
+        placement = place_ranks([n.name for n in self.s.nodes], spec.ranks_per_node)
+        bad, evidence = replica_mismatch(hashes, spec.topology, placement)
+        agreed = self.s.replicas.agreed_step
+        if not bad:
+            self.s.replicas.agreed(step)
+            return True
+        if self.found is None:
+            attempt = self.s.running.attempt if self.s.running else self.s.attempt
+            self.s.bounds.corrupt(agreed, self.s.ledger.high_water_step, attempt)
+            self.found = IncidentReport(
+                kind="sdc",
+                node=bad[0],
+                suspects=bad,
+                evidence=f"replicas disagree after step {step} (last agreement: step "
+                f"{agreed}): " + "; ".join(evidence) + f"; suspects {bad}",
+                confidence=0.6 if len(bad) == 1 else 0.3,
+                origin=True,
+                detected_at=workflow.now(),
+                step=step,
+            )
+        return False
 
     def _check_fail_slow(self, now: datetime) -> None:
         """One machine far slower than its peers, round after round, is failing slow; rounds are
         ``slow_round_s`` apart on ``now`` (the newest report's time)."""
-        det = self.s.spec.detection
-        if len(self.s.compute_s) < max(2, len(self.s.nodes)) or self.found is not None:
+        slow = self.s.slow
+        computed = len(slow.compute_s) if self.computed is None else self.computed
+        if len(slow.compute_s) < 2 or computed < len(self.s.nodes) or self.found is not None:
             return
-        if self.s.slow_round_at and (now - self.s.slow_round_at).total_seconds() < det.slow_round_s:
-            return
-        self.s.slow_round_at = now
-        streak = fail_slow_round(
-            self.s.compute_s,
-            SlowStreak(suspect=self.s.slow_suspect, rounds=self.s.slow_rounds),
-            det.slow_factor,
-            det.slow_rounds,
-        )
-        self.s.slow_suspect, self.s.slow_rounds = streak.suspect, streak.rounds
-        if streak.evidence is not None and streak.suspect is not None:
+        streak = slow.round(now, self.s.spec.detection)
+        if streak is not None and streak.evidence is not None and streak.suspect is not None:
             self.found = IncidentReport(
                 kind="slow",
                 node=streak.suspect,
@@ -230,14 +234,19 @@ class Progress:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def start_commits(self) -> None:
-        """Commit the newest step whose shards all arrived; older complete ones are superseded."""
+        """Commit the newest step whose shards (or, in a large job, its groups' parts) all
+        arrived; older complete ones are superseded."""
         world = self.s.spec.world_size
-        ready = [step for step, shards in self.s.pending_shards.items() if len(shards) == world]
+        if self.groups is None:
+            ready = [step for step, shards in self.s.pending_shards.items() if len(shards) == world]
+        else:
+            ready = [step for step, parts in self.parts.items() if len(parts) == self.groups]
         if not ready or self.commits:
             return
         step = max(ready)
         spec = self.s.spec
-        shards = list(self.s.pending_shards[step].values())
+        shards = list(self.s.pending_shards[step].values()) if self.groups is None else []
+        parts = sorted(self.parts[step].values(), key=lambda p: p.group) if self.groups is not None else []
         # Shards reach the workflow only from the running attempt: the commit is that attempt's.
         attempt = self.s.running.attempt if self.s.running else self.s.attempt
         self.commits[step] = calls.commit_checkpoint.start(
@@ -247,8 +256,9 @@ class Progress:
                 step=step,
                 world_size=world,
                 shards=shards,
+                parts=parts,
                 keep=spec.checkpoint.keep,
-                verified_step=self.s.replicas_agreed_step,
+                verified_step=self.s.replicas.agreed_step,
                 gauges=self.vis.gauges(),
                 attempt=attempt,
             ),
@@ -267,19 +277,10 @@ class Progress:
             if self.s.checkpoint is None or ref.step >= self.s.checkpoint.step:
                 self.s.checkpoint = CheckpointStatus(step=ref.step, tier="s3", uri=ref.uri)
             self.s.pending_shards = {s: v for s, v in self.s.pending_shards.items() if s > step}
-            self._lift_resume_bound(ref.step, attempt)
+            self.parts = {s: v for s, v in self.parts.items() if s > step}
+            # A clean attempt's commit lifts the corruption's bound up to its step.
+            self.s.bounds.committed(ref.step, attempt)
         self.start_commits()
-
-    def _lift_resume_bound(self, step: int, attempt: int) -> None:
-        """A commit by an attempt after the corruption replaced that step's checkpoint (and every
-        earlier one it resumed past) with a clean one: resuming up to it is safe again."""
-        s = self.s
-        if s.max_resume_step is None or attempt <= (s.suspect_attempt or 0):
-            return
-        if step >= (s.suspect_until or 0):
-            s.max_resume_step = s.suspect_until = s.suspect_attempt = None
-        else:
-            s.max_resume_step = max(s.max_resume_step, step)
 
     async def wait_commits(self) -> None:
         await workflow.wait_condition(lambda: not self.commits)

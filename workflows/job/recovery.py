@@ -3,7 +3,8 @@
 Record the incident, climb the decision ladder (``trainguard.domain.policy``): evict a machine surely
 at fault, or diagnose (stop-time checks, stacks, the alignment test, replay) and act on the
 result, or reattempt; stop with a verdict when recoveries stop making progress. Returns the
-verdict when the job must stop; the workflow ends the job.
+verdict when the job must stop; the workflow ends the job. The sequence of decisions is
+``trainguard.domain.recovery``'s, which the scale simulator runs too.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from temporalio import workflow
 from trainguard.contract import calls
 from workflows.job import patches
 from workflows.job.diagnosis import Diagnosis
-from workflows.job.outcome import AttemptOutcome
+from workflows.job.outcome import AttemptOutcome, Settle
 from workflows.job.progress import Progress, apply_version
 from workflows.job.visibility import Visibility
 
@@ -25,7 +26,8 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.domain.detection import RENDEZVOUS_KIND
     from trainguard.domain.job_state import Incident, JobInput, JobState, RunningAttempt
     from trainguard.domain.messages import POOL_WORKFLOW_ID, EvictInput, IncidentReport
-    from trainguard.domain.policy import PolicyConfig, decide, record_incident
+    from trainguard.domain.policy import decide
+    from trainguard.domain.recovery import conclude, policy_config
 
 
 def suspects(primary: IncidentReport, others: list[IncidentReport], host: str | None = None) -> list[str]:
@@ -60,9 +62,10 @@ class Recovery:
         recent = [d.injected_at for d in self.s.drills if since is None or d.injected_at >= since]
         return max(recent) if recent else None
 
-    async def recover(self, outcome: AttemptOutcome) -> str | None:
+    async def recover(self, outcome: AttemptOutcome, settle: Settle | None = None) -> str | None:
         """Act on a failed attempt; the verdict when the job must stop, else None (the next
-        attempt follows)."""
+        attempt follows). ``settle``: a large job decides on the cause its groups named first,
+        then waits for every machine's result (``workflows.job.grouped``) before acting."""
         s = self.s
         primary = outcome.primary
         assert primary is not None
@@ -78,7 +81,7 @@ class Recovery:
         ):
             # Restoring from memory may have failed (no step, the failing machine's ranks had not
             # all loaded their shards): the next attempt uses S3.
-            s.memory, s.backups = {}, {}
+            self.progress.forget_all()
         self.vis.set_phase("diagnosing")
         progressed = s.ledger.high_water_step > s.progress_at_attempt_start
         s.attempts_without_progress = 0 if progressed else s.attempts_without_progress + 1
@@ -97,31 +100,30 @@ class Recovery:
             s.ledger = ettr.add_badput(s.ledger, "detection", incident.detection_s)
         facts = incident.facts(primary)
         det = s.spec.detection
-        cfg = PolicyConfig(
-            evict_confidence=det.evict_confidence,
-            max_recoveries_without_progress=det.max_attempts,
-            # Histories recorded before the first-reattempt rung existed replay without it.
+        cfg = policy_config(
+            det,
+            # Histories recorded before the first-reattempt rung existed replay without it (the
+            # patch asked only where the spec wants the rung: a marker is a command) ...
             reattempt_first=det.reattempt_first and workflow.patched(patches.FIRST_REATTEMPT),
             # ... and without the link checks of a stall that comes back unlocalized.
             link_checks=workflow.patched(patches.LINK_CHECKS),
         )
         diagnosing_since = workflow.now()
-        decisions = [decide(facts, s.history, cfg)]
+        first = decide(facts, s.history, cfg)
         incident.decided(diagnosing_since)
-        follow = await self.diagnosis.run(decisions[0], outcome, attempt)
-        if follow is not None:
-            decisions.append(follow)
+        if settle is not None:
+            outcome = await settle()
+            self.progress.note_last_steps(outcome.results)
+            incident.saw(primary, outcome.others)
+        follow = await self.diagnosis.run(first, outcome, attempt)
         s.ledger = ettr.add_badput(s.ledger, "diagnosis", (workflow.now() - diagnosing_since).total_seconds())
-        final = decisions[-1]
-        incident.concluded(decisions, workflow.now())
-        s.history = record_incident(s.history, facts, decisions)
+        done = conclude(facts, s.history, first, follow)
+        final = done.final
+        incident.concluded(done.decisions, workflow.now())
+        s.history = done.history
         self.vis.set_phase("recovering")
         if final.action == "evict":
-            # A whole group evicted for its stuck or slow outlier holds healthy machines too; one end
-            # of a failed link may be healthy: both leave as suspects, re-tested before reuse.
-            await self._evict(
-                final.machines, incident, confirmed=final.rung not in ("stacks-culprit", "checks-link")
-            )
+            await self._evict(final.machines, incident, confirmed=done.confirmed)
         if final.action == "rollback" and final.rollback_to:
             apply_version(
                 s,
@@ -153,9 +155,7 @@ class Recovery:
         )
         if res.replaced:
             self.s.nodes = list(res.nodes)
-            for name in res.evicted:
-                self.s.memory.pop(name, None)  # its snapshots left with it
-                self.s.backups.pop(name, None)
+            self.progress.forget(res.evicted)  # their snapshots left with them
             incident.evicted_to(res.evicted, workflow.now())
         else:
             incident.not_evicted(res.message)

@@ -61,7 +61,7 @@ class Visibility:
                 SA_PHASE.value_set(self.s.phase),
                 SA_STEP.value_set(self.s.step),
                 SA_ETTR.value_set(round(ettr.ettr(self.s.ledger, now), 4)),
-                SA_CODE_VERSION.value_set(self.s.code_version),
+                SA_CODE_VERSION.value_set(self.s.code.version),
                 SA_INCIDENTS.value_set(len(self.s.incidents)),
             ]
         )
@@ -71,13 +71,13 @@ class Visibility:
         s = self.s
         lines = [
             f"**{s.spec.name}** — phase `{s.phase}`, step {s.step}/{s.spec.target_steps or '-'}, "
-            f"attempt {s.attempt}, code `{s.code_version}`",
+            f"attempt {s.attempt}, code `{s.code.version}`",
             f"ETTR {ettr.ettr(s.ledger, workflow.now()):.3f}",
             "machines: " + ", ".join(f"{i}: {n.name}" for i, n in enumerate(s.nodes)),
         ]
         if s.checkpoint:
             lines.append(f"checkpoint: step {s.checkpoint.step} ({s.checkpoint.tier})")
-        every = s.spec.checkpoint.memory_every_steps or s.snapshot_every
+        every = s.protection.interval(s.spec.checkpoint)
         if every:
             lost = f", a failure loses up to {every * s.step_time_s:.1f}s" if s.step_time_s else ""
             lines.append(
@@ -88,8 +88,8 @@ class Visibility:
             evicted = f" (evicted {', '.join(inc.evicted)})" if inc.evicted else ""
             on = ", ".join(inc.suspects)
             lines.append(f"- {inc.id} {inc.kind} on {on}: {inc.action}{evicted} — {inc.evidence[:300]}")
-        if s.pending_update:
-            lines.append(f"code update to `{s.pending_update.event.version}` waiting for the next recovery")
+        if s.code.pending:
+            lines.append(f"code update to `{s.code.pending.event.version}` waiting for the next recovery")
         if note:
             lines.append(note)
         workflow.set_current_details("\n\n".join(lines))

@@ -31,14 +31,7 @@ from workflows.job.visibility import Visibility
 
 with workflow.unsafe.imports_passed_through():
     from trainguard.domain import ettr
-    from trainguard.domain.code_versions import (
-        CodeEvent,
-        CodeRelease,
-        CodeUpdate,
-        PendingUpdate,
-        check_update,
-        first_release,
-    )
+    from trainguard.domain.code_versions import CodeEvent, CodeRelease, CodeUpdate, CodeVersions
     from trainguard.domain.job_state import (
         TERMINAL,
         JobInput,
@@ -50,6 +43,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from trainguard.domain.messages import (
         POOL_WORKFLOW_ID,
+        GroupNews,
         InjectResult,
         ProgressReport,
         ReleaseInput,
@@ -67,12 +61,11 @@ class TrainingJobWorkflow:
         self.inp = inp
         self.s = inp.state or JobState(
             spec=inp.spec,
-            code_version=inp.spec.code_version,
             history=JobHistory(
                 code_versions=[CodeVersion(version=inp.spec.code_version, note="submitted")],
                 current_version=inp.spec.code_version,
             ),
-            releases={inp.spec.code_version: first_release(inp.spec)},
+            code=CodeVersions.submitted(inp.spec),
         )
         self.stop_reason: str | None = None
         self.cancelled = False  # `cancel`: the stop does not wait for the commits in flight
@@ -92,6 +85,11 @@ class TrainingJobWorkflow:
     @workflow.signal(name=contract.job.progress.name)
     def report_progress(self, report: ProgressReport) -> None:
         self.progress.inbox.append(report)
+
+    @workflow.signal(name=contract.job.group.name)
+    def group_news(self, news: GroupNews) -> None:
+        """What a group of a large job's machines tells the job (workflows.job.group)."""
+        self.attempt.groups.inbox.append(news)
 
     @workflow.signal(name=contract.job.drill.name)
     def drill(self, record: InjectResult) -> None:
@@ -114,7 +112,6 @@ class TrainingJobWorkflow:
         they run the new version); lazy waits for the next recovery or its deadline."""
         release = self._check_update(req)
         now = workflow.now()
-        self.s.releases[release.version] = release
         event = CodeEvent(
             version=release.version,
             how="urgent" if req.urgent else "lazy",
@@ -123,19 +120,19 @@ class TrainingJobWorkflow:
             requested_at=now,
         )
         due = now if req.urgent else now + timedelta(seconds=req.window_s)
-        self.s.pending_update = PendingUpdate(event=event, deadline=due)
+        self.s.code.requested(release, event, due)
         self.vis.details(
             f"code update to `{release.version}` {'now' if req.urgent else 'at the next recovery'}"
         )
         if req.urgent:
             await workflow.wait_condition(
-                lambda: self.s.pending_update is None or self.s.pending_update.event != event
+                lambda: self.s.code.pending is None or self.s.code.pending.event != event
             )
         return {
             "job_id": self.s.spec.name,
             "version": release.version,
             "urgent": req.urgent,
-            "current": self.s.code_version,
+            "current": self.s.code.version,
             "deadline": None if req.urgent else due.isoformat(),
         }
 
@@ -148,7 +145,7 @@ class TrainingJobWorkflow:
             ended = f"job: {self.s.spec.name} has already ended ({self.s.phase})"
             raise ApplicationError(ended, type="BadInput")
         try:
-            return check_update(self.s.spec, self.s.releases, self.s.code_version, self.s.pending_update, req)
+            return self.s.code.check(self.s.spec, req)
         except SpecError as exc:
             raise ApplicationError(str(exc), type="BadInput") from None
 
@@ -160,10 +157,7 @@ class TrainingJobWorkflow:
         if self.s.submitted_at is None:
             self.s.submitted_at = now
             self.s.ledger = ettr.start(self.s.ledger, now)
-        if not self.s.code_history:
-            self.s.code_history = [
-                CodeEvent(version=self.s.code_version, how="submitted", requested_at=now, applied_at=now)
-            ]
+        self.s.code.start(now)
         self.vis.set_phase(self.s.phase)
         if not self.s.nodes and not await self._reserve():
             return await self._finish("stopped")
@@ -216,7 +210,8 @@ class TrainingJobWorkflow:
         return False
 
     async def _recover(self, outcome: AttemptOutcome) -> None:
-        verdict = await self.recovery.recover(outcome)
+        settle, self.attempt.settle = self.attempt.settle, None
+        verdict = await self.recovery.recover(outcome, settle)
         self.notifier.incident(self.s.incidents[-1])
         if verdict is not None:
             await self._finish("failed")

@@ -33,11 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from infra.private_stack import connect, log, run_bench
-from trainguard.domain.spec import JobSpec, SpecError, load_spec
+from trainguard.domain.spec import JobSpec, SpecError
 from trainguard.face.drill.drive import ProgressFn, SystemResult, drive
 from trainguard.face.drill.mix import DEFAULT_GAP_STEPS, Mix, schedule
 from trainguard.face.drill.torchrun_side import TorchrunSide
 from trainguard.face.drill.trainguard_side import NODES, TrainguardSide
+from trainguard.services.spec_file import load_spec
 
 EXAMPLE_JOB = Path("examples") / "gpt" / "job.yaml"
 

@@ -1,0 +1,136 @@
+"""What Temporal's own histories say of a workflow and the children it started.
+
+A large job is a tree of workflows (the job, its machine groups, fan-outs of stop-time checks):
+its cost and its limits are read over the whole tree, every run of each (continue-as-new).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client
+
+from trainguard.contract import calls
+
+_SCHEDULED = EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+_CLOSED = frozenset(
+    {
+        EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED,
+        EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED,
+        EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT,
+        EventType.EVENT_TYPE_ACTIVITY_TASK_CANCELED,
+    }
+)
+
+
+def at(event: Any) -> datetime:
+    return event.event_time.ToDatetime().replace(tzinfo=UTC)
+
+
+def most_pending_activities(events: Iterable[Any]) -> int:
+    """The most activities the run had scheduled and not yet closed at any moment."""
+    pending = most = 0
+    for e in events:
+        if e.event_type == _SCHEDULED:
+            pending += 1
+            most = max(most, pending)
+        elif e.event_type in _CLOSED:
+            pending -= 1
+    return most
+
+
+def longest_workflow_task_s(events: Iterable[Any]) -> float:
+    """The longest workflow task, from its start on a worker to its completion: the workflow
+    code's own time (with the worker's queueing of the task's reply)."""
+    started: datetime | None = None
+    longest = 0.0
+    for e in events:
+        if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
+            started = at(e)
+        elif e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and started is not None:
+            longest = max(longest, (at(e) - started).total_seconds())
+            started = None
+    return longest
+
+
+def children(events: Iterable[Any]) -> list[tuple[str, str]]:
+    """(workflow id, run id) of every child workflow the run started."""
+    return [
+        (x.workflow_id, x.run_id)
+        for e in events
+        if e.event_type == EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED
+        for x in [e.child_workflow_execution_started_event_attributes.workflow_execution]
+    ]
+
+
+async def runs_of(client: Client, workflow_id: str) -> list[list[Any]]:
+    """Every run's events of ``workflow_id`` (continue-as-new makes several runs), oldest first."""
+    runs = [wf async for wf in client.list_workflows(f"WorkflowId = '{workflow_id}'")]
+    out = []
+    for wf in sorted(runs, key=lambda w: w.start_time):
+        history = await client.get_workflow_handle(workflow_id, run_id=wf.run_id).fetch_history()
+        out.append(list(history.events))
+    return out
+
+
+async def tree(client: Client, workflow_id: str) -> dict[str, list[list[Any]]]:
+    """Every run of ``workflow_id`` and of every workflow it started, and they started, by id."""
+    out: dict[str, list[list[Any]]] = {}
+    todo = [workflow_id]
+    while todo:
+        wid = todo.pop()
+        if wid in out:
+            continue
+        out[wid] = await runs_of(client, wid)
+        todo.extend(c for run in out[wid] for c, _ in children(run) if c not in out)
+    return out
+
+
+def _summary(event: Any) -> str:
+    data = event.user_metadata.summary.data if event.HasField("user_metadata") else b""
+    try:
+        return str(json.loads(data)) if data else ""
+    except ValueError:
+        return ""
+
+
+_ATTEMPT = re.compile(r"\(attempt (\d+)\)")
+
+
+def ranks_started(histories: dict[str, list[list[Any]]]) -> dict[int, list[datetime]]:
+    """When each machine's ``run_ranks`` started on its agent, by attempt (from the activities'
+    summaries, "node: ranks a-b (attempt N)")."""
+    out: dict[int, list[datetime]] = {}
+    for runs in histories.values():
+        for events in runs:
+            attempt_of: dict[int, int] = {}
+            for e in events:
+                name = e.activity_task_scheduled_event_attributes.activity_type.name
+                if e.event_type == _SCHEDULED and name == calls.run_ranks.name:
+                    if m := _ATTEMPT.search(_summary(e)):
+                        attempt_of[e.event_id] = int(m.group(1))
+                elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
+                    a = attempt_of.get(e.activity_task_started_event_attributes.scheduled_event_id)
+                    if a is not None:
+                        out.setdefault(a, []).append(at(e))
+    return out
+
+
+def restart_fanout_s(status: dict[str, Any], started: dict[int, list[datetime]]) -> list[float]:
+    """Per recovered incident: from the relaunch (the next attempt's restore point chosen) until
+    every machine's ranks of that attempt had started (the first attempt to start after it)."""
+    firsts = sorted((min(times), attempt) for attempt, times in started.items() if times)
+    out = []
+    for inc in status.get("incidents", []):
+        if not inc.get("relaunched_at"):
+            continue
+        relaunched = datetime.fromisoformat(inc["relaunched_at"])
+        nxt = next((attempt for first, attempt in firsts if first >= relaunched), None)
+        if nxt is not None:
+            out.append((max(started[nxt]) - relaunched).total_seconds())
+    return out
