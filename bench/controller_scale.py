@@ -12,7 +12,19 @@ for ``--minutes``, stops them, and reads what happened from Temporal itself:
   activities scheduled and retried, timers, signals, search-attribute upserts,
   markers, updates): in steady state (spans with no incident under way) and overall;
 - history events per job-day and the longest single run (continue-as-new keeps
-  each run under the job's ``max_history_events``).
+  each run under the job's ``max_history_events``);
+- the pool: seconds from the agents' start to every machine on standby (``standby_s``),
+  reservation time (each ``reserve_nodes`` activity scheduled -> completed in the jobs'
+  histories: ``reservation_p99_s``; and a job's first ``reserve_nodes`` scheduled -> the one
+  that granted completed: ``reservation_wait_p99_s``), and, read from every run of the pool's
+  workflows (coordinator and shards), the most activities pending at once, the longest
+  workflow task (started -> completed: the worker's time; scheduled -> completed: with the
+  wait for a worker), the longest run and the events per machine. Over every workflow (jobs
+  included): ``max_pending_activities`` and ``max_workflow_task_s``;
+- CPU seconds each process of the stack used until standby and in all (``cpu_s_to_standby``,
+  ``cpu_s``: the dev server, the controller, the simulated agents), from /proc.
+
+``--minutes 0`` stops once every machine is on standby (the pool's figures only).
 
 The jobs run at the product's defaults (``trainguard.domain.report_interval``: the first
 machine reports every ``--progress-interval-s``, 5 s; the others routinely every 5 s, and a
@@ -22,6 +34,7 @@ search attributes change at most every ``--search-attribute-interval-s``, 30 s; 
 (``workflows.job.group``): its cost and limits are read from every workflow of its tree.
 
     python bench/controller_scale.py [--machines 500 --jobs 50 --nodes-per-job 8 --minutes 15] [--json]
+    python bench/controller_scale.py --machines 4096 --minutes 0 --json
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import signal
 import statistics
 import sys
@@ -44,16 +58,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from temporalio.api.enums.v1 import EventType  # noqa: E402
+from temporalio.client import Client  # noqa: E402
+from temporalio.service import RPCError  # noqa: E402
 
 from bench import history_metrics  # noqa: E402
-from bench.controller_scale_sim import machine_name  # noqa: E402
 from infra.local import bring_down, process_env  # noqa: E402
 from infra.private_stack import connect, log  # noqa: E402
 from infra.stack import Stack, StackConfig  # noqa: E402
+from trainguard import contract  # noqa: E402
 from trainguard.client import TrainguardClient  # noqa: E402
 from trainguard.domain.job_state import TERMINAL  # noqa: E402
 from trainguard.domain.messages import PoolConfig  # noqa: E402
 from trainguard.domain.spec import CheckpointSpec, DetectionSpec, JobSpec, Topology  # noqa: E402
+from trainguard.services import pool_client  # noqa: E402
 
 # History events that are Temporal actions (what a Temporal Cloud namespace bills).
 ACTION_EVENTS = frozenset(
@@ -74,9 +91,21 @@ ACTION_EVENTS = frozenset(
 ONE_PARTITION = {"matching.numTaskqueueReadPartitions": "1", "matching.numTaskqueueWritePartitions": "1"}
 AGENT_PROCESSES = 2
 STOP_AT_ONCE = 5  # simulated machines are spread over this many processes
-READY_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 600.0
 END_TIMEOUT_S = 300.0
 POLL_S = 1.0
+PROGRESS_EVERY_S = 15.0
+POOL_WORKFLOWS = (
+    f"WorkflowType = '{contract.pool.WORKFLOW.name}' OR WorkflowType = '{contract.shard.WORKFLOW.name}'"
+)
+_CLOSING = frozenset(
+    {
+        EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED,
+        EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED,
+        EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT,
+        EventType.EVENT_TYPE_ACTIVITY_TASK_CANCELED,
+    }
+)
 
 
 def job_spec(name: str, nodes: int, step_time_s: float, args: argparse.Namespace) -> JobSpec:
@@ -139,6 +168,120 @@ def timeline(runs: list[list[Any]], start: datetime, end: datetime, limit: int =
             what = scheduled.get(e.event_id) or scheduled.get(ref, "")
             out.append(f"{(t - start).total_seconds():+.3f} {name} {what}".rstrip())
     return out
+
+
+def _at(event: Any) -> datetime:
+    return event.event_time.ToDatetime().replace(tzinfo=UTC)
+
+
+def cpu_seconds(stack: Stack) -> dict[str, float]:
+    """CPU time (user + system) each of the stack's processes used so far: where the work went
+    (the dev server, the controller running the pool, the simulated agents)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, record in stack.processes.items():
+        try:
+            fields = Path(f"/proc/{record.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = round((int(fields[11]) + int(fields[12])) / tick, 1)
+    return out
+
+
+def history_figures(events: list[Any]) -> dict[str, Any]:
+    """One run's most activities pending at once and its workflow tasks: started -> completed
+    (the worker's time) and scheduled -> completed (with the wait for a worker), each with the
+    task's first event id and its seconds after the run began."""
+    pending = most = 0
+    scheduled: dict[int, datetime] = {}
+    started: dict[int, datetime] = {}
+    tasks: list[tuple[float, float, int, float]] = []  # (worker s, with wait s, event id, at s)
+    begin = _at(events[0]) if events else None
+    for e in events:
+        t = e.event_type
+        if t == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            pending += 1
+            most = max(most, pending)
+        elif t in _CLOSING:
+            pending -= 1
+        elif t == EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED:
+            scheduled[e.event_id] = _at(e)
+        elif t == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
+            started[e.event_id] = _at(e)
+        elif t == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and begin is not None:
+            a = e.workflow_task_completed_event_attributes
+            end = _at(e)
+            if a.started_event_id in started and a.scheduled_event_id in scheduled:
+                tasks.append(
+                    (
+                        (end - started[a.started_event_id]).total_seconds(),
+                        (end - scheduled[a.scheduled_event_id]).total_seconds(),
+                        a.scheduled_event_id,
+                        (scheduled[a.scheduled_event_id] - begin).total_seconds(),
+                    )
+                )
+    return {
+        "events": len(events),
+        "max_pending": most,
+        "tasks": tasks,
+        "max_task_s": max((w for w, *_ in tasks), default=0.0),
+        "max_task_latency_s": max((w for _, w, *_ in tasks), default=0.0),
+    }
+
+
+def reservations(runs: list[list[Any]]) -> tuple[list[float], float | None]:
+    """Every ``reserve_nodes`` call's seconds (scheduled -> completed), and the job's wait from
+    its first call to the completion of the one that granted (None: never granted)."""
+    events = [e for run in runs for e in run]
+    asked: dict[int, datetime] = {}
+    calls: list[float] = []
+    first: datetime | None = None
+    wait = None
+    for e in events:
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            if (
+                e.activity_task_scheduled_event_attributes.activity_type.name
+                == contract.calls.reserve_nodes.name
+            ):
+                asked[e.event_id] = _at(e)
+                first = first or _at(e)
+        elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+            a = e.activity_task_completed_event_attributes
+            if a.scheduled_event_id in asked:
+                calls.append((_at(e) - asked[a.scheduled_event_id]).total_seconds())
+                granted = any(json.loads(p.data or b"{}").get("granted") for p in a.result.payloads)
+                if granted and wait is None and first is not None:
+                    wait = (_at(e) - first).total_seconds()
+    return calls, wait
+
+
+async def pool_figures(client: Client, machines: int) -> dict[str, Any]:
+    """The pool's workflows (coordinator and shards), every run, from their histories."""
+    runs = []
+    async for wf in client.list_workflows(POOL_WORKFLOWS):
+        history = await client.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
+        runs.append((wf.id, history_figures(list(history.events))))
+    events = sum(f["events"] for _, f in runs)
+    tasks = [(t, wid) for wid, f in runs for t in f["tasks"]]
+    worker_s = [t[0] for t, _ in tasks]
+    slowest = sorted(tasks, reverse=True)[:3]
+    return {
+        "runs": len(runs),
+        "shard_runs": sum("/shard-" in wid for wid, _ in runs),
+        "max_pending_activities": max((f["max_pending"] for _, f in runs), default=0),
+        "max_workflow_task_s": _round(max(worker_s, default=0.0)),
+        "workflow_task_p99_s": _round(percentile(worker_s, 0.99)),
+        "workflow_tasks_over_1s": sum(w > 1.0 for w in worker_s),
+        "workflow_tasks": len(worker_s),
+        "max_workflow_task_latency_s": _round(max((t[1] for t, _ in tasks), default=0.0)),
+        "slowest_workflow_tasks": [
+            f"{w:.3f} s ({lat:.3f} s with the wait): {wid} task at event {eid}, {at:.1f} s into the run"
+            for (w, lat, eid, at), wid in slowest
+        ],
+        "max_history_events": max((f["events"] for _, f in runs), default=0),
+        "events": events,
+        "events_per_machine": _round(events / machines, 2),
+    }
 
 
 def is_action(event: Any) -> bool:
@@ -209,7 +352,6 @@ def analyse_job(
 
 
 async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
-    t0 = time.monotonic()
     # Each machine polls its own queue with one poller: one partition each, as a production
     # namespace would configure them (four apiece is 2,000 partitions on the dev server's SQLite).
     config = StackConfig.for_tests(state_dir).model_copy(update={"temporal_dynamic_config": ONE_PARTITION})
@@ -218,6 +360,7 @@ async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
     env = process_env(stack.config)
     py = sys.executable
     stack.start_process("controller", [py, "-m", "bench.controller_scale_sim", "controller"], env, cwd=REPO)
+    agents_at = time.monotonic()
     per = -(-args.machines // AGENT_PROCESSES)
     for p in range(AGENT_PROCESSES):
         first = 1 + p * per
@@ -242,19 +385,39 @@ async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
         ]
         stack.start_process(f"agents-{p + 1}", argv, env, cwd=REPO)
     client = await connect(state_dir)
-    names = {machine_name(i) for i in range(1, args.machines + 1)}
+    progress = {"at": 0.0}
 
     async def pool_ready() -> bool:
+        for name in [n for n in stack.processes if n.startswith("agents-") or n == "controller"]:
+            if not stack.is_running(name):
+                raise RuntimeError(f"{name} exited: see {stack.processes[name].log}")
+        # The coordinator's counts (one query): merging every shard's machines each second
+        # would load the server more than the fleet does.
         try:
-            pool = await client.nodes()
-        except Exception:
+            lay = await pool_client.layout(client.temporal, fresh=True)
+        except (RPCError, RuntimeError):
             return False
-        standby = sum(n.state == "standby" for n in pool.nodes.values())
-        return names <= set(pool.nodes) and standby == args.machines
+        if lay is None or not lay.sharded:
+            return False
+        standby = sum(lay.free)
+        if time.monotonic() - progress["at"] > PROGRESS_EVERY_S:
+            progress["at"] = time.monotonic()
+            log(f"  {time.monotonic() - agents_at:5.0f} s: {lay.machines} joined, {standby} on standby")
+        return lay.machines == args.machines and standby == args.machines
 
     await client.configure_pool(PoolConfig(min_standby=args.standby_per_job))
     await wait_for(f"{args.machines} machines on standby", pool_ready, READY_TIMEOUT_S)
-    log(f"{args.machines} simulated machines on standby after {time.monotonic() - t0:.0f} s")
+    standby_s = time.monotonic() - agents_at
+    log(f"{args.machines} simulated machines on standby {standby_s:.0f} s after the agents started")
+    cpu = cpu_seconds(stack)
+    pool = await pool_figures(client.temporal, args.machines)
+    if args.minutes == 0:
+        return {
+            "machines": args.machines,
+            "standby_s": round(standby_s, 1),
+            "cpu_s_to_standby": cpu,
+            "pool": pool,
+        }
     jobs = [f"scale-{j:03d}" for j in range(1, args.jobs + 1)]
     for job in jobs:
         spec = job_spec(job, args.nodes_per_job, args.step_time_s, args)
@@ -277,8 +440,9 @@ async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
         )
     stopped_at = datetime.now(UTC)
     # A few at a time, as jobs end in a cluster: every stop releases machines through the pool.
-    for i in range(0, len(jobs), STOP_AT_ONCE):
-        batch = jobs[i : i + STOP_AT_ONCE]
+    at_once = max(STOP_AT_ONCE, len(jobs) // 20)
+    for i in range(0, len(jobs), at_once):
+        batch = jobs[i : i + at_once]
         for job in batch:
             await client.job(job).stop("controller-scale bench over")
 
@@ -287,7 +451,16 @@ async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
             return all(s.get("phase") in TERMINAL for s in statuses)
 
         await wait_for("the jobs to stop", ended, END_TIMEOUT_S)
-    return await collect(client, jobs, args, stopped_at)
+    result = await collect(client, jobs, args, stopped_at)
+    result["standby_s"] = round(standby_s, 1)
+    result["cpu_s_to_standby"] = cpu
+    result["cpu_s"] = cpu_seconds(stack)
+    result["pool_at_standby"] = pool
+    pool = result["pool"] = await pool_figures(client.temporal, args.machines)
+    # Over every workflow, the jobs' and the pool's.
+    result["max_pending_activities"] = max(result["max_pending_activities"], pool["max_pending_activities"])
+    result["max_workflow_task_s"] = max(result["max_workflow_task_s"], pool["max_workflow_task_s"])
+    return result
 
 
 async def collect(
@@ -300,6 +473,8 @@ async def collect(
     per_job = []
     not_stopped: list[str] = []
     incidents = evictions = 0
+    reserve_calls: list[float] = []
+    reserve_waits: list[float] = []
     most_pending = workflows_per_job = 0
     longest_task = 0.0
     fanouts: list[float] = []
@@ -323,6 +498,10 @@ async def collect(
         longest_task = max(longest_task, *(history_metrics.longest_workflow_task_s(r) for r in everything))
         fanouts += history_metrics.restart_fanout_s(status, history_metrics.ranks_started(histories))
         workflows_per_job = max(workflows_per_job, len(histories))
+        calls, wait = reservations(runs)
+        reserve_calls += calls
+        if wait is not None:
+            reserve_waits.append(wait)
         for inc in status.get("incidents", []):
             if inc.get("decided_at"):
                 detected, decided = (datetime.fromisoformat(inc[k]) for k in ("detected_at", "decided_at"))
@@ -351,6 +530,10 @@ async def collect(
         "actions_per_job_hour_with_failures": _round(sum(j["actions"] for j in per_job) / job_hours, 1),
         "history_events_per_job_day": round(events / job_hours * 24),
         "max_history_events": max(j["longest_run"] for j in per_job),
+        "reservation_p50_s": _round(statistics.median(reserve_calls) if reserve_calls else None),
+        "reservation_p99_s": _round(percentile(reserve_calls, 0.99)),
+        "reservation_wait_p99_s": _round(percentile(reserve_waits, 0.99)),
+        "jobs_granted": len(reserve_waits),
         "max_pending_activities": most_pending,
         "max_workflow_task_s": _round(longest_task),
         "restart_fanout_p50_s": _round(statistics.median(fanouts) if fanouts else None),
@@ -380,7 +563,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=50)
     p.add_argument("--nodes-per-job", type=int, default=8)
     p.add_argument("--gpus-per-machine", type=int, default=8)
-    p.add_argument("--minutes", type=float, default=15.0, help="training time after the jobs started")
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=15.0,
+        help="training time after the jobs started (0: stop at standby)",
+    )
     p.add_argument("--mtbf-s", type=float, default=900.0, help="mean seconds between one job's incidents")
     p.add_argument("--step-time-s", type=float, default=2.0)
     # The product's defaults (CheckpointSpec.persist_every_s, DetectionSpec, JobInput).
@@ -407,10 +595,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append("--max-history-events: must be at least 100")
     if args.jobs < 1:
         problems.append("--jobs: must be at least 1")
-    if args.nodes_per_job < 1 or args.jobs * args.nodes_per_job > args.machines:
+    if args.minutes and (args.nodes_per_job < 1 or args.jobs * args.nodes_per_job > args.machines):
         problems.append("--nodes-per-job: jobs x nodes per job must not exceed --machines")
+    if args.minutes < 0:
+        problems.append("--minutes: must be 0 (stop once on standby) or more")
     for name in (
-        "minutes",
         "mtbf_s",
         "step_time_s",
         "persist_every_s",

@@ -82,7 +82,7 @@ STARTUP_S = 1.0  # launch to first step: warm standbys
 HEARTBEAT_EVERY_S = 5.0  # the SDK sends at most one per 0.8 x the heartbeat timeout
 ORPHAN_S = 120.0  # ranks whose activity was cancelled without a stop wait this long for an attach
 FAKE_SHA = "0" * 64
-REGISTER_AT_ONCE = 4
+REGISTER_AT_ONCE = 64
 
 
 def machine_name(i: int) -> str:
@@ -354,12 +354,17 @@ async def run_agents(
         for m in machines
     ]
     runs = [asyncio.create_task(w.run()) for w in workers]
-    # A few at a time: every registration is an update of the one pool workflow.
+    # Joins are signals to the machines' shards (no update, no 10-in-flight limit): the bound
+    # only keeps one process's calls to the server modest.
     gate = asyncio.Semaphore(REGISTER_AT_ONCE)
 
     async def join(m: SimMachine) -> None:
         async with gate:
-            await pool_client.register(client, m.info)
+            try:
+                await pool_client.register(client, m.info)
+            except Exception:  # said here: the workers' shutdown would hide it until they end
+                log.exception("%s could not join the pool", m.name)
+                raise
 
     await asyncio.gather(*(join(m) for m in machines))
     log.info("%d simulated machines registered", count)
@@ -389,6 +394,7 @@ class SimController:
             pool.reserve_nodes,
             pool.release_nodes,
             pool.evict_nodes,
+            pool.deliver_to_shard,
             self.latest_checkpoint,
             self.commit_checkpoint,
             self.commit_checkpoint_part,

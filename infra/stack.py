@@ -249,6 +249,13 @@ def find_binary(name: str) -> str:
     return found
 
 
+# What the local Temporal needs for a fleet (bench/controller_scale.py): every machine's agent
+# keeps a long poll on its own task queue, and a frontend allows 1,200 polls per namespace by
+# default (the 1,210-machine bench's agents were refused). 20,000 covers the largest fleet the
+# pool's default layout is sized for (16 shards of 1,000), with the controllers' own polls.
+TEMPORAL_DYNAMIC_CONFIG = {"frontend.namespaceCount": "20000"}
+
+
 def temporal_argv(config: StackConfig, binary: str | None = None) -> list[str]:
     """`temporal server start-dev` on loopback, persisted in SQLite, attributes registered."""
     argv = [
@@ -271,7 +278,7 @@ def temporal_argv(config: StackConfig, binary: str | None = None) -> list[str]:
             argv += ["--ui-codec-endpoint", config.ui_codec_endpoint]
     for name, kind in SEARCH_ATTRIBUTES.items():
         argv += ["--search-attribute", f"{name}={kind}"]
-    for key, value in config.temporal_dynamic_config.items():
+    for key, value in {**TEMPORAL_DYNAMIC_CONFIG, **config.temporal_dynamic_config}.items():
         argv += ["--dynamic-config-value", f"{key}={value}"]
     return argv
 

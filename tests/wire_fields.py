@@ -27,7 +27,13 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
-WORKFLOWS = ("workflows.job.workflow:TrainingJobWorkflow", "workflows.node_pool:NodePoolWorkflow")
+WORKFLOWS = (
+    "workflows.job.workflow:TrainingJobWorkflow",
+    "workflows.node_pool:NodePoolWorkflow",
+    "workflows.pool_shard:PoolShardWorkflow",
+    "workflows.job.group:RanksGroupWorkflow",
+    "workflows.job.fanout:FanOutWorkflow",
+)
 
 
 def _types_in(tp: Any) -> Iterator[type[BaseModel]]:
@@ -55,7 +61,11 @@ def entry_types() -> list[Any]:
             out += [act.input, act.result]
     for path in WORKFLOWS:
         module, name = path.split(":")
-        defn = workflow._Definition.must_from_class(getattr(importlib.import_module(module), name))
+        try:
+            found = importlib.import_module(module)
+        except ModuleNotFoundError:
+            continue  # a workflow the release had not yet
+        defn = workflow._Definition.must_from_class(getattr(found, name))
         fns = [
             defn.run_fn,
             *(d.fn for group in (defn.signals, defn.queries, defn.updates) for d in group.values()),

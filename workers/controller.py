@@ -54,6 +54,7 @@ async def main(identity: str | None = None, metrics_port: int | None = None) -> 
             pool.reserve_nodes,
             pool.release_nodes,
             pool.evict_nodes,
+            pool.deliver_to_shard,
             ckpt.latest_checkpoint,
             ckpt.commit_checkpoint,
             ckpt.commit_checkpoint_part,

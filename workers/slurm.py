@@ -55,8 +55,9 @@ async def observe_once(client: Client, slurm: SlurmControl, pool: str) -> int:
         obs[name] = reason
     if not obs:
         return 0
+    # A sharded pool checks each shard's part against that shard's epoch.
     changed = await pool_client.slurm_observed(
-        client, SlurmObservation(epoch=st.slurm_epoch, nodes=obs), pool
+        client, SlurmObservation(epoch=st.slurm_epoch, epochs=st.slurm_epochs, nodes=obs), pool
     )
     if changed:
         log.info("reported to pool %s: %s", pool, obs)

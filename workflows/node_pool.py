@@ -1,439 +1,489 @@
-"""NodePoolWorkflow: the one place that knows which machine belongs to which job.
+"""NodePoolWorkflow: the node pool's front, one per cluster (id = the pool's name).
 
-An entity workflow, one per cluster (id ``trainguard-pool``). Agents register
-when they start; jobs reserve machines and release them when they end. Updates
-run one at a time (a lock), so two jobs never get the same machine. State is a
-single model carried across continue-as-new.
+The pool's machines live in its shards (``workflows/pool_shard.py``, ``<pool>/shard-<k>``,
+the shard a machine's name hashes to: ``trainguard.domain.pool_layout``). This workflow
+holds no machine. It keeps:
 
-Lifecycle: a new or returning machine is ``suspect`` until its self-test (run
-by the pool in the background) passes, then ``standby``; jobs take standbys
-(``active``); an eviction quarantines a machine (or, for a group evicted for
-one outlier, makes it ``suspect`` again) and hands the job standbys in the same
-step. A quarantined machine re-runs its self-test every ``retest_s`` and
-returns when it passes, or when an operator releases it. The standby target
-(99th percentile of daily failures per job, ``trainguard.domain.standby``) is shown
-with the pool.
+- the pool's settings (``PoolConfig``, the Slurm worker's queue), told to every shard,
+  numbered so a shard that missed a change is told again when its summary shows it;
+- each shard's summary (counts by state, free standbys, machines per job), from which it
+  answers ``layout`` (where the free machines are: clients pick shards without asking
+  each), computes the standby target, and asks Slurm for a replacement agent when short;
+- the queue of reservations that could not be served from one shard (first come, first
+  served). While jobs wait, the shards give machines to the job at the head only (the
+  gate), so small jobs cannot starve a large one, and only one job at a time holds on
+  several shards: two large jobs never deadlock. A ticket not renewed for
+  ``TICKET_TTL_S`` (its job stopped waiting) is dropped.
+
+The reservations themselves, releases and evictions are orchestrated by the clients
+(``trainguard/services/pool_client.py``) on the shards. Pools whose history began before
+the patch ``pool-shards`` run the unsharded code (``workflows/pool_legacy.py``) until a
+client asks them to ``upgrade``: they then continue as new, and the new run hands every
+machine to its shard (jobs kept) before it serves anything.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from datetime import datetime, timedelta
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ApplicationError
 
 from trainguard import contract
 from trainguard.contract import calls
-from workflows.pool_slurm import PATCH_SLURM, SlurmSync, _order
+from workflows.pool_legacy import LegacyPool
+from workflows.pool_loop import Alarm, history_full
+from workflows.pool_shard import PoolShardWorkflow
+from workflows.pool_slurm import request_replacement
 
 with workflow.unsafe.imports_passed_through():
     from trainguard.domain.messages import (
-        ALL_FAULTS,
-        CHECK_START_BOUND_S,
-        ClearFaultsInput,
+        CoordinatorState,
         CordonInput,
-        DiagnosticInput,
         EvictInput,
         EvictResult,
+        Gate,
         InjectInput,
         InjectResult,
         NodeInfo,
         PoolConfig,
+        PoolLayout,
         PoolNode,
         PoolState,
         ReleaseInput,
         ReserveInput,
         ReserveResult,
+        ShardAdopt,
+        ShardDelivery,
+        ShardSettings,
+        ShardState,
+        ShardSummary,
+        SlurmAttach,
+        SlurmObservation,
+        Ticket,
+        TicketInput,
+    )
+    from trainguard.domain.pool_layout import (
+        TICKET_TTL_S,
+        natural_order,
+        shard_id,
+        shard_of,
     )
     from trainguard.domain.standby import standby_target
 
-# Continue-as-new well before Temporal's history limits; the state is small.
-MAX_HISTORY_EVENTS = 4000
-# Handlers that change which machines are due for a test, or when, wake the background loop to
-# plan its timer again. Without this, a machine quarantined while no timer ran was never
-# re-tested, and the loop's commands depended on whether a handler ran before its first pass
-# (an update arriving at a worker with the run not cached) or after it (replay): a
-# nondeterminism error.
-PATCH_REPLAN = "pool-replan-on-change"
-# A suspect's self-test that did not run (not picked up, timed out, errored) is tried again
-# after SELF_TEST_RETRY, and the machine is quarantined only after SELF_TEST_MISSES in a row:
-# one lost activity on a busy controller quarantined a healthy machine until its retest.
-PATCH_SELF_TEST_RETRY = "self-test-retry"
-SELF_TEST_RETRY = timedelta(seconds=30)
-SELF_TEST_MISSES = 3
-# Evictions remembered for retries; a retry comes within minutes, long before this many more.
-MAX_EVICTIONS_KEPT = 64
+# Pools whose history has this marker run sharded (a run decides once, when it starts).
+PATCH_SHARDS = "pool-shards"
+# The coordinator's history: summaries (at most one a second per shard) and queue updates.
+MAX_HISTORY_EVENTS = 8000
+TICKET_TTL = timedelta(seconds=TICKET_TTL_S)
+SHARDED = "the pool is sharded: this caller predates it (upgrade trainguard)"
 
 
-@workflow.defn(name=contract.pool.WORKFLOW.name)
-class NodePoolWorkflow(SlurmSync):
+def _refuse_when_sharded(legacy: LegacyPool | None) -> LegacyPool:
+    """Calls only the unsharded pool serves; a sharded one refuses them before they are written."""
+    if legacy is None:
+        raise ValueError(SHARDED)
+    return legacy
+
+
+# Not sandboxed, as its shards (workflows/pool_shard.py).
+@workflow.defn(name=contract.pool.WORKFLOW.name, sandboxed=False)
+class NodePoolWorkflow:
     @workflow.init
     def __init__(self, state: PoolState | None = None) -> None:
-        self.nodes: dict[str, PoolNode] = dict(state.nodes) if state else {}
-        self.config = state.config if state else PoolConfig()
-        self.evictions: dict[str, EvictResult] = dict(state.evictions) if state else {}
-        self._init_slurm(state)
-        self.lock = asyncio.Lock()
-        self.replan = False  # the config changed: the loop's retest timer must be recomputed
+        self.legacy: LegacyPool | None = None
+        if not workflow.patched(PATCH_SHARDS):
+            self.legacy = LegacyPool(state)
+            return
+        s = state or PoolState()
+        c = s.coordinator or CoordinatorState()
+        self.config = s.config
+        self.settings = ShardSettings(config=s.config, epoch=c.settings_epoch, slurm_queue=s.slurm_queue)
+        self.summaries: dict[int, ShardSummary] = dict(c.summaries)
+        self.queue: list[Ticket] = list(c.queue)
+        self.gate = c.gate
+        self.slurm_replacements = s.slurm_replacements
+        self.slurm_requested = s.slurm_requested
+        # A pool crossing from one workflow: its machines go to their shards before anything else.
+        self.handover = s if s.nodes else None
+        self.ready = self.handover is None
+        self.stale: set[int] = set()  # shards to tell the settings and the gate again
+        self.job_machines: dict[str, int] = {}
+        for summary in self.summaries.values():
+            self._count_jobs(summary.jobs, 1)
+        self.wake = False
+        self.alarm = Alarm(self._ring)
 
     @workflow.run
     async def run(self, state: PoolState | None = None) -> None:
-        # The background loop: self-test suspects at once and quarantined machines when due.
-        while not self._history_full():
-            due = self._due_for_test()
-            if due:
-                await self._self_test(due)
-                continue
-            # After the self-tests: a Slurm call that keeps failing must not hold them up.
-            if self._slurm_due() and workflow.patched(PATCH_SLURM):
-                await self._slurm_sync()
-                continue
-            self.replan = False
-            with contextlib.suppress(TimeoutError):
-                await workflow.wait_condition(
-                    lambda: (
-                        self.replan or bool(self._due_for_test()) or self._slurm_due() or self._history_full()
-                    ),
-                    timeout=self._next_retest(),
-                )
+        if self.legacy is not None:
+            await self.legacy.run()  # ends in continue-as-new (sharded, once asked to upgrade)
+            return
+        if self.handover is not None:
+            await self._hand_over(self.handover)
+            self.handover = None
+            self.ready = True
+        while not history_full(MAX_HISTORY_EVENTS):
+            now = workflow.now()
+            self._expire(now)
+            if self.stale:
+                stale, self.stale = sorted(self.stale), set()
+                await asyncio.gather(*(self._tell(k) for k in stale))
+            if self._replacement_needed():
+                await self._request_replacement()
+            self.alarm.arm(min((t.renewed_at + TICKET_TTL for t in self.queue), default=None))
+            self.wake = False
+            await workflow.wait_condition(lambda: self.wake or history_full(MAX_HISTORY_EVENTS))
         await workflow.wait_condition(workflow.all_handlers_finished)
         workflow.continue_as_new(self._snapshot())
 
+    # -- the loop's work ---------------------------------------------------------------------
+
+    def _ring(self) -> None:
+        self.wake = True
+
     def _snapshot(self) -> PoolState:
         return PoolState(
-            nodes=self.nodes, config=self.config, evictions=self.evictions, **self._slurm_fields()
-        )
-
-    def _schedule_changed(self) -> None:
-        if workflow.patched(PATCH_REPLAN):
-            self.replan = True
-
-    def _history_full(self) -> bool:
-        info = workflow.info()
-        return info.get_current_history_length() > MAX_HISTORY_EVENTS or info.is_continue_as_new_suggested()
-
-    def _retest_at(self, n: PoolNode) -> datetime | None:
-        """When a quarantined machine, or a suspect whose self-test was missed, is tested again."""
-        if n.state == "suspect":
-            return n.retest_at
-        if n.state != "quarantined" or n.since is None or n.info.name in self.slurm_held:
-            return None
-        return max(n.since, n.tested_at or n.since) + timedelta(seconds=self.config.retest_s)
-
-    def _due_for_test(self) -> list[str]:
-        now = workflow.now()
-        return sorted(
-            (
-                name
-                for name, n in self.nodes.items()
-                if (n.state == "suspect" and n.retest_at is None)
-                or ((at := self._retest_at(n)) is not None and at <= now)
+            config=self.config,
+            slurm_queue=self.settings.slurm_queue,
+            slurm_replacements=self.slurm_replacements,
+            slurm_requested=self.slurm_requested,
+            shards=self.config.shards,
+            coordinator=CoordinatorState(
+                settings_epoch=self.settings.epoch, summaries=self.summaries, queue=self.queue, gate=self.gate
             ),
-            key=_order,
         )
 
-    def _next_retest(self) -> timedelta | None:
-        times = [at for n in self.nodes.values() if (at := self._retest_at(n)) is not None]
-        if not times:
-            return None
-        return max(min(times) - workflow.now(), timedelta(seconds=1))
-
-    async def _self_test(self, names: list[str]) -> None:
-        """Run the self-test on each machine (at once); pass -> standby, fail -> quarantined."""
-        before = {name: self.nodes[name] for name in names}
-
-        async def one(name: str) -> tuple[bool | None, str]:
-            """(passed, evidence); passed is None when the self-test did not run."""
-            try:
-                # Longer than a job's check: the pool tests machines that may be starting up.
-                r = await calls.self_test(
-                    DiagnosticInput(job_id="trainguard-pool", attempt=0),
-                    task_queue=before[name].info.task_queue,
-                    schedule_to_start=timedelta(seconds=30),
-                    start_to_close=timedelta(seconds=120 + CHECK_START_BOUND_S),
-                    summary=f"{name}: self-test ({before[name].state})",
-                )
-                return r.passed, r.evidence
-            except ActivityError as err:
-                return None, f"self-test did not run: {err.cause or err}"
-
-        results = await asyncio.gather(*(one(name) for name in names))
-        async with self.lock:
-            now = workflow.now()
-            for name, (passed, evidence) in zip(names, results, strict=True):
-                n = self.nodes[name]
-                if n != before[name]:
-                    continue  # changed meanwhile (released, re-registered, lost): its new state stands
-                missed = n.missed_tests + 1
-                if passed:
-                    update = {"state": "standby", "reason": None, "since": now}
-                elif (
-                    passed is None
-                    and n.state == "suspect"
-                    and missed < SELF_TEST_MISSES
-                    and workflow.patched(PATCH_SELF_TEST_RETRY)
-                ):
-                    update = {
-                        "missed_tests": missed,
-                        "retest_at": now + SELF_TEST_RETRY,
-                        "reason": f"self-test missed {missed} of {SELF_TEST_MISSES} times: {evidence}"[:500],
-                    }
-                elif n.state == "suspect":
-                    update = {
-                        "state": "quarantined",
-                        "reason": f"self-test failed: {evidence}"[:500],
-                        "since": now,
-                    }
-                else:
-                    update = {}
-                if "missed_tests" not in update and n.missed_tests:
-                    update.update(missed_tests=0, retest_at=None)  # it ran: the count starts over
-                self.nodes[name] = n.model_copy(
-                    update={**update, "tested_at": now, "evidence": evidence[:500]}
-                )
-
-    def _standbys(self) -> list[PoolNode]:
-        return sorted(
-            (
-                n
-                for n in self.nodes.values()
-                if n.state == "standby"
-                and n.job is None
-                and not n.cordoned
-                and n.info.name not in self.slurm_held
-            ),
-            key=lambda n: _order(n.info.name),
+    def _shard_start(self, k: int) -> ShardState:
+        """What a shard starts with (whoever starts it: an agent, the CLI, the hand-over)."""
+        pool = workflow.info().workflow_id
+        return ShardState(
+            pool=pool, index=k, shards=self.config.shards, settings=self.settings, gate=self.gate
         )
+
+    async def _hand_over(self, state: PoolState) -> None:
+        """Each machine of the unsharded run to its shard, as it stands (jobs kept)."""
+        groups: dict[int, list[PoolNode]] = {}
+        for name in sorted(state.nodes, key=natural_order):
+            groups.setdefault(shard_of(name, self.config.shards), []).append(state.nodes[name])
+        await asyncio.gather(
+            *(
+                calls.deliver_to_shard(
+                    ShardDelivery(
+                        start=self._shard_start(k),
+                        adopt=ShardAdopt(
+                            nodes=nodes,
+                            slurm_drained={
+                                n.info.name: state.slurm_drained[n.info.name]
+                                for n in nodes
+                                if n.info.name in state.slurm_drained
+                            },
+                            slurm_held=[n.info.name for n in nodes if n.info.name in state.slurm_held],
+                        ),
+                    ),
+                    summary=f"shard {k}: {len(nodes)} machines handed over",
+                )
+                for k, nodes in sorted(groups.items())
+            )
+        )
+
+    async def _tell(self, k: int) -> None:
+        """The settings and the gate to shard ``k``, those its summary shows it lacks (one that is
+        not running hears them when it starts, or when its first summary shows them old)."""
+        shard = workflow.get_external_workflow_handle(shard_id(workflow.info().workflow_id, k))
+        told = self.summaries.get(k)
+        try:
+            if told is None or told.settings_epoch != self.settings.epoch:
+                await contract.shard.shard_settings.signal(shard, self.settings)
+            if told is None or told.gate_epoch != self.gate.epoch:
+                await contract.shard.gate.signal(shard, self.gate)
+        except Exception as err:
+            workflow.logger.info("shard %d not told: %s", k, err)
+
+    def _expire(self, now: datetime) -> None:
+        kept = [t for t in self.queue if t.renewed_at + TICKET_TTL > now]
+        if len(kept) != len(self.queue):
+            self.queue = kept
+            self._regate()
+
+    def _regate(self) -> None:
+        head = self.queue[0].job_id if self.queue else None
+        if head != self.gate.head:
+            self.gate = Gate(head=head, epoch=self.gate.epoch + 1)
+            self.stale |= self.summaries.keys()
+            self.wake = True
+
+    def _count_jobs(self, jobs: dict[str, int], sign: int) -> None:
+        for job, n in jobs.items():
+            left = self.job_machines.get(job, 0) + sign * n
+            if left > 0:
+                self.job_machines[job] = left
+            else:
+                self.job_machines.pop(job, None)
+
+    def _total(self, state: str) -> int:
+        return sum(s.states.get(state, 0) for s in self.summaries.values())
+
+    def _free(self) -> int:
+        return sum(s.free for s in self.summaries.values())
 
     def _standby_target(self) -> int:
         """Spares for every job running now (each sized on its own), at least ``min_standby``."""
-        per_job: dict[str, int] = {}
-        for n in self.nodes.values():
-            if n.state == "active" and n.job is not None:
-                per_job[n.job] = per_job.get(n.job, 0) + 1
-        wanted = sum(standby_target(m, self.config.daily_failure_rate) for m in per_job.values())
+        rate = self.config.daily_failure_rate
+        wanted = sum(standby_target(m, rate) for m in self.job_machines.values())
         return max(self.config.min_standby, wanted)
+
+    def _live(self) -> int:
+        return sum(sum(s.states.values()) - s.states.get("lost", 0) for s in self.summaries.values())
+
+    def _replacement_needed(self) -> bool:
+        """Jobs run, with fewer standbys than the target, and no replacement is on its way (one
+        is until a machine joins after the request)."""
+        if self.settings.slurm_queue is None or not self.slurm_replacements or not self._total("active"):
+            return False
+        if self.slurm_requested is not None and self._live() <= self.slurm_requested:
+            return False
+        return self._free() < self._standby_target()
+
+    async def _request_replacement(self) -> None:
+        queue = self.settings.slurm_queue
+        assert queue is not None
+        # Asked once; the next request waits for a machine to join (or not: then an operator).
+        self.slurm_requested = self._live()
+        exclude = sorted({n for s in self.summaries.values() for n in s.out_of_service}, key=natural_order)
+        await request_replacement(queue, exclude)
+
+    def _layout(self, job_id: str = "") -> PoolLayout:
+        if self.legacy is not None or not self.ready:
+            return PoolLayout(sharded=False)
+        free = [0] * self.config.shards
+        first: list[str | None] = [None] * self.config.shards
+        for k, s in self.summaries.items():
+            if k < len(free):
+                free[k], first[k] = s.free, s.first_free
+        place = next((i + 1 for i, t in enumerate(self.queue) if t.job_id == job_id), 0) if job_id else 0
+        return PoolLayout(
+            sharded=True,
+            shards=self.config.shards,
+            settings=self.settings,
+            gate=self.gate,
+            free=free,
+            first_free=first,
+            testing=self._total("suspect"),
+            cordoned_free=sum(s.cordoned_free for s in self.summaries.values()),
+            machines=sum(sum(s.states.values()) for s in self.summaries.values()),
+            waiting=len(self.queue),
+            ticket=self.queue[place - 1] if place else None,
+            place=place,
+            holders=sorted(k for k, s in self.summaries.items() if job_id in s.jobs) if job_id else [],
+        )
+
+    # -- the shards and the queue (sharded runs) ---------------------------------------------
+
+    @workflow.signal(name=contract.pool.shard_summary.name)
+    def shard_summary(self, summary: ShardSummary) -> None:
+        if self.legacy is not None:
+            return
+        old = self.summaries.get(summary.index)
+        if old is not None:
+            self._count_jobs(old.jobs, -1)
+        self._count_jobs(summary.jobs, 1)
+        self.summaries[summary.index] = summary
+        if summary.settings_epoch != self.settings.epoch or summary.gate_epoch != self.gate.epoch:
+            self.stale.add(summary.index)
+            self.wake = True
+        if self.slurm_replacements:
+            self.wake = True  # the counts a replacement request depends on changed
+
+    @workflow.query(name=contract.pool.layout.name)
+    def layout(self, job_id: str = "") -> PoolLayout:
+        return self._layout(job_id)
+
+    @workflow.update(name=contract.pool.upgrade.name)
+    async def upgrade(self, why: str) -> bool:
+        """Cross to shards (an unsharded run continues as new); True once sharded."""
+        if self.legacy is not None:
+            workflow.logger.info("crossing to shards: %s", why)
+            self.legacy.upgrading = True
+            return False
+        return True
+
+    @workflow.update(name=contract.pool.take_ticket.name)
+    async def take_ticket(self, req: TicketInput) -> PoolLayout:
+        """A place in the queue for ``req.job_id`` (the one it has, renewed)."""
+        await workflow.wait_condition(lambda: self.ready)
+        now = workflow.now()
+        for i, t in enumerate(self.queue):
+            if t.job_id == req.job_id:
+                self.queue[i] = t.model_copy(update={"count": req.count, "renewed_at": now})
+                break
+        else:
+            self.queue.append(Ticket(job_id=req.job_id, count=req.count, since=now, renewed_at=now))
+        self._regate()
+        self.wake = True  # its expiry may be the soonest
+        return self._layout(req.job_id)
+
+    @take_ticket.validator
+    def _validate_take_ticket(self, req: TicketInput) -> None:
+        if self.legacy is not None:
+            raise ValueError("the pool is not sharded")
+
+    @workflow.update(name=contract.pool.drop_ticket.name)
+    async def drop_ticket(self, job_id: str) -> bool:
+        """The job was granted (or ended): out of the queue, the next one to the head."""
+        self.queue = [t for t in self.queue if t.job_id != job_id]
+        self._regate()
+        return True
+
+    @drop_ticket.validator
+    def _validate_drop_ticket(self, job_id: str) -> None:
+        if self.legacy is not None or all(t.job_id != job_id for t in self.queue):
+            raise ValueError(f"{job_id} has no ticket")  # refused before it is written: no history
+
+    # -- both modes --------------------------------------------------------------------------
 
     @workflow.update(name=contract.pool.configure.name)
     async def configure(self, config: PoolConfig) -> PoolConfig:
+        if self.legacy is not None:
+            return await self.legacy.configure(config)
+        await workflow.wait_condition(lambda: self.ready)
         self.config = config
-        self.replan = True  # a shorter retest interval may make quarantined machines due sooner
+        self.settings = self.settings.model_copy(update={"config": config, "epoch": self.settings.epoch + 1})
+        self.stale |= self.summaries.keys()
+        self.wake = True
         return config
+
+    @configure.validator
+    def _validate_configure(self, config: PoolConfig) -> None:
+        if self.legacy is None and config.shards != self.config.shards:
+            machines = sum(sum(s.states.values()) for s in self.summaries.values())
+            if machines or self.handover is not None:
+                raise ValueError(
+                    f"shards: fixed once machines joined ({self.config.shards} shards, {machines} machines)"
+                )
 
     @workflow.update(name=contract.pool.register.name)
     async def register(self, info: NodeInfo) -> PoolNode:
-        """An agent (re)joins; a machine already known keeps its assignment."""
-        async with self.lock:
-            now = workflow.now()
-            old = self.nodes.get(info.name)
-            if old is None or old.state in ("lost", "standby", "suspect"):
-                # New, restarted or back from the dead: a standby only once its self-test passes.
-                node = PoolNode(info=info, state="suspect", since=now, reason="waiting for its self-test")
-            else:
-                node = old.model_copy(update={"info": info})
-            self.nodes[info.name] = node
-            self._schedule_changed()
-            return node
+        """An agent joins. Sharded: an agent of an earlier release, whose join is handed to the
+        machine's shard."""
+        if self.legacy is not None:
+            return await self.legacy.register(info)
+        await workflow.wait_condition(lambda: self.ready)
+        k = shard_of(info.name, self.config.shards)
+        await calls.deliver_to_shard(
+            ShardDelivery(start=self._shard_start(k), join=[info]), summary=f"{info.name}: join shard {k}"
+        )
+        return PoolNode(info=info, state="suspect", since=workflow.now(), reason="waiting for its self-test")
 
     @register.validator
     def _validate_register(self, info: NodeInfo) -> None:
         if not info.name or not info.task_queue:
             raise ValueError("name and task_queue are required")
 
-    @workflow.update(name=contract.pool.reserve.name)
-    async def reserve(self, req: ReserveInput) -> ReserveResult:
-        """Give ``req.job_id`` ``req.count`` standby machines, or nothing. Idempotent per job."""
-        async with self.lock:
-            held = sorted(
-                (n for n in self.nodes.values() if n.job == req.job_id), key=lambda n: _order(n.info.name)
-            )
-            if len(held) >= req.count:
-                return ReserveResult(
-                    granted=True, nodes=[n.info for n in held[: req.count]], standby=len(self._standbys())
-                )
-            free = self._standbys()
-            need = req.count - len(held)
-            if len(free) < need:
-                testing = sum(n.state == "suspect" for n in self.nodes.values())
-                cordoned = sum(n.cordoned and n.job is None for n in self.nodes.values())
-                return ReserveResult(
-                    granted=False,
-                    free=len(free),
-                    standby=len(free),
-                    message=f"{req.count} machines wanted, {len(free) + len(held)} on standby"
-                    + (f", {testing} more in their self-test" if testing else "")
-                    + (f", {cordoned} cordoned" if cordoned else "")
-                    + f" (pool of {len(self.nodes)})",
-                )
-            now = workflow.now()
-            for n in free[:need]:
-                self.nodes[n.info.name] = n.model_copy(
-                    update={"state": "active", "job": req.job_id, "since": now}
-                )
-            chosen = held + free[:need]
-            return ReserveResult(granted=True, nodes=[n.info for n in chosen], standby=len(self._standbys()))
-
-    @reserve.validator
-    def _validate_reserve(self, req: ReserveInput) -> None:
-        if req.count < 1:
-            raise ValueError("count must be >= 1")
-
-    @workflow.update(name=contract.pool.release.name)
-    async def release(self, req: ReleaseInput) -> int:
-        """Return a job's machines to standby (they were healthy with it); returns how many."""
-        async with self.lock:
-            now = workflow.now()
-            released = 0
-            for name, n in list(self.nodes.items()):
-                if n.job == req.job_id:
-                    state = "lost" if n.state == "lost" else "standby"
-                    if name in self.slurm_held and state == "standby":
-                        state = "quarantined"  # an operator drained it in Slurm while the job ran
-                    self.nodes[name] = n.model_copy(update={"state": state, "job": None, "since": now})
-                    released += 1
-            return released
-
-    @workflow.update(name=contract.pool.evict.name)
-    async def evict(self, req: EvictInput) -> EvictResult:
-        """Quarantine machines (or make them suspect) and hand the job standbys in the same
-        step, in the same places."""
-        async with self.lock:
-            if req.request_id in self.evictions:
-                return self.evictions[req.request_id]  # a retry: the machines were swapped already
-            now = workflow.now()
-            free = self._standbys()
-            if len(free) < len(req.nodes):
-                return EvictResult(
-                    replaced=False,
-                    message=f"{len(req.nodes)} spare machines needed, {len(free)} on standby",
-                    standby=len(free),
-                )
-            swap = dict(zip(req.nodes, free, strict=False))
-            for name in req.nodes:
-                old = self.nodes[name]
-                self.nodes[name] = old.model_copy(
-                    update={
-                        "state": "quarantined" if req.confirmed else "suspect",
-                        "job": None,
-                        "reason": req.reason[:500],
-                        "since": now,
-                    }
-                )
-                new = swap[name]
-                self.nodes[new.info.name] = new.model_copy(
-                    update={"state": "active", "job": req.job_id, "since": now}
-                )
-            self._schedule_changed()
-            order = [swap[n].info.name if n in swap else n for n in req.current]
-            res = EvictResult(
-                replaced=True,
-                nodes=[self.nodes[n].info for n in order],
-                evicted=list(req.nodes),
-                standby=len(self._standbys()),
-            )
-            if req.request_id:
-                self.evictions[req.request_id] = res
-                while len(self.evictions) > MAX_EVICTIONS_KEPT:
-                    del self.evictions[next(iter(self.evictions))]  # the oldest
-            return res
-
-    @evict.validator
-    def _validate_evict(self, req: EvictInput) -> None:
-        if req.request_id in self.evictions:
-            return
-        for name in req.nodes:
-            n = self.nodes.get(name)
-            if n is None or n.job != req.job_id:
-                raise ValueError(f"{name} is not held by {req.job_id}")
-
-    @workflow.update(name=contract.pool.release_node.name)
-    async def release_node(self, name: str) -> PoolNode:
-        """An operator returns a quarantined (or suspect) machine to standby, drill faults cleared."""
-        async with self.lock:
-            n = self.nodes[name]
-            await self._clear(n)
-            if name in self.slurm_held:
-                self.slurm_held.remove(name)  # the operator's word: resumed in Slurm too
-            if n.state in ("quarantined", "suspect"):
-                n = n.model_copy(
-                    update={"state": "standby", "reason": "released by an operator", "since": workflow.now()}
-                )
-                self.nodes[name] = n
-                self._schedule_changed()
-            return n
-
-    @workflow.update(name=contract.pool.cordon.name)
-    async def cordon(self, req: CordonInput) -> PoolNode:
-        """An operator keeps new work off a machine (or lets it back on); its job goes on."""
-        async with self.lock:
-            n = self.nodes[req.node].model_copy(update={"cordoned": req.cordoned})
-            self.nodes[req.node] = n
-            return n
-
-    @cordon.validator
-    def _validate_cordon(self, req: CordonInput) -> None:
-        if req.node not in self.nodes:
-            raise ValueError(f"node: unknown node {req.node!r}")
-
-    @workflow.update(name=contract.pool.clear_faults.name)
-    async def clear_faults(self, name: str) -> int:
-        """End every drill fault standing on a machine."""
-        return await self._clear(self.nodes[name])
-
-    @clear_faults.validator
-    def _validate_clear(self, name: str) -> None:
-        if name not in self.nodes:
-            raise ValueError(f"node: unknown node {name!r}")
-
-    async def _clear(self, n: PoolNode) -> int:
-        return await calls.clear_faults(ClearFaultsInput(node=n.info.name), task_queue=n.info.task_queue)
-
-    @release_node.validator
-    def _validate_release_node(self, name: str) -> None:
-        if name not in self.nodes:
-            raise ValueError(f"node: unknown node {name!r}")
-
-    @workflow.update(name=contract.pool.inject.name)
-    async def inject(self, req: InjectInput) -> InjectResult:
-        """A fault drill: the machine's agent injects it; the job holding the machine hears of it."""
-        node = self.nodes[req.node]
-        result = await calls.inject_fault(req, task_queue=node.info.task_queue)
-        if node.job is not None:
-            # So the job can measure detection latency from the moment of injection.
-            try:
-                await contract.job.drill.signal(workflow.get_external_workflow_handle(node.job), result)
-            except Exception:  # the job just ended; the drill record stays with the caller
-                workflow.logger.info("job %s did not take the drill signal", node.job)
-        return result
-
-    @inject.validator
-    def _validate_inject(self, req: InjectInput) -> None:
-        n = self.nodes.get(req.node)
-        if n is None:
-            raise ValueError(f"node: unknown node {req.node!r}")
-        if n.state == "lost":
-            raise ValueError(f"node: {req.node} is not running")
-        if req.fault not in ALL_FAULTS:
-            raise ValueError(f"fault: unknown fault {req.fault!r} (one of {', '.join(ALL_FAULTS)})")
-
     @workflow.update(name=contract.pool.deregister.name)
     async def deregister(self, name: str) -> None:
-        """An agent leaves for good (graceful shutdown); a job still holding it will notice."""
-        async with self.lock:
-            n = self.nodes.get(name)
-            if n is None:
-                raise ApplicationError(f"unknown node {name!r}", type="UnknownNode", non_retryable=True)
-            self.nodes[name] = n.model_copy(update={"state": "lost", "since": workflow.now()})
-            self._schedule_changed()
+        """An agent leaves for good. Sharded: one of an earlier release; told to its shard."""
+        if self.legacy is not None:
+            return await self.legacy.deregister(name)
+        await workflow.wait_condition(lambda: self.ready)
+        shard = shard_id(workflow.info().workflow_id, shard_of(name, self.config.shards))
+        try:
+            await contract.shard.leave.signal(workflow.get_external_workflow_handle(shard), name)
+        except Exception as err:
+            raise ApplicationError(f"unknown node {name!r}", type="UnknownNode", non_retryable=True) from err
+
+    @workflow.update(name=contract.pool.attach_slurm.name)
+    async def attach_slurm(self, attach: SlurmAttach) -> PoolState:
+        """The pool's Slurm worker (the one place with operator rights) serves ``attach.queue``."""
+        if self.legacy is not None:
+            return await self.legacy.attach_slurm(attach)
+        await workflow.wait_condition(lambda: self.ready)
+        self.settings = self.settings.model_copy(
+            update={"slurm_queue": attach.queue, "epoch": self.settings.epoch + 1}
+        )
+        self.slurm_replacements = attach.replacements
+        self.slurm_requested = None
+        self.stale |= self.summaries.keys()
+        self.wake = True
+        return self.state()
 
     @workflow.query(name=contract.pool.state.name)
     def state(self) -> PoolState:
+        """Unsharded: the whole pool. Sharded: the settings, the standby target and the free
+        standbys; the machines are the shards' (``pool_client.state`` merges them)."""
+        if self.legacy is not None:
+            return self.legacy.state()
         return self._snapshot().model_copy(
-            update={
-                "evictions": {},
-                "standby_target": self._standby_target(),
-                "standby": len(self._standbys()),
-            }
+            update={"coordinator": None, "standby_target": self._standby_target(), "standby": self._free()}
         )
+
+    # -- the unsharded pool's calls (a sharded pool refuses them before they are written) ------
+
+    @workflow.update(name=contract.pool.reserve.name)
+    async def reserve(self, req: ReserveInput) -> ReserveResult:
+        return await _refuse_when_sharded(self.legacy).reserve(req)
+
+    @reserve.validator
+    def _validate_reserve(self, req: ReserveInput) -> None:
+        _refuse_when_sharded(self.legacy)._validate_reserve(req)
+
+    @workflow.update(name=contract.pool.release.name)
+    async def release(self, req: ReleaseInput) -> int:
+        return await _refuse_when_sharded(self.legacy).release(req)
+
+    @release.validator
+    def _validate_release(self, req: ReleaseInput) -> None:
+        _refuse_when_sharded(self.legacy)
+
+    @workflow.update(name=contract.pool.evict.name)
+    async def evict(self, req: EvictInput) -> EvictResult:
+        return await _refuse_when_sharded(self.legacy).evict(req)
+
+    @evict.validator
+    def _validate_evict(self, req: EvictInput) -> None:
+        _refuse_when_sharded(self.legacy)._validate_evict(req)
+
+    @workflow.update(name=contract.pool.release_node.name)
+    async def release_node(self, name: str) -> PoolNode:
+        return await _refuse_when_sharded(self.legacy).release_node(name)
+
+    @release_node.validator
+    def _validate_release_node(self, name: str) -> None:
+        _refuse_when_sharded(self.legacy)._validate_release_node(name)
+
+    @workflow.update(name=contract.pool.cordon.name)
+    async def cordon(self, req: CordonInput) -> PoolNode:
+        return await _refuse_when_sharded(self.legacy).cordon(req)
+
+    @cordon.validator
+    def _validate_cordon(self, req: CordonInput) -> None:
+        _refuse_when_sharded(self.legacy)._validate_cordon(req)
+
+    @workflow.update(name=contract.pool.clear_faults.name)
+    async def clear_faults(self, name: str) -> int:
+        return await _refuse_when_sharded(self.legacy).clear_faults(name)
+
+    @clear_faults.validator
+    def _validate_clear(self, name: str) -> None:
+        _refuse_when_sharded(self.legacy)._validate_clear(name)
+
+    @workflow.update(name=contract.pool.inject.name)
+    async def inject(self, req: InjectInput) -> InjectResult:
+        return await _refuse_when_sharded(self.legacy).inject(req)
+
+    @inject.validator
+    def _validate_inject(self, req: InjectInput) -> None:
+        _refuse_when_sharded(self.legacy)._validate_inject(req)
+
+    @workflow.update(name=contract.pool.slurm_observed.name)
+    async def slurm_observed(self, obs: SlurmObservation) -> int:
+        return await _refuse_when_sharded(self.legacy).slurm_observed(obs)
+
+    @slurm_observed.validator
+    def _validate_slurm_observed(self, obs: SlurmObservation) -> None:
+        _refuse_when_sharded(self.legacy)
+
+
+# Every workflow of a pool: a worker that runs one runs all.
+POOL_WORKFLOWS = (NodePoolWorkflow, PoolShardWorkflow)

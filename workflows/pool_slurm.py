@@ -17,7 +17,6 @@ from typing import Any
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
-from trainguard import contract
 from trainguard.contract import calls
 
 with workflow.unsafe.imports_passed_through():
@@ -41,8 +40,34 @@ def _order(name: str) -> tuple[int, str]:
     return (int(digits) if digits else 0, name)
 
 
+def slurm_change(n: PoolNode, held: bool, drained: bool) -> SlurmNodeInput | None:
+    """The drain or resume Slurm needs so that exactly the quarantined (and operator-held)
+    machines are drained; lost machines stay as they are."""
+    if n.state == "lost":
+        return None
+    want = n.state == "quarantined" or held
+    if want and not drained:
+        reason = SLURM_REASON_PREFIX + (n.reason or "quarantined")
+        return SlurmNodeInput(node=n.info.name, drain=True, reason=reason[:200])
+    if not want and drained:
+        return SlurmNodeInput(node=n.info.name, drain=False)
+    return None
+
+
+async def request_replacement(queue: str, exclude: list[str]) -> None:
+    """One more agent job from the pool's Slurm worker (a failure is logged: asked again later)."""
+    try:
+        job = await calls.slurm_request_node(
+            SlurmReplacementInput(exclude=exclude), task_queue=queue, summary="replacement node"
+        )
+        workflow.logger.info("asked Slurm for a replacement node: job %s", job)
+    except ActivityError as err:
+        workflow.logger.warning("no replacement node requested: %s", err.cause or err)
+
+
 class SlurmSync:
-    """Mixed into NodePoolWorkflow, whose state it reads and changes."""
+    """Mixed into the unsharded pool (``workflows/pool_legacy.py``), whose state it reads and
+    changes."""
 
     nodes: dict[str, PoolNode]
     lock: asyncio.Lock
@@ -107,17 +132,11 @@ class SlurmSync:
         machines are drained; lost machines stay as they are."""
         if self.slurm_queue is None:
             return []
-        out = []
-        for name, n in sorted(self.nodes.items(), key=lambda kv: _order(kv[0])):
-            if n.state == "lost":
-                continue
-            want = n.state == "quarantined" or name in self.slurm_held
-            if want and name not in self.slurm_drained:
-                reason = SLURM_REASON_PREFIX + (n.reason or "quarantined")
-                out.append(SlurmNodeInput(node=name, drain=True, reason=reason[:200]))
-            elif not want and name in self.slurm_drained:
-                out.append(SlurmNodeInput(node=name, drain=False))
-        return out
+        changes = (
+            slurm_change(n, name in self.slurm_held, name in self.slurm_drained)
+            for name, n in sorted(self.nodes.items(), key=lambda kv: _order(kv[0]))
+        )
+        return [c for c in changes if c is not None]
 
     async def _slurm_sync(self) -> None:
         changes = self._slurm_changes()
@@ -130,13 +149,7 @@ class SlurmSync:
                 {*self.slurm_drained, *(k for k, n in self.nodes.items() if n.state == "quarantined")},
                 key=_order,
             )
-            try:
-                job = await calls.slurm_request_node(
-                    SlurmReplacementInput(exclude=exclude), task_queue=queue, summary="replacement node"
-                )
-                workflow.logger.info("asked Slurm for a replacement node: job %s", job)
-            except ActivityError as err:
-                workflow.logger.warning("no replacement node requested: %s", err.cause or err)
+            await request_replacement(queue, exclude)
         results = await asyncio.gather(
             *(
                 calls.slurm_node(c, task_queue=queue, summary=f"{c.node}: {'drain' if c.drain else 'resume'}")
@@ -161,7 +174,6 @@ class SlurmSync:
             # would otherwise grow the history with retries as fast as they fail.
             await workflow.sleep(SLURM_RETRY)
 
-    @workflow.update(name=contract.pool.attach_slurm.name)
     async def attach_slurm(self, attach: SlurmAttach) -> PoolState:
         """The pool's Slurm worker (the one place with operator rights) serves ``attach.queue``."""
         async with self.lock:
@@ -171,7 +183,6 @@ class SlurmSync:
             self.slurm_epoch += 1  # observations read before now may predate the attach
             return self.state()
 
-    @workflow.update(name=contract.pool.slurm_observed.name)
     async def slurm_observed(self, obs: SlurmObservation) -> int:
         """An operator's drain or resume in Slurm reaches the pool: a machine drained there
         leaves service (quarantined once no job holds it) until resumed; one resumed there

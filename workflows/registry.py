@@ -5,6 +5,6 @@ from __future__ import annotations
 from workflows.job.fanout import FanOutWorkflow
 from workflows.job.group import RanksGroupWorkflow
 from workflows.job.workflow import TrainingJobWorkflow
-from workflows.node_pool import NodePoolWorkflow
+from workflows.node_pool import POOL_WORKFLOWS
 
-WORKFLOWS: tuple[type, ...] = (TrainingJobWorkflow, NodePoolWorkflow, FanOutWorkflow, RanksGroupWorkflow)
+WORKFLOWS: tuple[type, ...] = (TrainingJobWorkflow, *POOL_WORKFLOWS, FanOutWorkflow, RanksGroupWorkflow)

@@ -16,6 +16,8 @@ from trainguard.client import TrainguardClient
 from trainguard.contract import calls
 
 GROUPS = {"group_size": 1}  # each of the job's two machines in a group of its own
+# Steps slow enough that each fault lands while the job runs (a sleep leaves the hash alone).
+SLOW = {"env": {"GPT_SEQ_LEN": "32", "GPT_STEP_SLEEP_S": "0.2"}}
 
 
 def _recovered(n: int) -> Any:
@@ -25,7 +27,7 @@ def _recovered(n: int) -> Any:
 async def test_a_job_in_groups_recovers_and_resumes_to_the_reference_hash(
     tg: TrainguardClient, reference: dict[str, Any], healthy_pool: None, stack_dir: Path
 ) -> None:
-    job = await tg.submit(example_spec("groups"), **GROUPS)
+    job = await tg.submit(example_spec("groups", **SLOW), **GROUPS)
     await wait_until(job, lambda s: s["step"] >= 20)
     await tg.inject("node-1", "crash", rank=1)
     await wait_until(job, _recovered(1))
@@ -40,7 +42,7 @@ async def test_a_job_in_groups_recovers_and_resumes_to_the_reference_hash(
     assert stopped["phase"] == "stopped", stopped
     assert stopped["checkpoint"]["tier"] == "s3", stopped["checkpoint"]
 
-    final = await run_to_end(await tg.submit(example_spec("groups"), **GROUPS))
+    final = await run_to_end(await tg.submit(example_spec("groups", **SLOW), **GROUPS))
     assert final["phase"] == "completed", final
     assert final["resumed_from_step"] == stopped["checkpoint"]["step"], final
     assert final["result"]["param_hash"] == reference["result"]["param_hash"], (final, reference["result"])

@@ -9,13 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from temporalio.client import WorkflowUpdateFailedError
+from temporalio.client import WorkflowHandle
 
 from infra.local import start_agent
 from infra.stack import Stack
 from tests.integration.helpers import REPO
 from trainguard.client import TrainguardClient
-from trainguard.domain.messages import EvictInput, PoolConfig, PoolNode, PoolState, ReserveInput
+from trainguard.domain.messages import CordonInput, EvictInput, PoolConfig, PoolNode, PoolState, ReserveInput
 from trainguard.services import pool_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("healthy_pool")]
@@ -95,7 +95,7 @@ async def test_a_retried_eviction_is_answered_not_repeated(tg: TrainguardClient)
         assert [n for n in pool.nodes.values() if n.job == "evict-retry"] == [node(pool, first.nodes[0].name)]
         assert pool.standby == 1  # one spare handed out, not two
         # A new request for a machine the job no longer holds is still refused.
-        with pytest.raises(WorkflowUpdateFailedError):
+        with pytest.raises(pool_client.PoolRefused, match=f"{victim} is not held by evict-retry"):
             await pool_client.evict(tg.temporal, req.model_copy(update={"request_id": "run-1/8"}))
     finally:
         await pool_client.release(tg.temporal, "evict-retry")
@@ -127,10 +127,9 @@ async def test_a_machine_quarantined_while_no_retest_is_due_is_retested_on_time(
 async def test_a_burst_of_pool_calls_from_one_process_all_land(
     tg: TrainguardClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # 40 jobs ending at once on one controller: the server takes 10 updates in flight per
-    # workflow and refuses the rest; the process's lane queues them instead.
-    client = tg.temporal
-    inner = client.execute_update_with_start_workflow
+    # 40 calls at once to one workflow (a machine's shard): the server takes 10 updates in
+    # flight per workflow and refuses the rest; the process's lane queues them instead.
+    inner = WorkflowHandle.execute_update
     in_flight, most = 0, 0
 
     async def counted(*args: object, **kwargs: object) -> object:
@@ -142,7 +141,8 @@ async def test_a_burst_of_pool_calls_from_one_process_all_land(
         finally:
             in_flight -= 1
 
-    monkeypatch.setattr(client, "execute_update_with_start_workflow", counted)
-    released = await asyncio.gather(*(pool_client.release(client, f"burst-{i}") for i in range(40)))
-    assert released == [0] * 40
+    monkeypatch.setattr(WorkflowHandle, "execute_update", counted)
+    req = CordonInput(node="node-1", cordoned=False)
+    done = await asyncio.gather(*(pool_client.cordon(tg.temporal, req) for _ in range(40)))
+    assert [n.info.name for n in done] == ["node-1"] * 40
     assert 1 < most <= pool_client.LANE_WIDTH

@@ -17,7 +17,8 @@ from trainguard.contract.calls import self_test
 from trainguard.domain.messages import CONTROLLER_QUEUE, CheckResult, DiagnosticInput, NodeInfo, PoolState
 from trainguard.services import pool_client
 from trainguard.services.temporal import wire_data_converter
-from workflows.node_pool import SELF_TEST_MISSES, NodePoolWorkflow
+from workflows.node_pool import POOL_WORKFLOWS
+from workflows.pool_machine import SELF_TEST_MISSES
 
 SELF_TEST = self_test.name
 
@@ -43,7 +44,7 @@ async def test_a_missed_self_test_is_retried_and_only_repeated_misses_quarantine
     )
     async with (
         env,
-        Worker(env.client, task_queue=CONTROLLER_QUEUE, workflows=[NodePoolWorkflow]),
+        Worker(env.client, task_queue=CONTROLLER_QUEUE, workflows=POOL_WORKFLOWS),
         Worker(env.client, task_queue="agent-busy", activities=[busy_once]),
         Worker(env.client, task_queue="agent-gone", activities=[never]),
     ):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 from pathlib import Path
+from urllib.parse import quote
 
 from temporalio.client import Client
 
@@ -19,7 +20,7 @@ async def export_histories(client: Client, out_dir: Path, query: str = "Executio
     n = 0
     async for wf in client.list_workflows(query):
         history = await client.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
-        name = f"{wf.workflow_type}-{wf.id}-{wf.run_id[:8]}.json.gz"
+        name = f"{wf.workflow_type}-{quote(wf.id, safe='')}-{wf.run_id[:8]}.json.gz"  # a shard's id has a /
         with gzip.open(out_dir / name, "wt", encoding="utf-8") as f:
             f.write(history.to_json())
         n += 1

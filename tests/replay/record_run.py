@@ -4,9 +4,11 @@ then write every closed workflow's history.
 
     python -m tests.replay.record_run --out tests/replay/histories
 
-``--pool`` records the node pool instead: a machine cordoned before a job (the job takes the
-others), another cordoned while the job runs (it goes on), both uncordoned; the pool workflow
-never closes, so its running history is written as it stands.
+``--pool`` records the node pool instead (its coordinator and its shards): a machine cordoned
+before a job (the job takes the others), another cordoned while the job runs (it goes on), both
+uncordoned; then a job whose recurring crash evicts a machine (a spare swapped in, the machine
+quarantined) and an operator's release of it. The pool's workflows never close, so their
+running histories are written as they stand.
 """
 
 from __future__ import annotations
@@ -45,7 +47,14 @@ async def _record_pool(state_dir: Path, out: Path, log: Any) -> dict[str, Any]:
     log(f"pool-cordon: {final['phase']} on {sorted(final['nodes'].values())}")
     for name in ("node-1", st["nodes"]["0"]):
         await tg.cordon(name, cordoned=False)
-    return {"histories": await export_histories(tg.temporal, out, "WorkflowType = 'NodePoolWorkflow'")}
+    job = await tg.submit(example_spec("pool-evict"))
+    st = await wait_until(job, lambda s: s["step"] >= 5)
+    await tg.inject(st["nodes"]["0"], "crash", rank=1, count=5)
+    final = await run_to_end(job)
+    log(f"pool-evict: {final['phase']}, {[i['action'] for i in final['incidents']]}")
+    await restore_pool(tg, state_dir, node_names(3, 0), REPO)  # the quarantined machine released
+    query = "WorkflowType = 'NodePoolWorkflow' OR WorkflowType = 'PoolShardWorkflow'"
+    return {"histories": await export_histories(tg.temporal, out, query)}
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 from temporalio.client import WorkflowHistory
@@ -23,7 +24,7 @@ HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json.gz"))
 
 
 def _load(path: Path) -> WorkflowHistory:
-    workflow_id = path.name.removesuffix(".json.gz").split("-", 1)[1].rsplit("-", 1)[0]
+    workflow_id = unquote(path.name.removesuffix(".json.gz").split("-", 1)[1].rsplit("-", 1)[0])
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return WorkflowHistory.from_json(workflow_id, f.read())
 

@@ -27,10 +27,12 @@ from workflows.job.fanout import FanOutWorkflow
 from workflows.job.group import RanksGroupWorkflow
 from workflows.job.workflow import TrainingJobWorkflow
 from workflows.node_pool import NodePoolWorkflow
+from workflows.pool_shard import PoolShardWorkflow
 
 SIDES = [
     (TrainingJobWorkflow, contract.job),
     (NodePoolWorkflow, contract.pool),
+    (PoolShardWorkflow, contract.shard),
     (RanksGroupWorkflow, contract.group),
     (FanOutWorkflow, contract.fanout),
 ]
@@ -80,7 +82,9 @@ def test_each_activity_takes_and_returns_the_contracts_types(act: calls.Activity
 
 
 @pytest.mark.parametrize(
-    "module", [calls, contract.job, contract.pool, contract.group, contract.fanout], ids=lambda m: m.__name__
+    "module",
+    [calls, contract.job, contract.pool, contract.shard, contract.group, contract.fanout],
+    ids=lambda m: m.__name__,
 )
 def test_every_entry_of_a_contract_module_is_in_its_list(module: types.ModuleType) -> None:
     kinds = (calls.Activity, Signal, Update, Query)
@@ -103,7 +107,8 @@ def test_each_workflow_defines_exactly_its_contracts_handlers(cls: type, module:
         for name, handler in handlers.items():
             entry = of(kind)[name]
             params, result = _signature(handler.fn)
-            assert params == ([] if kind is Query else [entry.input]), (name, params)
+            takes = [] if kind is Query and entry.input is None else [entry.input]
+            assert params == takes, (name, params)
             if kind is Signal:
                 assert result is type(None), name
             else:

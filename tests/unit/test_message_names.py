@@ -53,10 +53,13 @@ DEFINES = {("workflow", "signal"), ("workflow", "update"), ("workflow", "query")
 DEFINES |= {("activity", "defn")}
 
 
+CONTRACTS = (contract.calls, contract.job, contract.pool, contract.shard, contract.group, contract.fanout)
+
+
 def message_names() -> dict[str, str]:
     """Every name of the contract, with where it is defined."""
     found: dict[str, str] = {}
-    for module in (contract.calls, contract.job, contract.pool, contract.group, contract.fanout):
+    for module in CONTRACTS:
         for attr, entry in vars(module).items():
             if isinstance(entry, Activity | Workflow | Signal | Update | Query):
                 found.setdefault(entry.name, f"{module.__name__}.{attr}")
@@ -149,11 +152,7 @@ def test_no_message_name_is_spelled_outside_the_contract() -> None:
 def test_the_contracts_names_are_many_and_some_are_plain_words() -> None:
     """The rules above have something to check: every kind is present, and the plain words
     (checked only where a name goes) are a minority."""
-    kinds = {
-        type(e)
-        for m in (contract.calls, contract.job, contract.pool, contract.group, contract.fanout)
-        for e in vars(m).values()
-    }
+    kinds = {type(e) for m in CONTRACTS for e in vars(m).values()}
     assert {Activity, Workflow, Signal, Update, Query} <= kinds
     words = [n for n in NAMES if plain_word(n)]
     assert 0 < len(words) < len(NAMES) / 2, words

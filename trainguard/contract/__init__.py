@@ -2,7 +2,8 @@
 
 - ``calls``: the activities (name, input, result, options), run from workflows by reference;
 - ``job``: ``TrainingJobWorkflow``: its type, signals, update and query;
-- ``pool``: ``NodePoolWorkflow``: its type, updates and query;
+- ``pool``: ``NodePoolWorkflow`` (the pool's coordinator): its type, signal, updates and queries;
+- ``shard``: ``PoolShardWorkflow`` (a pool's shard): its type, signals, updates and queries;
 - ``group``, ``fanout``: the children a large job starts (its machine groups, its fan-outs);
 - ``kinds``: the typed call of each kind (activity, workflow, signal, update, query).
 
@@ -18,6 +19,6 @@ Names and types only, importable from the workflow sandbox: no torch, boto3 or s
 of the project only ``trainguard.domain``.
 """
 
-from trainguard.contract import calls, fanout, group, job, kinds, pool
+from trainguard.contract import calls, fanout, group, job, kinds, pool, shard
 
-__all__ = ["calls", "fanout", "group", "job", "kinds", "pool"]
+__all__ = ["calls", "fanout", "group", "job", "kinds", "pool", "shard"]

@@ -48,6 +48,7 @@ with workflow.unsafe.imports_passed_through():
         ReserveResult,
         RunRanksInput,
         RunRanksResult,
+        ShardDelivery,
         ShardInfo,
         SlurmNodeInput,
         SlurmReplacementInput,
@@ -85,6 +86,11 @@ reserve_nodes: Activity[ReserveInput, ReserveResult] = Activity(
 release_nodes: Activity[ReleaseInput, int] = Activity("release_nodes", ReleaseInput, int, ON_CONTROLLER)
 evict_nodes: Activity[EvictInput, EvictResult] = Activity(
     "evict_nodes", EvictInput, EvictResult, ON_CONTROLLER
+)
+# Signal-with-start on a pool shard for the coordinator (workflows cannot): agents of an earlier
+# release that joined through it, and the machines of a pool crossing to shards.
+deliver_to_shard: Activity[ShardDelivery, int] = Activity(
+    "deliver_to_shard", ShardDelivery, int, ON_CONTROLLER
 )
 
 # -- checkpoints, stacks, telemetry (controller) ----------------------------------------------
@@ -201,6 +207,7 @@ ALL: tuple[Activity[Any, Any], ...] = (
     reserve_nodes,
     release_nodes,
     evict_nodes,
+    deliver_to_shard,
     latest_checkpoint,
     commit_checkpoint,
     commit_checkpoint_part,

@@ -155,10 +155,16 @@ class Update(Generic[I, R]):
 
 @dataclass(frozen=True)
 class Query(Generic[R]):
-    """A query without argument: ``await job.status.query(handle)``."""
+    """A query: ``await job.status.query(handle)``; one with an ``input`` type takes an
+    argument (``await shard.held.query(handle, job_id)``)."""
 
     name: str
     result: Any
+    input: Any = None
 
-    async def query(self, handle: WorkflowHandle[Any, Any]) -> R:
-        return cast(R, await handle.query(self.name, result_type=self.result))
+    async def query(
+        self, handle: WorkflowHandle[Any, Any], *args: Any, rpc_timeout: timedelta | None = None
+    ) -> R:
+        # rpc_timeout only when asked: the SDK's default is the client's own.
+        extra = {"rpc_timeout": rpc_timeout} if rpc_timeout is not None else {}
+        return cast(R, await handle.query(self.name, *args, result_type=self.result, **extra))

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from trainguard.domain.pool_layout import DEFAULT_SHARDS, MAX_SHARDS
 from trainguard.domain.spec import JobSpec, Topology
 from trainguard.domain.wire import WireModel
 
@@ -95,6 +96,9 @@ class ReserveResult(Msg):
 class ReleaseInput(Msg):
     job_id: str
     pool: str = POOL_WORKFLOW_ID
+    # The job's machines: their names say which shards hold them (empty: the pool's own
+    # account of where the job holds machines is asked).
+    nodes: list[str] = []
 
 
 class EvictInput(Msg):
@@ -131,6 +135,9 @@ class PoolConfig(Msg):
     min_standby: int = Field(1, ge=0, le=10_000)
     # A quarantined machine runs its self-test again this often; it returns when it passes.
     retest_s: float = Field(1800.0, gt=0, le=30 * 86400)
+    # Shard workflows the machines are spread over (trainguard.domain.pool_layout), at most about
+    # 1,000 machines each; fixed once machines joined.
+    shards: int = Field(DEFAULT_SHARDS, ge=1, le=MAX_SHARDS)
 
 
 class PoolState(Msg):
@@ -153,6 +160,12 @@ class PoolState(Msg):
     # when it was last asked to (None: no request outstanding).
     slurm_replacements: bool = False
     slurm_requested: int | None = None
+    # A sharded pool: its shard count (0: the pool runs in one workflow), each shard's
+    # ``slurm_epoch`` (an observation is checked per shard), and what only the coordinator
+    # carries across continue-as-new.
+    shards: int = 0
+    slurm_epochs: list[int] = []
+    coordinator: CoordinatorState | None = None
 
 
 class SlurmAttach(Msg):
@@ -182,6 +195,172 @@ class SlurmObservation(Msg):
 
     epoch: int
     nodes: dict[str, str | None]
+    # A sharded pool's ``slurm_epochs``, as read with the state (``epoch`` is then unused).
+    epochs: list[int] = []
+
+
+# -- the sharded pool (trainguard.domain.pool_layout) ---------------------------------------
+
+
+class ShardSettings(Msg):
+    """What the coordinator tells every shard: the pool's settings, numbered so a shard that
+    missed a change (started later, or between runs) is told again."""
+
+    config: PoolConfig = PoolConfig()
+    epoch: int = 0
+    slurm_queue: str | None = None
+
+
+class Gate(Msg):
+    """While jobs wait in the pool's queue, shards give machines to the one at its head only
+    (a running job's replacements excepted): small jobs cannot starve a large one."""
+
+    head: str | None = None
+    epoch: int = 0
+
+
+class ShardSummary(Msg):
+    """A shard's counts, signalled to the coordinator when they change (at most once a second)."""
+
+    index: int
+    shards: int
+    states: dict[str, int] = {}
+    # Standbys a job can take now (not cordoned, not drained in Slurm), and cordoned idle ones.
+    free: int = 0
+    cordoned_free: int = 0
+    # Its first free standby in natural name order: shards are asked in that order, so a pool
+    # gives machines by name (node-1, node-2, ...) whatever shard holds them.
+    first_free: str | None = None
+    jobs: dict[str, int] = {}  # machines per job
+    # Quarantined or drained in Slurm: kept off a replacement request's nodes.
+    out_of_service: list[str] = []
+    # The settings and gate the shard runs with (older than the coordinator's: sent again).
+    settings_epoch: int = 0
+    gate_epoch: int = 0
+
+
+class Ticket(Msg):
+    """A job's place in the pool's queue of reservations (first come, first served)."""
+
+    job_id: str
+    count: int
+    since: datetime
+    renewed_at: datetime
+
+
+class TicketInput(Msg):
+    job_id: str
+    count: int = Field(ge=1)
+
+
+class PoolLayout(Msg):
+    """The coordinator's answer to where things are: the shards and their free standbys, the
+    queue (and, asked for a job, that job's ticket and the shards holding its machines)."""
+
+    sharded: bool
+    shards: int = DEFAULT_SHARDS
+    settings: ShardSettings = ShardSettings()
+    gate: Gate = Gate()
+    # From the shards' summaries: free standbys per shard (index = shard), and pool totals.
+    free: list[int] = []
+    first_free: list[str | None] = []  # each shard's first free standby by name
+    testing: int = 0
+    cordoned_free: int = 0
+    machines: int = 0
+    waiting: int = 0  # jobs in the queue
+    ticket: Ticket | None = None
+    place: int = 0  # the ticket's place in the queue (1: the head)
+    holders: list[int] = []
+
+
+class CoordinatorState(Msg):
+    """What the coordinator carries across continue-as-new besides the config."""
+
+    settings_epoch: int = 0
+    summaries: dict[int, ShardSummary] = {}
+    queue: list[Ticket] = []
+    gate: Gate = Gate()
+
+
+class ShardRequest(Msg):
+    """What one eviction did in one shard, kept for its retries."""
+
+    job_id: str
+    granted: list[str] = []  # standbys given to the job in the evicted machines' places
+    evicted: list[str] = []  # machines this shard took from the job
+    # At the eviction's home shard (its first machine's): the whole swap, once done.
+    swap: dict[str, str] = {}
+    standby: int | None = None
+
+
+class ShardState(Msg):
+    """A shard's machines and what it needs to serve them; carried across continue-as-new."""
+
+    pool: str
+    index: int
+    shards: int
+    settings: ShardSettings = ShardSettings()
+    gate: Gate = Gate()
+    nodes: dict[str, PoolNode] = {}
+    requests: dict[str, ShardRequest] = {}
+    slurm_drained: dict[str, str] = {}
+    slurm_held: list[str] = []
+    slurm_epoch: int = 0
+
+
+class HoldInput(Msg):
+    """Give ``job_id`` standbys of one shard: ``count`` in all (a retry returns the same), or
+    nothing; ``up_to``: as many as there are, up to ``count``. With ``request_id``: an eviction's
+    replacements, remembered per request and never gated."""
+
+    job_id: str
+    count: int = Field(ge=1)
+    head: bool = False  # the job at the head of the queue: it passes the gate
+    up_to: bool = False
+    request_id: str = ""
+
+
+class HoldResult(Msg):
+    nodes: list[NodeInfo] = []
+    free: int = 0  # what the shard has left
+
+
+class UnholdInput(Msg):
+    """Return the job's machines in one shard to standby (only an eviction's replacements, with
+    ``request_id``: an eviction that found too few gives back what it took)."""
+
+    job_id: str
+    request_id: str = ""
+
+
+class EvictHereInput(Msg):
+    """The machines of one eviction that one shard holds: quarantined (or made suspect)."""
+
+    job_id: str
+    request_id: str
+    nodes: list[str]
+    reason: str
+    confirmed: bool = True
+    # At the home shard: the whole swap, recorded for the eviction's retries.
+    swap: dict[str, str] = {}
+    standby: int | None = None
+
+
+class ShardAdopt(Msg):
+    """Machines handed to a shard as they stand (jobs kept): a pool crossing to shards."""
+
+    nodes: list[PoolNode]
+    slurm_drained: dict[str, str] = {}
+    slurm_held: list[str] = []
+
+
+class ShardDelivery(Msg):
+    """Signal-with-start on one shard (controller activity): agents that joined through the
+    coordinator, or machines handed over."""
+
+    start: ShardState
+    join: list[NodeInfo] = []
+    adopt: ShardAdopt | None = None
 
 
 # -- checkpoints -----------------------------------------------------------------
@@ -604,4 +783,5 @@ class IncidentReport(Msg):
 
 
 RunRanksResult.model_rebuild()
+PoolState.model_rebuild()
 GroupNews.model_rebuild()

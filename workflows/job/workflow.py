@@ -246,7 +246,11 @@ class TrainingJobWorkflow:
             self.s.verdict = self.stop_reason
         if self.s.nodes:
             await calls.release_nodes(
-                ReleaseInput(job_id=self.s.spec.name, pool=self.s.spec.pool or POOL_WORKFLOW_ID)
+                ReleaseInput(
+                    job_id=self.s.spec.name,
+                    pool=self.s.spec.pool or POOL_WORKFLOW_ID,
+                    nodes=[n.name for n in self.s.nodes],  # which shards hold them
+                )
             )
         self.vis.set_phase(phase)
         self.notifier.end(phase)
