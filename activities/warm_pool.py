@@ -1,14 +1,30 @@
 """Warm rank processes kept ready on a machine (``trainguard.runtime.warm``).
 
-Each one is started with its own report pipe (the rank writes progress to it
-once activated), in its own process group, niced like ranks, as the rank user
-(``trainguard.agent.rank_user``) and killed with the agent. ``take()`` hands
-one over and starts a replacement in the background, so a restart on this
-machine skips the interpreter and torch start.
+Each one is started with its own report pipe (the rank writes progress to it once activated), in
+its own process group, niced like ranks, as the rank user (``trainguard.agent.rank_user``) and
+killed with the agent. ``take()`` hands over one that
+has finished its preload, so a restart on this machine skips the interpreter and torch start; or,
+where the agent may raise its priority back (CAP_SYS_NICE: root, as the recipes run it), one still
+importing, which then finishes at the rank's priority: further along than a cold start.
+
+The refill never competes with training:
+
+- a warm process imports at ``SCHED_IDLE`` (``trainguard.runtime.warm``): only CPU time nothing
+  else wants;
+- one at a time (staggered): the next starts once the one before has finished its preload;
+- held back while ranks start on this machine (``hold``, the agent's sessions): their own start
+  (imports, rendezvous, restore) reads the same files and memory;
+- within a memory budget: a share of the machine's memory (its cgroup's limit where lower), with
+  each process's size measured once one is preloaded, and never into the last of what is free.
 
 A warm process is the rank user's, so a job's ranks could tamper with one (ptrace it, as their
 own user) for the next job to run in: each remembers the job whose processes lived beside it,
 and ``admit(job)`` retires those of any other job before that job's ranks start.
+
+How many: ``size``, or ``AUTO``: two starts' worth of ranks, a rank per GPU (``CPU_MACHINE_RANKS``
+on a machine without GPUs), grown to the ranks a job runs here (``note_ranks``); within the budget.
+Two starts: a job's start takes one set, and a crash soon after it (or the next job on the
+machine) takes the other while the first is refilled.
 """
 
 from __future__ import annotations
@@ -24,10 +40,91 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from trainguard.agent.rank_user import RankUser
 from trainguard.runtime.env import rank_base_environ
 
 log = logging.getLogger(__name__)
+
+AUTO = -1  # size: two starts' worth of the machine's ranks (see the module's docstring)
+STARTS = 2
+CPU_MACHINE_RANKS = 2  # a machine without GPUs: the example's ranks per machine
+# Share of the machine's memory warm processes may hold, and the share that must stay free after
+# another one starts (page cache aside: MemAvailable).
+MEMORY_FRACTION = 0.1
+MIN_AVAILABLE_FRACTION = 0.2
+# A warm process's size before one was measured (what the agent registers its target with): torch,
+# torch._dynamo and the runtime imported take 0.35 GiB resident on the CPU build here; CUDA builds
+# map more. Replaced by the largest measured once one is preloaded.
+FIRST_ESTIMATE_BYTES = 512 << 20
+# How often a held-back refill looks again whether ranks are still starting.
+HOLD_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Memory:
+    total: int  # the machine's memory, or its cgroup's limit where lower
+    available: int  # what can still be had without swapping (MemAvailable, within the cgroup)
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def _cgroup_dirs() -> list[tuple[Path, str, str]]:
+    """This process's memory cgroup directory (a Slurm step's, a container's) with the names of
+    its limit and usage files: v2, then v1."""
+    out = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            rel = path.lstrip("/")
+            if controllers == "":
+                out.append((Path("/sys/fs/cgroup") / rel, "memory.max", "memory.current"))
+            elif "memory" in controllers.split(","):
+                out.append(
+                    (Path("/sys/fs/cgroup/memory") / rel, "memory.limit_in_bytes", "memory.usage_in_bytes")
+                )
+    return out
+
+
+def _cgroup_limit() -> tuple[int, int] | None:
+    """(limit, usage) of this process's memory cgroup, where it has a limit."""
+    for d, limit_name, usage_name in _cgroup_dirs():
+        with contextlib.suppress(OSError, ValueError):
+            text = (d / limit_name).read_text().strip()
+            if text != "max" and int(text) < 1 << 60:  # v1 says "no limit" with a huge number
+                return int(text), int((d / usage_name).read_text().strip())
+    return None
+
+
+def read_memory() -> Memory:
+    info = _meminfo()
+    total, available = info["MemTotal"], info.get("MemAvailable", info["MemFree"])
+    cgroup = _cgroup_limit()
+    if cgroup is not None and cgroup[0] < total:
+        total, available = cgroup[0], min(available, cgroup[0] - cgroup[1])
+    return Memory(total=total, available=available)
+
+
+def warm_target(wanted: int, memory: Memory, per_process: int, fraction: float = MEMORY_FRACTION) -> int:
+    """How many warm processes a machine keeps: ``wanted``, as far as ``fraction`` of its memory
+    holds them at ``per_process`` bytes each."""
+    return max(0, min(wanted, int(memory.total * fraction) // max(1, per_process)))
+
+
+def room_for_one(memory: Memory, held: int, per_process: int, fraction: float = MEMORY_FRACTION) -> bool:
+    """Whether one more warm process fits: inside the budget with the ``held`` bytes the others
+    take, and leaving the machine MIN_AVAILABLE_FRACTION of its memory free."""
+    return (
+        held + per_process <= memory.total * fraction
+        and memory.available - per_process >= memory.total * MIN_AVAILABLE_FRACTION
+    )
 
 
 @dataclass
@@ -42,6 +139,25 @@ class WarmProc:
         for the rank's reader, which ignores it)."""
         readable, _, _ = select.select([self.report_r], [], [], 0)
         return bool(readable)
+
+    def raise_to_rank(self) -> bool:
+        """Its importing thread from SCHED_IDLE back to the rank's priority (it keeps its nice), so
+        that a rank can wait for the rest of the import; whether it worked. Leaving SCHED_IDLE
+        takes CAP_SYS_NICE (or an RLIMIT_NICE few machines grant): an unprivileged agent cannot."""
+        try:
+            for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+                with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                    if os.sched_getscheduler(int(tid)) == os.SCHED_IDLE:
+                        os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+        except (PermissionError, FileNotFoundError):
+            return False
+        return True
+
+    def rss(self) -> int:
+        try:
+            return int(psutil.Process(self.proc.pid).memory_info().rss)
+        except psutil.Error:
+            return 0
 
     async def activate(
         self, argv: list[str], env: dict[str, str], cwd: str, stdout: Path, stderr: Path
@@ -59,19 +175,28 @@ class WarmPool:
         size: int,
         log_dir: Path,
         preexec: Callable[[], None],
-        refill_delay_s: float = 15.0,
+        hold: Callable[[], bool] = lambda: False,
+        gpus: int = 0,
+        memory: Callable[[], Memory] = read_memory,
+        fraction: float = MEMORY_FRACTION,
+        preload: tuple[str, ...] | None = None,
         user: RankUser | None = None,
     ) -> None:
-        self.size = size
-        self.log_dir = log_dir
-        self.preexec = preexec
         self.user = user
         self.job: str | None = None  # the job whose ranks ran here last
-        self.ready: list[WarmProc] = []
+        self.auto = size == AUTO
+        self.wanted = STARTS * (gpus or CPU_MACHINE_RANKS) if self.auto else size
+        self.log_dir = log_dir
+        self.preexec = preexec
+        self.hold = hold  # ranks are starting on this machine: no new warm process now
+        self.memory = memory
+        self.fraction = fraction
+        self.preload = preload  # the modules a warm process imports (None: the runtime's PRELOAD)
+        self.procs: list[WarmProc] = []  # alive or not yet reaped, preloaded or still importing
+        self._measured: int | None = None  # the largest preloaded process seen, bytes resident
+        self._short = asyncio.Event()  # a process was taken or more are wanted: look again
         self._filling: asyncio.Task[None] | None = None
-        # After a take, refill only once the new ranks are past their own start: replacements
-        # importing torch would compete with them for the CPU.
-        self.refill_delay_s = refill_delay_s
+        self._said_full = False
 
     @property
     def env(self) -> dict[str, str]:
@@ -82,13 +207,28 @@ class WarmPool:
             env.update(USER=self.user.name, LOGNAME=self.user.name, HOME="/nonexistent")
         return env
 
-    def start(self) -> None:
-        self._refill(0.0)
+    @property
+    def per_process(self) -> int:
+        return self._measured or FIRST_ESTIMATE_BYTES
 
-    def _refill(self, delay_s: float) -> None:
-        """Top the pool up in the background (after ``delay_s``) unless that is under way."""
-        if self.size and (self._filling is None or self._filling.done()):
-            self._filling = asyncio.create_task(self._fill(delay_s), name="warm-fill")
+    def target(self) -> int:
+        """How many this machine keeps now: the wanted number within the memory budget."""
+        return warm_target(self.wanted, self.memory(), self.per_process, self.fraction)
+
+    def ready_count(self) -> int:
+        """Processes preloaded and waiting (what the next restart here can take)."""
+        return sum(1 for w in self.procs if w.proc.returncode is None and w.preloaded())
+
+    def start(self) -> None:
+        if self.wanted and self._filling is None:
+            self._filling = asyncio.create_task(self._fill(), name="warm-fill")
+            self._short.set()
+
+    def note_ranks(self, ranks: int) -> None:
+        """A job runs ``ranks`` ranks here: an automatic pool keeps two starts' worth ready."""
+        if self.auto and STARTS * ranks > self.wanted:
+            self.wanted = STARTS * ranks
+            self._short.set()
 
     async def _spawn(self) -> WarmProc:
         r_fd, w_fd = os.pipe()
@@ -102,6 +242,7 @@ class WarmPool:
                 "trainguard.runtime.warm",
                 "--ready-fd",
                 str(w_fd),
+                *(["--preload", ",".join(self.preload)] if self.preload is not None else []),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=out,
                 stderr=out,
@@ -118,46 +259,81 @@ class WarmPool:
             out.close()
         return WarmProc(proc=proc, report_r=r_fd, report_w=w_fd, job=self.job)
 
-    async def _fill(self, delay_s: float) -> None:
-        if delay_s:
-            await asyncio.sleep(delay_s)
-        while len(self.ready) < self.size:
-            try:
-                self.ready.append(await self._spawn())
-            except OSError as exc:
-                log.warning("could not start a warm rank process: %s", exc)
-                return
+    async def _preload_done(self, w: WarmProc) -> bool:
+        """Until ``w`` announced its preload (True) or died (False)."""
+        loop = asyncio.get_running_loop()
+        readable = loop.create_future()
+        loop.add_reader(w.report_r, lambda: readable.done() or readable.set_result(None))
+        died = asyncio.ensure_future(w.proc.wait())
+        try:
+            await asyncio.wait([readable, died], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            loop.remove_reader(w.report_r)
+            died.cancel()
+        return w.proc.returncode is None and w.preloaded()
+
+    def _reap(self) -> None:
+        for w in [w for w in self.procs if w.proc.returncode is not None]:
+            self.procs.remove(w)
+            self._close(w)  # died while waiting
+
+    async def _fill(self) -> None:
+        while True:
+            await self._short.wait()
+            self._short.clear()
+            self._reap()
+            while len(self.procs) < self.target():
+                while self.hold():  # ranks starting here: a cheap look, twice a second
+                    await asyncio.sleep(HOLD_POLL_S)
+                held = sum(w.rss() for w in self.procs)
+                if not room_for_one(self.memory(), held, self.per_process, self.fraction):
+                    if not self._said_full:
+                        log.info("warm rank processes: %d kept, no memory for more", len(self.procs))
+                        self._said_full = True
+                    break
+                try:
+                    w = await self._spawn()
+                except OSError as exc:
+                    log.warning("could not start a warm rank process: %s", exc)
+                    break
+                self.procs.append(w)
+                # Staggered: the next one starts once this one is ready.
+                if not await self._preload_done(w):
+                    log.warning("a warm rank process exited before its preload (see warm.log)")
+                    break  # tried again at the next take: a failing import must not loop
+                self._measured = max(self._measured or 0, w.rss()) or None
 
     def take(self) -> WarmProc | None:
-        """A process that has finished its preload if there is one, else the oldest still
-        importing (sooner ready than a cold start); None: start the rank cold. Its replacement
-        follows after ``refill_delay_s``."""
-        for w in [w for w in self.ready if w.proc.returncode is not None]:
-            self.ready.remove(w)
-            self._close(w)  # died while waiting
-        taken = next((w for w in self.ready if w.preloaded()), self.ready[0] if self.ready else None)
+        """A process that has finished its preload; else one still importing, raised to the rank's
+        priority where the agent may (it is further along than a cold start); else None: start the
+        rank cold (a rank must never wait for an import at idle priority). Its replacement follows
+        (see the module's docstring)."""
+        self._reap()
+        taken = next((w for w in self.procs if w.preloaded()), None)
+        if taken is None:
+            taken = next((w for w in self.procs if w.raise_to_rank()), None)
         if taken is not None:
-            self.ready.remove(taken)
-        self._refill(self.refill_delay_s)
+            self.procs.remove(taken)
+        self._short.set()
         return taken
 
     def admit(self, job: str) -> list[int]:
         """``job``'s ranks are about to start here: retire the processes another job's ran
         beside; the others are ``job``'s from now on. Returns the pids of the processes it
         started (kept or retired: it waits for each of them itself)."""
-        mine = [w.proc.pid for w in self.ready]
+        mine = [w.proc.pid for w in self.procs]
         if self.user is None:
             return mine
-        for w in [w for w in self.ready if w.job not in (None, job)]:
-            self.ready.remove(w)
+        for w in [w for w in self.procs if w.job not in (None, job)]:
+            self.procs.remove(w)
             if w.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     w.proc.kill()
             self._close(w)
         self.job = job
-        for w in self.ready:
+        for w in self.procs:
             w.job = job
-        self._refill(self.refill_delay_s)
+        self._short.set()  # the retired ones are replaced
         return mine
 
     @staticmethod
@@ -171,10 +347,10 @@ class WarmPool:
             self._filling.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._filling
-        for w in self.ready:
+        for w in self.procs:
             if w.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     w.proc.kill()
                 await w.proc.wait()
             self._close(w)
-        self.ready = []
+        self.procs = []

@@ -35,16 +35,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import itertools
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -54,14 +48,21 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.recovery import warm_waiting  # noqa: E402
+from bench.restarts import (  # noqa: E402
+    SCRIPT,
+    measure_starts,
+    rank0_lines,
+    run_torchrun,
+    starts,
+    train_s,
+    warm_waiting,
+)
 from infra.local import node_names, restore_pool  # noqa: E402
 from infra.private_stack import choose, connect, run_bench  # noqa: E402
 from tests.integration.helpers import wait_until  # noqa: E402
 from trainguard.client import JobHandle, TrainguardClient  # noqa: E402
 from trainguard.face.cli import exit_now, run_spec  # noqa: E402
 
-SCRIPT = "examples/byos/ddp_train.py"
 FAULTS = ("crash", "hang", "bad-machine", "gpu-lost")
 NNODES, NPROC = 2, 2
 MACHINES = 3  # one spare
@@ -69,8 +70,6 @@ MACHINES = 3  # one spare
 WARM_RANKS = 4
 FAULT_STEP = 25
 RANK_NICE = 19  # the local stack's agents run ranks at this priority
-STEP = re.compile(r"^t (\d+\.\d+) step (\d+)$")
-START = re.compile(r"^rank 0/\d+ restart (\d+) resumed from step (\d+)$")
 TORCHRUN_FAILURE = re.compile(r"failed|closing signal|exitcode|Restarting|SIGSEGV", re.IGNORECASE)
 
 
@@ -83,113 +82,26 @@ def script_args(steps: int, fault: str | None) -> list[str]:
     return args
 
 
-def starts(lines: list[str]) -> list[dict[str, Any]]:
-    """Rank 0's starts in order: the step it resumed from and its step lines (time, step)."""
-    out: list[dict[str, Any]] = []
-    for line in lines:
-        if m := START.match(line.strip()):
-            out.append({"resumed": int(m[2]), "steps": []})
-        elif (m := STEP.match(line.strip())) and out:
-            out[-1]["steps"].append((float(m[1]), int(m[2])))
-    return out
-
-
-def measure_starts(runs: list[dict[str, Any]], steps: int) -> dict[str, Any]:
-    """From rank 0's starts: the fault (the last step of the first start), the first step of the
-    last start, the steps done again, and whether the last step was reached."""
-    done = bool(runs) and bool(runs[-1]["steps"]) and runs[-1]["steps"][-1][1] == steps
-    if not runs or not runs[0]["steps"]:
-        return {"fault_t": None, "first_step_after_s": None, "lost_steps": None, "completed": done}
-    fault_t = runs[0]["steps"][-1][0]
-    if len(runs) < 2:  # no start after the fault printed a line (a torchrun restart that died)
-        return {"fault_t": fault_t, "first_step_after_s": None, "lost_steps": None, "completed": done}
-    lost = sum(a["steps"][-1][1] - b["resumed"] for a, b in itertools.pairwise(runs) if a["steps"])
-    first = runs[-1]["steps"][0][0] if runs[-1]["steps"] else None
-    return {
-        "fault_t": fault_t,
-        "first_step_after_s": round(first - fault_t, 2) if first is not None and done else None,
-        "lost_steps": lost,
-        "completed": done,
-    }
-
-
-def train_s(runs: list[dict[str, Any]]) -> float | None:
-    steps = [t for r in runs for t, _ in r["steps"]]
-    return round(steps[-1] - steps[0], 2) if len(steps) > 1 else None
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        with contextlib.suppress(OSError):
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with contextlib.suppress(OSError):
-                    kids = [int(c) for c in Path(f"/proc/{p}/task/{tid}/children").read_text().split()]
-                    out.extend(kids)
-                    todo.extend(kids)
-    return out
-
-
 # -- torchrun ------------------------------------------------------------------------------
 def torchrun_case(fault: str | None, steps: int, expected_s: float, hang_wait_s: float) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="tg-bench-byos-torchrun-"))
     args = script_args(steps, fault)
     if fault in ("bad-machine", "gpu-lost"):
         args += ["--crash-at", str(FAULT_STEP), "--crash-every-start"]
-    torchrun = Path(sys.executable).parent / "torchrun"
-    argv = [str(torchrun), "--standalone", "--nproc-per-node", str(NNODES * NPROC), "--max-restarts", "3"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    t0 = time.time()
-    proc = subprocess.Popen(
-        ["nice", "-n", str(RANK_NICE), *argv, str(REPO / args[0]), *args[1:]],  # ckpt/ in work
-        cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    out: list[str] = []
-    err: list[tuple[float, str]] = []
-
-    def pump(stream: Any, sink: Any, stamped: bool) -> None:
-        # readline, not iteration: a line as soon as it is written (its time is the measurement).
-        for line in iter(stream.readline, ""):
-            sink.append((time.time(), line) if stamped else line)
-
-    threads = [
-        threading.Thread(target=pump, args=(proc.stdout, out, False), daemon=True),
-        threading.Thread(target=pump, args=(proc.stderr, err, True), daemon=True),
-    ]
-    for t in threads:
-        t.start()
-    try:
-        proc.wait(timeout=expected_s + hang_wait_s)
-    except subprocess.TimeoutExpired:
-        # A hang torchrun never noticed, or a restart stuck in its rendezvous: its workers run
-        # in sessions of their own.
-        for pid in [proc.pid, *descendants(proc.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait()
-    for t in threads:
-        t.join(5)
-    wall = time.time() - t0
-    runs = starts(out)
+    run = run_torchrun(args, NNODES * NPROC, RANK_NICE, expected_s + hang_wait_s, work)  # ckpt/ in work
+    runs = starts(run.out)
     row = measure_starts(runs, steps)
-    row["completed"] = row["completed"] and proc.returncode == 0
+    row["completed"] = row["completed"] and run.returncode == 0
     fault_t = row.pop("fault_t")
-    seen = [t for t, line in err if fault_t is not None and t >= fault_t and TORCHRUN_FAILURE.search(line)]
+    failed = [t for t, line in run.err if TORCHRUN_FAILURE.search(line)]
+    seen = [t for t in failed if fault_t is not None and t >= fault_t]
     row["detected_s"] = round(seen[0] - fault_t, 2) if seen else None
-    row["wall_s"] = round(wall, 1)
+    row["wall_s"] = round(run.wall_s, 1)
     row["train_s"] = train_s(runs)
     return row
 
 
 # -- trainguard ------------------------------------------------------------------------------
-def rank0_lines(state_dir: Path, job: str) -> list[str]:
-    outs = sorted(state_dir.glob(f"nodes/*/jobs/{job}/attempt-*/rank-00000.out"), key=lambda p: p.parent.name)
-    return [line for p in outs for line in p.read_text(errors="replace").splitlines()]
-
-
 async def pools_full(state_dir: Path, timeout_s: float = 300.0) -> None:
     """Every machine's warm processes preloaded: the next job starts (and restarts) warm."""
     deadline = time.monotonic() + timeout_s

@@ -8,7 +8,7 @@ own error text) or ``failed`` (with the error); each says whether it ran on ``cu
    and row-remap counters, temperature, PCIe) and runs its checks, plus the GPU-lost path (a
    probe told to expect one GPU more than there are must say ``gpu-lost``). Fields the machine
    refuses (event sets under virtualisation, say) come back ``unsupported`` with NVML's error.
-2. ``train``: the example's GPT (``examples/gpt/train.py``'s ``Stage``; >= 100M parameters on a
+2. ``train``: the example's GPT (``examples/gpt/gpt_model.py``'s ``Stage``; >= 100M parameters on a
    GPU, bf16 autocast, AdamW) trained by ranks started through the runtime's own ``tg.init``:
    one rank with NCCL (gloo on a CPU), then 2 ranks with gloo on the same device. Per run, three
    modes: no snapshots; ``ctx.track`` snapshots every step (training time blocked per snapshot,
@@ -265,9 +265,9 @@ def _ckpt_root() -> str | None:
 
 
 def _gpt(args: argparse.Namespace, device: Any) -> tuple[Any, Any, Any]:
-    """The example's GPT at the check's size, with AdamW: (module of train.py, model, optimizer)."""
+    """The example's GPT at the check's size, with AdamW: (the example's model module, model, optimizer)."""
+    import gpt_model as gpt
     import torch
-    import train as gpt
 
     cfg = gpt.Config(
         micro_batches=1,
@@ -285,10 +285,10 @@ def _gpt(args: argparse.Namespace, device: Any) -> tuple[Any, Any, Any]:
 def _stepper(args: argparse.Namespace, device: Any, model: Any, opt: Any, seed: int) -> Any:
     """One training step on a fixed batch (bf16 autocast on a GPU), its gradients all-reduced over
     the process group when there is more than one rank; returns the loss."""
+    import gpt_model as gpt
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    import train as gpt
 
     cuda = device.type == "cuda"
     world = dist.get_world_size()

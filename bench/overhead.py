@@ -1,52 +1,42 @@
-"""What trainguard's protection costs the example job's throughput, fault-free.
+"""What trainguard costs a job's throughput: the example under trainguard as users run it, against
+the same training in plain PyTorch under plain torchrun.
 
-The example (``examples/gpt/train.py``: pp=2 x dp=2, 4 ranks, 2 machines) runs
-``--steps`` steps, ``--repeats`` times, interleaved: each round runs every variant, the
-order rotated by one from round to round (:func:`round_order`), so no variant always runs
-right after another's teardown:
+Each round runs both sides, the order alternating from round to round:
 
-- ``torchrun``: plain ``torchrun --standalone --nproc-per-node 4``, checkpoints off;
-- ``trainguard``: the example's ``job.yaml`` at its defaults (the memory-snapshot
-  interval chosen within the 2% budget, peer backup, S3 at multiples of 20 steps at
-  most every 30 s, replica hashes every 50) on a private local
-  stack of 2 machines (no warm rank processes: they matter only for restarts);
-- one trainguard run per ``--parts`` ablation, the defaults less one part:
-  ``hash`` (replica_check_every 0), ``backup`` (peer_backup off), ``s3`` (S3 only at
-  the last step), ``snapshot`` (no memory snapshots, hence no backups or S3 either);
-  and, asked for by name, ``s3-each``: the defaults with ``persist_every_s: 0``, S3
-  taking every snapshot at a multiple of ``every_steps`` (the rule before that setting).
+- ``torchrun``: ``examples/gpt/train_plain.py`` (the example's model, data and step in plain
+  PyTorch: nothing of trainguard imported) under ``torchrun --standalone --nproc-per-node 4`` at
+  normal priority, with no trainguard process running;
+- ``trainguard``: ``examples/gpt/job.yaml`` at its defaults (``train.py`` through ``tg.init``: memory
+  snapshots at the interval the ranks choose within the 2% budget, peer backup, S3 at multiples of
+  20 steps at most every 30 s, replica hashes every 50) on a local stack of 2 machines started for
+  the round as ``trainguard up`` starts one (ranks at normal priority, 2 warm rank processes per
+  machine; the job goes in once they are ready, or after ``POOL_WAIT_S``), stopped after it;
+- with ``--parts``, the trainguard job less one part each: ``hash`` (replica_check_every 0),
+  ``backup`` (peer_backup off), ``s3`` (S3 only at the last step), ``snapshot`` (no memory
+  snapshots, hence no backups or S3 either), ``s3-each`` (``persist_every_s: 0``).
 
-Both systems run the ranks through ``bench/overhead_rank.py`` at nice 19 (the local
-stack's rank priority), which times the step ends and each part of the protection
-from inside the rank. Step time is steady state: from step ``k0`` (1/8 of the
-steps, at least 5) to the last step, by the ranks' own clocks, the median over ranks;
-``throughput_ratio`` = torchrun_step_s / trainguard_step_s, from the medians.
+Throughput is steps over the time they took, by the ranks' own clocks (a step ends when its last
+rank reported it: trainguard's ranks' step records in the agents' ``steps.tsv``, the plain ranks'
+optimizer steps timed by ``bench/step_times.py``), counted from each side's launch (torchrun
+started; the job submitted):
 
-``components_ms`` is the cost per step of each part, in ms of the job's step time
-where an ablation measures it (``replica_hash``, ``backup``, ``s3``, ``snapshot``:
-the difference of median step times; ``snapshot`` is what snapshots-off saves less
-the backup and S3 parts), in ms of training-thread time per rank for what runs on it
-(``report``, ``grad_check``: ``before_sync`` less the replica hash, ``handover`` and
-``fence``), and in CPU ms per step for what runs beside training (``copy``,
-``serialize``, ``sha256``, ``memory_write``, ``backup_cpu``: the 4 ranks' snapshot
-threads together; ``agent``: both node agents; ``control_plane``: controller,
-Temporal and SeaweedFS). On this 2-core machine the ranks use every core, so CPU
-taken beside training is taken from it. ``components_method`` says which is which.
+- ``first_minute``: the steps done in the first ``--first-s`` seconds (startup included);
+- ``steady``: the steps after that, over the time from the last step of the first minute to the
+  last step (a mean over every step, never a median of step times).
 
-Step times on a shared, loaded machine swing by tens of percent between runs; CPU per
-step much less. ``cpu_ms_per_step`` (the ranks' CPU, plus for trainguard its agents'
-and control plane's), ``cpu_ratio`` and ``ablation_cpu_saved_ms`` (what each ablation
-saves of it) are the load-robust view of the same cost.
+Ratios are trainguard's over torchrun's, per round and their median, spread (min, max) and pooled
+(all rounds' steps over all their time). CPU per step (every process of each side: torchrun and
+its workers; the stack's servers, controller, agents, ranks and warm processes) is the load-robust
+view on a shared machine. Each run records the load average before and after it.
 
-    python bench/overhead.py [--steps 400] [--repeats 3] [--parts hash,backup,s3,snapshot]
-                             [--env GPT_LAYERS=8 ...] [--json]
+    python bench/overhead.py [--steps 3000] [--repeats 5] [--first-s 60] [--parts hash,...]
+                             [--pool-wait-s 180] [--env GPT_LAYERS=8 ...] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
 import shutil
@@ -55,46 +45,44 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.overhead_rank import OUT_ENV  # noqa: E402
+from bench.restarts import warm_waiting  # noqa: E402
+from bench.step_times import OUT_ENV  # noqa: E402
 from infra.private_stack import choose, connect, run_bench  # noqa: E402
 from infra.processes import stop_pid  # noqa: E402
-from infra.stack import Stack  # noqa: E402
+from infra.stack import Stack, StackConfig  # noqa: E402
 from trainguard.domain.spec import JobSpec, env_problem, shown  # noqa: E402
 from trainguard.face.cli import exit_now  # noqa: E402
 from trainguard.runtime.env import inheritable_environ  # noqa: E402
 from trainguard.services.spec_file import load_spec  # noqa: E402
 
 SCRIPT = "examples/gpt/train.py"
+PLAIN = "examples/gpt/train_plain.py"
 JOB_YAML = REPO / "examples" / "gpt" / "job.yaml"
 NODES = 2
-RANK_NICE = 19  # the local stack's agents run ranks at this priority (infra/local.py)
 PARTS = ("hash", "backup", "s3", "snapshot", "s3-each")
-DEFAULT_PARTS = PARTS[:4]  # the ablations; s3-each is the rule before persist_every_s
 NEVER = 1_000_000  # the largest interval a spec takes: past the last step
 MIN_STEPS = 20
-SAMPLE_S = 0.25
 # Status queries cost the controller and Temporal CPU, which would count as trainguard's:
 # the bench asks rarely (the end of a run is read from the ranks' own clocks anyway).
 POLL_S = 2.0
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+# How long the trainguard side waits for the machines' warm processes before submitting: at idle
+# priority on a loaded machine they may never get there (the job then starts cold).
+POOL_WAIT_S = 180
 launched: set[int] = set()  # torchrun launchers running, stopped on any exit
 
 
-def warmup_steps(steps: int) -> int:
-    return max(5, steps // 8)
-
-
-# -- the job under each system -------------------------------------------------------
+# -- the two sides -------------------------------------------------------------------------------
 
 
 def base_spec(steps: int, env: dict[str, str] | None = None) -> JobSpec:
@@ -102,8 +90,8 @@ def base_spec(steps: int, env: dict[str, str] | None = None) -> JobSpec:
     return spec.model_copy(update={"target_steps": steps, "env": {**spec.env, **(env or {})}})
 
 
-def ablated(spec: JobSpec, part: str | None, name: str, out: Path) -> JobSpec:
-    """The example's spec less ``part`` (None: at its defaults), ranks through the timing wrapper."""
+def ablated(spec: JobSpec, part: str | None, name: str) -> JobSpec:
+    """The example's spec less ``part`` (None: at its defaults)."""
     ck, det = spec.checkpoint, spec.detection
     if part == "hash":
         det = det.model_copy(update={"replica_check_every": 0})
@@ -115,393 +103,276 @@ def ablated(spec: JobSpec, part: str | None, name: str, out: Path) -> JobSpec:
         ck = ck.model_copy(update={"every_steps": NEVER, "memory_every_steps": NEVER})
     elif part == "s3-each":
         ck = ck.model_copy(update={"persist_every_s": 0.0})
-    data = spec.model_dump()
-    data.update(
-        name=name,
-        entrypoint=["python", "-u", "bench/overhead_rank.py", SCRIPT],
-        checkpoint=ck.model_dump(),
-        detection=det.model_dump(),
-        env={**spec.env, OUT_ENV: str(out)},
-    )
-    return JobSpec.model_validate(data)
+    return spec.model_copy(update={"name": name, "checkpoint": ck, "detection": det})
 
 
-def torchrun_env(spec: JobSpec, ckpt_dir: Path, out: Path) -> dict[str, str]:
+def cpu_s(pids: list[int]) -> float:
+    """CPU seconds of ``pids`` and every process below them, those already reaped included (a
+    process's children times): each CPU second counted once, by the live process that used it or
+    the nearest live one that reaped it."""
+    seen: set[int] = set()
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for p in procs:
+            if p.pid in seen:
+                continue
+            seen.add(p.pid)
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def run_plain(spec: JobSpec, out: Path) -> dict[str, Any]:
+    """One plain torchrun run at normal priority: its launch time and CPU (from the launcher's own
+    rusage: every worker it reaped)."""
+    work = Path(tempfile.mkdtemp(prefix="tg-overhead-plain-"))
     env = inheritable_environ()
     env.update(spec.env)
-    path = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + path if path else "")
-    env.update(
-        PYTHONUNBUFFERED="1",
-        TG_TP=str(spec.topology.tp),
-        TG_PP=str(spec.topology.pp),
-        TG_DP=str(spec.topology.dp),
-        TG_TARGET_STEPS=str(spec.target_steps),
-        TG_CKPT_DIR=str(ckpt_dir),
-        TG_CKPT_EVERY=str(NEVER),  # checkpoints off (the runtime saves the last step regardless)
-    )
+    env.update(PYTHONUNBUFFERED="1", TG_PP=str(spec.topology.pp))
     env[OUT_ENV] = str(out)
-    return env
-
-
-def run_torchrun(spec: JobSpec, out: Path, workdir: Path) -> float:
-    """One plain torchrun run; returns its wall time."""
-    ckpt = Path(
-        tempfile.mkdtemp(prefix="tg-overhead-ckpt-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
-    )
     argv = [
-        "nice", "-n", str(RANK_NICE),
         str(Path(sys.executable).parent / "torchrun"),
         "--standalone", "--nnodes", "1", "--nproc-per-node", str(spec.world_size), "--max-restarts", "0",
-        "bench/overhead_rank.py", SCRIPT,
+        str(REPO / "bench" / "step_times.py"), str(REPO / PLAIN), "--steps", str(spec.target_steps),
     ]  # fmt: skip
-    t0 = time.monotonic()
-    with (workdir / "torchrun.log").open("ab") as logf:
+    load = _load()
+    t0 = time.time()
+    with (work / "torchrun.log").open("ab") as logf:
         proc = subprocess.Popen(
-            argv,
-            cwd=REPO,
-            env=torchrun_env(spec, ckpt, out),
-            stdin=subprocess.DEVNULL,
-            stdout=logf,
-            stderr=subprocess.STDOUT,
+            argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
             start_new_session=True,  # a group: stopping it reaches the workers
-        )
+        )  # fmt: skip
     launched.add(proc.pid)
     try:
-        rc = proc.wait(timeout=600 + 5 * spec.target_steps)
-    finally:
+        _, status, usage = os.wait4(proc.pid, 0)  # its rusage holds every worker it waited for
+    except BaseException:
         stop_pid(proc.pid, 10.0)
+        raise
+    finally:
         launched.discard(proc.pid)
-        shutil.rmtree(ckpt, ignore_errors=True)
-    if rc != 0:
-        raise RuntimeError(f"torchrun exited {rc}; see {workdir / 'torchrun.log'}")
-    return time.monotonic() - t0
-
-
-# -- CPU of the stack's processes ------------------------------------------------------
-
-
-def cpu_ticks(pid: int) -> int | None:
-    """utime + stime of ``pid`` (its own threads), in clock ticks."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return int(fields[11]) + int(fields[12])
-
-
-class StackSampler:
-    """Samples the CPU time of every process of the stack, to read it over any window later."""
-
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.pids = pids
-        self.samples: list[tuple[float, dict[str, int]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
-
-    def __enter__(self) -> StackSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            now = time.time()
-            ticks = {n: t for n, pid in self.pids.items() if (t := cpu_ticks(pid)) is not None}
-            self.samples.append((now, ticks))
-            if self._stop.wait(SAMPLE_S):
-                return
-
-    def _at(self, name: str, t: float) -> float:
-        pts = [(ts, v[name]) for ts, v in self.samples if name in v]
-        for (t0, v0), (t1, v1) in itertools.pairwise(pts):
-            if t0 <= t <= t1:
-                return v0 + (v1 - v0) * ((t - t0) / (t1 - t0) if t1 > t0 else 0.0)
-        return float(pts[-1][1] if t > pts[-1][0] else pts[0][1])
-
-    def cpu_s(self, names: list[str], t0: float, t1: float) -> float:
-        return sum(self._at(n, t1) - self._at(n, t0) for n in names) / CLK_TCK
-
-
-def stack_groups(pids: dict[str, int]) -> dict[str, list[str]]:
-    agents = sorted(n for n in pids if n.startswith("agent-"))
-    return {"agent": agents, "control_plane": sorted(set(pids) - set(agents))}
-
-
-# -- one run's numbers, from the ranks' records ------------------------------------------
-
-
-# Recorded at the snapshot of step s, and paid in step s + 1 (the hand-over comes after the report).
-AFTER_REPORT = {"maybe_save"}
-
-
-def _per_step(values: list[tuple[int, float]], k0: int, last: int, shift: int = 0) -> float:
-    """Sum over the steps (k0, last] of ``values`` recorded at step s - shift, per step."""
-    return sum(v for s, v in values if k0 < s + shift <= last) / (last - k0)
-
-
-def analyse(out: Path, world: int, steps: int) -> dict[str, Any]:
-    """Steady-state step time and per-part costs over steps (k0, last] of one run."""
-    recs = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
-    k0 = warmup_steps(steps)
-    step_s, rank_cpu, window = [], 0.0, None
-    calls: dict[str, list[float]] = {}
-    bg_cpu: dict[str, float] = {}
-    bg_wall: dict[str, list[float]] = {}
-    for rec in recs:
-        at = {s: i for i, s in enumerate(rec["steps"])}
-        last = max(at)
-        i0, i1 = at[k0], at[last]
-        n = last - k0
-        step_s.append((rec["wall"][i1] - rec["wall"][i0]) / n)
-        rank_cpu += (rec["cpu"][i1] - rec["cpu"][i0]) / n
-        if rec["rank"] == 0:
-            window = (rec["wall"][i0], rec["wall"][i1], n)
-        for name, vals in rec["calls"].items():
-            shift = 1 if name in AFTER_REPORT else 0
-            calls.setdefault(name, []).append(_per_step([(s, v) for s, v in vals], k0, last, shift))
-        # A snapshot's background work (keyed by its step) runs while the next step computes;
-        # the last step's is outside the window.
-        for name, vals in rec["background"].items():
-            cpu_s = _per_step([(s, c) for s, _, c in vals], k0, last, 1)
-            bg_cpu[name] = bg_cpu.get(name, 0.0) + cpu_s
-            bg_wall.setdefault(name, []).append(_per_step([(s, w) for s, w, _ in vals], k0, last, 1))
-    assert window is not None
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    log_text = (work / "torchrun.log").read_text(errors="replace")
+    shutil.rmtree(work, ignore_errors=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun exited {proc.returncode}: {log_text[-2000:]}")
     return {
-        "step_s": statistics.median(step_s),
-        "rank_step_s": [round(s, 5) for s in step_s],
-        "rank_cpu_ms_per_step": 1e3 * rank_cpu,  # the 4 ranks together
-        # Training thread: mean over ranks, ms per step.
-        "thread_ms": {k: 1e3 * statistics.mean(v) for k, v in calls.items()},
-        # Snapshot threads: CPU of the 4 ranks together, and wall per rank, ms per step.
-        "bg_cpu_ms": {k: 1e3 * v for k, v in bg_cpu.items()},
-        "bg_wall_ms": {k: 1e3 * statistics.mean(v) for k, v in bg_wall.items()},
-        "window": window,
+        "t0": t0,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "ends": step_ends(read_tsv(out.glob("rank-*.tsv"), cols=(0, 1))),
+        "load": [load, _load()],
     }
 
 
-# -- the bench ---------------------------------------------------------------------------
-
-
-async def bench(
-    state_dir: Path,
-    steps: int,
-    repeats: int,
-    parts: list[str],
-    log: Callable[[str], None],
-    env: dict[str, str] | None = None,
-) -> dict[str, Any]:
+async def run_trainguard(state_dir: Path, spec: JobSpec, pool_wait_s: float) -> dict[str, Any]:
+    """The job on a stack just brought up: once its warm processes are ready (or ``pool_wait_s``
+    passed), submitted; its launch time, its stack's CPU over the run and its status."""
     tg = await connect(state_dir)
-    pids = {n: r.pid for n, r in Stack.load(state_dir).processes.items()}
-    groups = stack_groups(pids)
-    spec = base_spec(steps, env)
-    work = Path(tempfile.mkdtemp(prefix="tg-overhead-"))
-    variants = ["torchrun", "trainguard", *parts]
-    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
-    with StackSampler(pids) as sampler:
-        for r in range(repeats):
-            for v in round_order(variants, r):
-                out = work / f"r{r}-{v}"
-                t0 = time.monotonic()
-                status: dict[str, Any] | None = None
-                if v == "torchrun":
-                    await asyncio.to_thread(run_torchrun, spec, out, work)
-                else:
-                    part = None if v == "trainguard" else v
-                    job = await tg.submit(ablated(spec, part, f"overhead-{os.getpid()}-r{r}-{v}", out))
-                    status = await asyncio.wait_for(job.wait(poll_s=POLL_S), 600 + 5 * steps)
-                    if status["phase"] != "completed":
-                        raise RuntimeError(f"{v} run ended {status['phase']}: {status.get('verdict')}")
-                res = analyse(out, spec.world_size, steps)
-                res["wall_s"] = round(time.monotonic() - t0, 2)
-                w0, w1, n = res.pop("window")
-                for g, names in groups.items():
-                    res[f"{g}_cpu_ms_per_step"] = 1e3 * sampler.cpu_s(names, w0, w1) / n
-                res["process_cpu_ms_per_step"] = {p: 1e3 * sampler.cpu_s([p], w0, w1) / n for p in pids}
-                if status is not None:
-                    res["status"] = {
-                        "ettr": status["ettr"],
-                        "badput_s": status["badput_s"],
-                        "step_time_s": status["step_time_s"],
-                        "protection": status.get("protection"),
-                    }
-                runs[v].append(res)
-                log(f"round {r + 1} {v}: {1e3 * res['step_s']:.1f} ms/step, wall {res['wall_s']} s")
-    shutil.rmtree(work, ignore_errors=True)
-    return summarize(spec, steps, repeats, runs)
+    stack_pids = [r.pid for r in Stack.load(state_dir).processes.values()]
+    warm = StackConfig.model_fields["warm_ranks"].default
+    deadline = time.monotonic() + pool_wait_s
+    while not (full := all(n >= warm for n in warm_waiting(state_dir).values())):
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)  # log files: nothing to await
+    load = _load()
+    cpu0 = cpu_s(stack_pids)
+    t0 = time.time()
+    job = await tg.submit(spec)
+    status = await asyncio.wait_for(job.wait(poll_s=POLL_S), 600 + 5 * spec.target_steps)
+    cpu1 = cpu_s(stack_pids)
+    if status["phase"] != "completed":
+        raise RuntimeError(f"{spec.name} ended {status['phase']}: {status.get('verdict')}")
+    trails = state_dir.glob(f"nodes/*/jobs/{spec.name}/attempt-*/steps.tsv")
+    return {
+        "t0": t0,
+        "cpu_s": cpu1 - cpu0,
+        "ends": step_ends(read_tsv(trails, cols=(1, 2))),
+        "load": [load, _load()],
+        "warm_ready_at_submit": full,
+        # What `trainguard nodes` says each machine keeps.
+        "nodes_warm_ranks": {name: n.info.warm_ranks for name, n in (await tg.nodes()).nodes.items()},
+        "status": {
+            k: status.get(k)
+            for k in ("ettr", "badput_s", "first_minute", "steady", "protection", "warm", "step_time_s")
+        },
+    }
+
+
+# -- reading the ranks' clocks ---------------------------------------------------------------------
+
+
+def read_tsv(paths: Any, cols: tuple[int, int]) -> dict[str, list[tuple[int, float]]]:
+    """Per file (a rank, or a machine's ranks: ``rank step ts``), its (step, time) pairs; ``cols``
+    says which columns hold the step and the time. The trainguard trail's files hold every rank
+    of a machine: kept apart by rank."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            fields = line.split("\t")
+            key = f"{path}:{fields[0]}" if len(fields) > 2 else str(path)
+            out.setdefault(key, []).append((int(fields[cols[0]]), float(fields[cols[1]])))
+    return out
+
+
+def step_ends(per_rank: dict[str, list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """When each step ended: its last rank's time, for the steps every rank reported, in order."""
+    ends: dict[int, list[float]] = {}
+    for pairs in per_rank.values():
+        for step, t in pairs:
+            ends.setdefault(step, []).append(t)
+    ranks = len(per_rank)
+    return sorted((s, max(ts)) for s, ts in ends.items() if len(ts) == ranks)
+
+
+def throughput(ends: list[tuple[int, float]], t0: float, first_s: float) -> dict[str, Any]:
+    """Startup, the first minute's steps, and the steady state's steps over their time."""
+    first = [(s, t) for s, t in ends if t - t0 <= first_s]
+    rest = [(s, t) for s, t in ends if t - t0 > first_s]
+    # From the first minute's last step (or, where none came in it, the first step after it).
+    mark = first[-1] if first else rest[0] if rest else None
+    steady = None
+    if mark is not None and rest and rest[-1][1] > mark[1]:
+        steady = (rest[-1][0] - mark[0]) / (rest[-1][1] - mark[1])
+    return {
+        "startup_s": round(ends[0][1] - t0, 2) if ends else None,
+        "first_minute_steps": len(first),
+        "steady_steps_per_s": None if steady is None else round(steady, 3),
+        "steady_steps": rest[-1][0] - mark[0] if steady is not None and mark is not None else 0,
+        "steps": len(ends),
+        "total_s": round(ends[-1][1] - t0, 2) if ends else None,
+    }
+
+
+# -- the bench ---------------------------------------------------------------------------------------
 
 
 def round_order(variants: list[str], r: int) -> list[str]:
-    """Round ``r``'s order: ``variants`` rotated by ``r``. A fixed order put one variant after
-    another's end each round (a job's ranks still exiting, its agents uploading their logs):
-    measured, snapshots off, third in every round, ran slower than snapshots on."""
+    """Round ``r``'s order: ``variants`` rotated by ``r``, so no variant always runs first."""
     k = r % len(variants)
     return [*variants[k:], *variants[:k]]
 
 
-def _med(runs: list[dict[str, Any]], get: Callable[[dict[str, Any]], float | None]) -> float | None:
-    vals = [v for r in runs if (v := get(r)) is not None]
-    return statistics.median(vals) if vals else None
+def one_run(v: str, spec: JobSpec, r: int, work: Path, first_s: float, pool_wait_s: float) -> dict[str, Any]:
+    out = work / f"r{r}-{v}"
+    if v == "torchrun":
+        res = run_plain(spec, out)
+    else:
+        job = ablated(spec, None if v == "trainguard" else v, f"overhead-{os.getpid()}-r{r}-{v}")
+        res = run_bench(
+            "tg-bench-overhead-",
+            NODES,
+            lambda d, _log: run_trainguard(d, job, pool_wait_s),
+            warm_ranks=StackConfig.model_fields["warm_ranks"].default,
+            rank_nice=StackConfig.model_fields["rank_nice"].default,
+        )
+        res.pop("wall_s")
+    ends = res.pop("ends")
+    res.update(throughput(ends, res["t0"], first_s))
+    res["cpu_ms_per_step"] = round(1e3 * res.pop("cpu_s") / max(1, res["steps"]), 1)
+    del res["t0"]
+    return res
 
 
-def _r(x: float | None, nd: int = 3) -> float | None:
-    return None if x is None else round(x, nd)
+Log = Callable[[str], None]
+
+
+def bench(
+    steps: int,
+    repeats: int,
+    first_s: float,
+    parts: list[str],
+    env: dict[str, str],
+    log: Log,
+    pool_wait_s: float = POOL_WAIT_S,
+) -> dict[str, Any]:
+    spec = base_spec(steps, env)
+    work = Path(tempfile.mkdtemp(prefix="tg-overhead-"))
+    variants = ["torchrun", "trainguard", *parts]
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    try:
+        for r in range(repeats):
+            for v in round_order(variants, r):
+                res = one_run(v, spec, r, work, first_s, pool_wait_s)
+                runs[v].append(res)
+                log(
+                    f"round {r + 1} {v}: startup {res['startup_s']} s, {res['first_minute_steps']} steps in "
+                    f"the first {first_s:.0f} s, steady {res['steady_steps_per_s']} steps/s, "
+                    f"load {res['load']}"
+                )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return summarize(spec, steps, repeats, first_s, runs)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if not a or not b else round(a / b, 3)
+
+
+def _spread(values: list[float | None]) -> dict[str, float | None]:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None}
+    return {"median": round(statistics.median(vals), 3), "min": min(vals), "max": max(vals)}
+
+
+def _pooled_steady(rs: list[dict[str, Any]]) -> float | None:
+    """All rounds' steady steps over all their time."""
+    steady = [r for r in rs if r["steady_steps_per_s"]]
+    time_s = sum(r["steady_steps"] / r["steady_steps_per_s"] for r in steady)
+    return sum(r["steady_steps"] for r in steady) / time_s if time_s else None
 
 
 def summarize(
-    spec: JobSpec, steps: int, repeats: int, runs: dict[str, list[dict[str, Any]]]
+    spec: JobSpec, steps: int, repeats: int, first_s: float, runs: dict[str, list[dict[str, Any]]]
 ) -> dict[str, Any]:
-    tr = _med(runs["torchrun"], lambda r: r["step_s"])
-    tg = _med(runs["trainguard"], lambda r: r["step_s"])
-    assert tr is not None and tg is not None
-    full = runs["trainguard"]
+    tr, tg = runs["torchrun"], runs["trainguard"]
 
-    def thread(name: str) -> float:
-        return _med(full, lambda r: r["thread_ms"].get(name, 0.0)) or 0.0
+    def per_round(rs: list[dict[str, Any]], key: str) -> list[float | None]:
+        """``rs``'s ``key`` over the same round's torchrun's."""
+        return [_ratio(b[key], a[key]) for a, b in zip(tr, rs, strict=True)]
 
-    def bg(name: str) -> float:
-        return _med(full, lambda r: r["bg_cpu_ms"].get(name, 0.0)) or 0.0
+    def med(rs: list[dict[str, Any]], key: str) -> float | None:
+        vals = [r[key] for r in rs if r[key] is not None]
+        return round(statistics.median(vals), 3) if vals else None
 
-    def saved(part: str) -> float | None:
-        s = _med(runs[part], lambda r: r["step_s"]) if part in runs else None
-        return None if s is None else 1e3 * (tg - s)
+    def both(key: str) -> dict[str, float | None]:
+        return {"torchrun": med(tr, key), "trainguard": med(tg, key)}
 
-    hash_direct = thread("param_hash")
-    comp: dict[str, float | None] = {
-        "report": thread("report"),
-        "grad_check": thread("before_sync") - hash_direct,
-        "replica_hash": saved("hash") if "hash" in runs else hash_direct,
-        "handover": thread("maybe_save"),
-        "fence": thread("fence"),
-        "copy": bg("copy"),
-        "serialize": bg("serialize"),
-        "sha256": bg("sha256"),
-        "memory_write": bg("memory_write"),
-        "backup_cpu": bg("backup"),
-        "backup": saved("backup"),
-        "s3": saved("s3"),
-        "agent": _med(full, lambda r: r["agent_cpu_ms_per_step"]),
-        "control_plane": _med(full, lambda r: r["control_plane_cpu_ms_per_step"]),
-    }
-    checkpointing = saved("snapshot")
-    if checkpointing is not None:
-        comp["checkpointing"] = checkpointing
-        comp["snapshot"] = checkpointing - (comp["backup"] or 0.0) - (comp["s3"] or 0.0)
-    method = {
-        "report": "rank training thread, wall ms/step (mean over ranks)",
-        "grad_check": "rank training thread, wall ms/step: before_sync less param_hash",
-        "replica_hash": "ablation (replica_check_every 0), job step ms"
-        if "hash" in runs
-        else "rank training thread, wall ms/step",
-        "handover": "rank training thread, wall ms/step: maybe_save",
-        "fence": "rank training thread, wall ms/step: optimizer step waiting for the snapshot copy",
-        "copy": "snapshot threads, CPU ms/step, 4 ranks together",
-        "serialize": "snapshot threads, CPU ms/step, 4 ranks together",
-        "sha256": "snapshot threads, CPU ms/step, 4 ranks together",
-        "memory_write": "snapshot threads, CPU ms/step, 4 ranks together",
-        "backup_cpu": "snapshot threads, CPU ms/step, 4 ranks together (send, receive, write, hash)",
-        "backup": "ablation (peer_backup off), job step ms",
-        "s3": "ablation (S3 only at the last step), job step ms",
-        "checkpointing": "ablation (no memory snapshots: no backup, no S3), job step ms",
-        "snapshot": "checkpointing less backup less s3, job step ms",
-        "agent": "both node agents, CPU ms/step",
-        "control_plane": "controller, Temporal, SeaweedFS, CPU ms/step",
-    }
-    status = [r["status"] for r in full]
+    steady, first = per_round(tg, "steady_steps_per_s"), per_round(tg, "first_minute_steps")
 
-    def cpu(r: dict[str, Any], torchrun: bool = False) -> float:
-        """CPU ms a step takes: the ranks, and for trainguard its agents and control plane too."""
-        rest = 0.0 if torchrun else r["agent_cpu_ms_per_step"] + r["control_plane_cpu_ms_per_step"]
-        return r["rank_cpu_ms_per_step"] + rest
-
-    cpu_tr = _med(runs["torchrun"], lambda r: cpu(r, torchrun=True))
-    cpu_tg = _med(full, cpu)
-    assert cpu_tr is not None and cpu_tg is not None
     return {
         "script": SCRIPT,
+        "plain_script": PLAIN,
         "steps": steps,
-        "warmup_steps": warmup_steps(steps),
         "repeats": repeats,
-        "torchrun_step_s": _r(tr, 4),
-        "trainguard_step_s": _r(tg, 4),
-        "throughput_ratio": _r(tr / tg, 3),
-        # Per round (each pair ran back to back): the spread that a loaded machine adds.
-        "throughput_ratio_per_repeat": [
-            _r(a["step_s"] / b["step_s"], 3) for a, b in zip(runs["torchrun"], full, strict=True)
-        ],
+        "first_s": first_s,
+        "steady_ratio": _spread(steady)["median"],
+        "steady_ratio_spread": _spread(steady),
+        "steady_ratio_per_round": steady,
+        "steady_ratio_pooled": _ratio(_pooled_steady(tg), _pooled_steady(tr)),
+        "first_minute_ratio": _spread(first)["median"],
+        "first_minute_ratio_spread": _spread(first),
+        "first_minute_ratio_per_round": first,
+        "startup_s": both("startup_s"),
+        "steady_steps_per_s": both("steady_steps_per_s"),
+        "cpu_ms_per_step": both("cpu_ms_per_step"),
+        "cpu_ratio": _ratio(med(tr, "cpu_ms_per_step"), med(tg, "cpu_ms_per_step")),
+        # Each ablation's steady throughput over the same round's torchrun's.
+        "ablation_steady_ratio": {
+            p: per_round(rs, "steady_steps_per_s")
+            for p, rs in runs.items()
+            if p not in ("torchrun", "trainguard")
+        },
         "snapshot_every": spec.checkpoint.memory_every_steps,  # None: chosen by the ranks (status.protection)
-        "s3_every": spec.checkpoint.every_steps,
-        "persist_every_s": spec.checkpoint.persist_every_s,
-        "components_ms": {k: _r(v, 2) for k, v in comp.items() if v is not None},
-        "components_method": {k: v for k, v in method.items() if comp.get(k) is not None},
-        # Each ablation against the full run of its own round, median over rounds (ms per step).
-        "ablation_saved_ms_paired": {
-            p: _r(
-                statistics.median(
-                    1e3 * (a["step_s"] - b["step_s"]) for a, b in zip(full, runs[p], strict=True)
-                ),
-                2,
-            )
-            for p in runs
-            if p not in ("torchrun", "trainguard")
-        },
-        "ablation_step_s": {
-            p: _r(_med(runs[p], lambda r: r["step_s"]), 4)
-            for p in runs
-            if p not in ("torchrun", "trainguard")
-        },
-        # torchrun's step time over each variant's, from the medians (throughput_ratio's measure).
-        "ablation_throughput_ratio": {
-            p: _r(tr / s, 3)
-            for p in runs
-            if p not in ("torchrun", "trainguard") and (s := _med(runs[p], lambda r: r["step_s"]))
-        },
-        # CPU per step, which a loaded machine disturbs far less than step times: on a machine
-        # whose cores the ranks fill, throughput follows it.
-        "cpu_ms_per_step": {"torchrun": _r(cpu_tr, 1), "trainguard": _r(cpu_tg, 1)},
-        "cpu_ratio": _r(cpu_tr / cpu_tg, 3),
-        "ablation_cpu_saved_ms": {
-            p: _r(cpu_tg - (_med(runs[p], cpu) or 0.0), 1)
-            for p in runs
-            if p not in ("torchrun", "trainguard")
-        },
-        "rank_cpu_ms_per_step": {
-            v: _r(_med(rs, lambda r: r["rank_cpu_ms_per_step"]), 1) for v, rs in runs.items()
-        },
-        "stack_cpu_ms_per_step_during_torchrun": _r(
-            _med(runs["torchrun"], lambda r: r["agent_cpu_ms_per_step"] + r["control_plane_cpu_ms_per_step"]),
-            2,
-        ),
-        "status": {
-            "ettr": [s["ettr"] for s in status],
-            "checkpoint_badput_s": [s["badput_s"].get("checkpoint") for s in status],
-            "protection_badput_s": [s["badput_s"].get("protection") for s in status],
-            # The interval the ranks chose within the cost budget, and lost seconds per failure.
-            "protection": [s.get("protection") for s in status],
-            "step_time_s": [s["step_time_s"] for s in status],
-        },
-        "runs": {
-            v: [
-                {
-                    "step_s": _r(r["step_s"], 4),
-                    "wall_s": r["wall_s"],
-                    "rank_step_s": r["rank_step_s"],
-                    "rank_cpu_ms_per_step": _r(r["rank_cpu_ms_per_step"], 1),
-                    "agent_cpu_ms_per_step": _r(r["agent_cpu_ms_per_step"], 2),
-                    "control_plane_cpu_ms_per_step": _r(r["control_plane_cpu_ms_per_step"], 2),
-                    "process_cpu_ms_per_step": {k: _r(x, 2) for k, x in r["process_cpu_ms_per_step"].items()},
-                    "thread_ms": {k: _r(x, 3) for k, x in r["thread_ms"].items()},
-                    "bg_cpu_ms": {k: _r(x, 3) for k, x in r["bg_cpu_ms"].items()},
-                    "bg_wall_ms": {k: _r(x, 3) for k, x in r["bg_wall_ms"].items()},
-                    **({"status": r["status"]} if "status" in r else {}),
-                }
-                for r in rs
-            ]
-            for v, rs in runs.items()
-        },
+        "runs": runs,
     }
 
 
@@ -511,10 +382,14 @@ def _load() -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", default="400")
-    ap.add_argument("--repeats", default="3")
+    ap.add_argument("--steps", default="3000")
+    ap.add_argument("--repeats", default="5")
+    ap.add_argument("--first-s", default="60", help="the first minute's length, seconds")
+    ap.add_argument("--parts", default="", help="ablations, comma-separated (default none)")
     ap.add_argument(
-        "--parts", default=",".join(DEFAULT_PARTS), help="ablations, comma-separated ('' for none)"
+        "--pool-wait-s",
+        default=str(POOL_WAIT_S),
+        help="how long trainguard's side waits for its warm processes before submitting",
     )
     ap.add_argument(
         "--env",
@@ -533,31 +408,37 @@ def main() -> None:
             print(f"error: --env: {shown(item)}: {problem}", file=sys.stderr)
             exit_now(2)
         env[key] = value
-    for flag, value, low in (("--steps", args.steps, MIN_STEPS), ("--repeats", args.repeats, 1)):
+    for flag, value, low in (
+        ("--steps", args.steps, MIN_STEPS),
+        ("--repeats", args.repeats, 1),
+        ("--first-s", args.first_s, 1),
+        ("--pool-wait-s", args.pool_wait_s, 0),
+    ):
         if not value.isdigit() or int(value) < low:
             print(f"error: {flag}: must be an integer >= {low}, got {value!r}", file=sys.stderr)
             exit_now(2)
     parts = choose("--parts", args.parts, PARTS)
-    # SIGTERM unwinds like an error: the finally blocks stop torchrun and the stack by pid.
+    # SIGTERM unwinds like an error: the finally blocks stop torchrun and the stacks by pid.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load_before = _load()
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    t0 = time.monotonic()
     try:
-        result = run_bench(
-            "tg-bench-overhead-",
-            NODES,
-            lambda d, log: bench(d, int(args.steps), int(args.repeats), parts, log, env),
-        )
+        result = bench(
+            int(args.steps), int(args.repeats), float(args.first_s), parts, env,
+            lambda m: print(m, file=sys.stderr, flush=True), float(args.pool_wait_s),
+        )  # fmt: skip
     finally:
         for pid in list(launched):
             stop_pid(pid, 10.0)
-    result.update(started_at=started, load_before=load_before, load_after=_load())
+    wall_s = round(time.monotonic() - t0, 1)
+    result.update(started_at=started, load_before=load_before, load_after=_load(), wall_s=wall_s)
     if args.json:
         print(json.dumps(result))
     else:
         for k, v in result.items():
             if k != "runs":
-                print(f"{k:<22} {v}")
+                print(f"{k:<28} {v}")
     exit_now(0)
 
 

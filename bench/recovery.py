@@ -24,7 +24,27 @@ budget, peer backups, S3 every 20):
 - ``s3_mb_s`` / ``disk_mb_s``: write throughput of one 64 MiB shard to the
   stack's S3 and to the machine's snapshot directory, in the same run.
 
-    python bench/recovery.py [--trials 5] [--json]
+Both stacks run as ``trainguard up`` does (ranks at the user's priority, 2 warm processes per
+machine on the first; none on the second). Then ``cases``: restarts where the warm processes may
+not be back yet, the plain DDP script (``examples/byos/ddp_train.py``, 2 machines x 2 ranks,
+its own crash, SIGSEGV on rank 1) under trainguard on each stack and under ``torchrun
+--max-restarts 3`` (4 ranks, normal priority, no trainguard process running), each measured
+from rank 0's step lines (``bench/restarts.py``): the crash's last step to the first step after it.
+
+- ``early``: a crash at step 150, within 30 s of the job's start (its start took the warm
+  processes; the refill runs beside its first steps);
+- ``again``: crashes at steps 100 and 250, the second within 30 s of the first's recovery
+  (measured: the second);
+- ``next-job``: a crash at step 150 of a job submitted as the one before it on the same machines
+  completed.
+
+Each trainguard run of a case runs beside torchrun's run of it (the order alternating), on each
+stack. Per case the restarts' medians, and for each trainguard restart how many of its 4 ranks
+started in a preloaded warm process and how many in one still importing, with the torchrun
+restart beside it. ``ok``: a restart with every rank warm took at most 3 s, one with none no
+longer than the torchrun restart beside it.
+
+    python bench/recovery.py [--trials 5] [--case-trials 3] [--parts recovery,cases] [--json]
 """
 
 from __future__ import annotations
@@ -33,11 +53,12 @@ import argparse
 import asyncio
 import json
 import os
-import re
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -45,53 +66,65 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.restarts import (  # noqa: E402
+    SCRIPT,
+    rank0_lines,
+    restart_gaps,
+    run_torchrun,
+    starts,
+    warm_starts,
+    warm_waiting,
+)
 from infra.local import node_names, restore_pool  # noqa: E402
-from infra.private_stack import connect, run_bench  # noqa: E402
-from infra.processes import pid_alive  # noqa: E402
+from infra.private_stack import Bench, choose, connect, run_bench  # noqa: E402
+from infra.stack import StackConfig  # noqa: E402
 from tests.integration.helpers import example_spec, wait_until  # noqa: E402
 from trainguard.client import JobHandle, TrainguardClient  # noqa: E402
 from trainguard.domain.job_state import TERMINAL  # noqa: E402
 from trainguard.domain.spec import CheckpointSpec, JobSpec  # noqa: E402
-from trainguard.face.cli import exit_now  # noqa: E402
-from trainguard.runtime.warm import ACTIVATED, PRELOADED  # noqa: E402
+from trainguard.face.cli import exit_now, run_spec  # noqa: E402
 from trainguard.services.settings import Settings  # noqa: E402
 from trainguard.services.storage import S3Store  # noqa: E402
 
 NODES = 3
-WARM_RANKS = 2  # warm rank processes per machine, as many as it runs ranks
+# As `trainguard up` runs them: warm rank processes per machine (as many as it runs ranks) and
+# the ranks' niceness.
+WARM_RANKS = StackConfig.model_fields["warm_ranks"].default
+RANK_NICE = StackConfig.model_fields["rank_nice"].default
 # Between trials, once every machine's warm processes are ready again: the ranks of the
 # last recovery past their own start.
 SETTLE_S = 5.0
 MIB = 1 << 20
-WARM_EVENT = re.compile(rf"warm rank process (\d+): ({PRELOADED}|{ACTIVATED})")
+PARTS = ("recovery", "cases")
+# The cases: the plain script on 2 machines x 2 ranks (one spare), crashing at these steps
+# (0.05 s a step: 150 steps are 7.5 s of training), and the job run before it for next-job.
+NNODES, NPROC = 2, 2
+CASES: dict[str, list[int]] = {"early": [150], "again": [100, 250], "next-job": [150]}
+CASE_STEPS = 350
+FIRST_JOB_STEPS = 200
+WARM_RESTART_S = 3.0  # the goal for a restart whose ranks all started warm
+# How long a case waits for the machines' warm processes before its job goes in anyway: at idle
+# priority on a loaded machine they may never get there (the case then restarts cold).
+POOL_WAIT_S = 120.0
 
 
 def _t(iso: str) -> datetime:
     return datetime.fromisoformat(iso)
 
 
-def warm_waiting(state_dir: Path) -> dict[str, int]:
-    """Per machine, its warm processes alive, preloaded and not yet used (from its warm.log)."""
-    out = {}
-    for f in sorted((state_dir / "nodes").glob("*/warm/warm.log")):
-        ready: set[int] = set()
-        used: set[int] = set()
-        for m in WARM_EVENT.finditer(f.read_text(errors="replace")):
-            (ready if m[2] == PRELOADED else used).add(int(m[1]))
-        out[f.parent.parent.name] = sum(pid_alive(pid) for pid in ready - used)
-    return out
-
-
-async def _pools_full(state_dir: Path, timeout_s: float = 300.0) -> None:
-    """Until every machine's warm pool is full and preloaded: the agent refills it after a
-    delay, with processes that import for seconds, which would compete with the next trial."""
+async def _pools_full(state_dir: Path, timeout_s: float = 300.0, must: bool = True) -> bool:
+    """Until every machine's warm pool is full and preloaded (whether it got there): they import
+    at idle priority, and a trial that starts while they do finds fewer."""
     deadline = time.monotonic() + timeout_s
     while not (
         len(waiting := warm_waiting(state_dir)) == NODES and all(n >= WARM_RANKS for n in waiting.values())
     ):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"warm pools not full after {timeout_s:.0f} s: {waiting}")
+            if must:
+                raise TimeoutError(f"warm pools not full after {timeout_s:.0f} s: {waiting}")
+            return False
         await asyncio.sleep(0.5)  # log files: nothing to await
+    return True
 
 
 async def _ready(job: JobHandle, settle_s: float, warm_dir: Path | None) -> dict[str, Any]:
@@ -155,12 +188,6 @@ async def _hot_update(job: JobHandle, version: str, settle_s: float, state_dir: 
             return secs, max(0, reached - (s["resumed_from_step"] or 0))
         await asyncio.sleep(0.1)
     raise TimeoutError(f"no step on {version} within 300 s")
-
-
-def _warm_starts(state_dir: Path) -> int:
-    """Ranks the agents started in a warm process (their logs say so)."""
-    logs = (state_dir / "logs").glob("agent-*.log")
-    return sum(f.read_text(errors="replace").count("started in a warm process") for f in logs)
 
 
 def _throughput(settings: Settings, snapshot_dir: Path) -> tuple[float, float]:
@@ -239,7 +266,7 @@ async def run_warm(state_dir: Path, trials: int, log: Any) -> dict[str, Any]:
         "step_time_s": st["step_time_s"],
         "s3_mb_s": round(s3, 1),
         "disk_mb_s": round(disk, 1),
-        "warm_rank_starts": _warm_starts(state_dir),
+        "warm_rank_starts": warm_starts(state_dir),
         "protection": protection,
     }
 
@@ -257,33 +284,174 @@ async def run_cold(state_dir: Path, trials: int, log: Any) -> dict[str, Any]:
     return {"crash_cold_s": round(statistics.median(crash), 2), "lost_steps": lost}
 
 
-def measure(trials: int) -> dict[str, Any]:
-    warm = run_bench(
-        "tg-bench-recovery-", NODES, lambda d, log: run_warm(d, trials, log), warm_ranks=WARM_RANKS
-    )
-    cold = run_bench("tg-bench-recovery-cold-", NODES, lambda d, log: run_cold(d, trials, log))
-    lost = warm.pop("lost_steps") + cold.pop("lost_steps")
-    return {
-        "crash_warm_s": warm.pop("crash_warm_s"),
-        "crash_cold_s": cold["crash_cold_s"],
-        "hot_update_s": warm.pop("hot_update_s"),
-        "lost_steps_max": max(lost),
-        "lost_steps_median": statistics.median(lost),
-        **warm,
-        "trials": trials,
-        "wall_s": round(warm["wall_s"] + cold["wall_s"], 1),
+# -- the cases: restarts soon after a start, a recovery, another job -----------------------------
+
+
+def case_args(case: str, steps: int, crashes: list[int]) -> list[str]:
+    args = [SCRIPT, "--steps", str(steps), "--ckpt-dir", "ckpt", "--log-steps"]
+    for at in crashes:
+        args += ["--crash-at", str(at)]
+    return args
+
+
+async def _byos_job(tg: TrainguardClient, state_dir: Path, name: str, args: list[str]) -> dict[str, Any]:
+    spec = run_spec(
+        args, module=None, name=name, nnodes=NNODES, nproc_per_node=NPROC, env=[],
+        checkpoint_dir="ckpt", workdir=str(REPO),
+    )  # fmt: skip
+    job = await tg.submit(spec)
+    return await wait_until(job, lambda s: s["phase"] in TERMINAL, timeout_s=600)
+
+
+async def trainguard_case(
+    tg: TrainguardClient, state_dir: Path, case: str, n: int, warm: bool
+) -> dict[str, Any]:
+    """One case on a stack: its restart (the case's crash to the first step after it) and how many
+    of that restart's ranks started warm."""
+    pools = await _pools_full(state_dir, POOL_WAIT_S, must=False) if warm else None
+    name = f"case-{case}-{n}"
+    if case == "next-job":
+        await _byos_job(tg, state_dir, f"{name}-first", case_args(case, FIRST_JOB_STEPS, []))
+    crashes = CASES[case]
+    final = await _byos_job(tg, state_dir, name, case_args(case, CASE_STEPS, crashes))
+    gaps = restart_gaps(starts(rank0_lines(state_dir, name)))
+    attempt = len(crashes) + 1  # the case's restart: the attempt after its (last) crash
+    row = {
+        "restart_s": gaps[len(crashes) - 1] if len(gaps) >= len(crashes) else None,
+        "warm_ranks": warm_starts(state_dir, name, attempt),
+        "importing_ranks": warm_starts(state_dir, name, attempt, importing=True),
+        "completed": final["phase"] == "completed",
+        "pools_full_at_start": pools,
+        "incidents": [f"{i['kind']}:{i['action']}" for i in final["incidents"]],
     }
+    await restore_pool(tg, state_dir, node_names(NODES, 0), REPO)
+    return row
+
+
+def torchrun_case(case: str) -> dict[str, Any]:
+    """The same case under torchrun: the job (and for next-job the one before it) at normal priority."""
+    work = Path(tempfile.mkdtemp(prefix="tg-bench-recovery-torchrun-"))
+    if case == "next-job":
+        run_torchrun(case_args(case, FIRST_JOB_STEPS, []), NNODES * NPROC, 0, 600.0, work)
+        shutil.rmtree(work / "ckpt", ignore_errors=True)  # a job of its own
+    crashes = CASES[case]
+    run = run_torchrun(case_args(case, CASE_STEPS, crashes), NNODES * NPROC, 0, 600.0, work)
+    shutil.rmtree(work, ignore_errors=True)
+    gaps = restart_gaps(starts(run.out))
+    return {
+        "restart_s": gaps[len(crashes) - 1] if len(gaps) >= len(crashes) else None,
+        "completed": run.returncode == 0,
+    }
+
+
+async def cases(state_dir: Path, trials: int, warm: bool, log: Any) -> dict[str, list[dict[str, Any]]]:
+    """Every case ``trials`` times on this stack, each run beside torchrun's run of the same case
+    (the order alternating), so that both meet the same load on a shared machine."""
+    tg = await connect(state_dir)
+    which = "trainguard" if warm else "trainguard without warm processes"
+    rows: dict[str, list[dict[str, Any]]] = {c: [] for c in CASES}
+    for n in range(trials):
+        for case in CASES:
+            pair: dict[str, Any] = {}
+            for system in ("trainguard", "torchrun")[:: 1 if n % 2 == 0 else -1]:
+                if system == "torchrun":
+                    pair["torchrun"] = await asyncio.to_thread(torchrun_case, case)
+                else:
+                    pair["trainguard"] = await trainguard_case(tg, state_dir, case, n, warm)
+            rows[case].append(pair)
+            log(f"{which} {case}: {pair['trainguard']}; torchrun: {pair['torchrun']}")
+    return rows
+
+
+def _median(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return round(statistics.median(vals), 2) if vals else None
+
+
+def _restart(pair: dict[str, Any]) -> tuple[float | None, int, int, float | None]:
+    tg = pair["trainguard"]
+    return tg["restart_s"], tg["warm_ranks"], tg["importing_ranks"], pair["torchrun"]["restart_s"]
+
+
+def _met(pair: dict[str, Any]) -> bool | None:
+    """A restart's goal: every rank warm, at most WARM_RESTART_S; none warm, no slower than the
+    torchrun run beside it; None for a restart with some ranks warm (no goal of its own)."""
+    tg, torchrun = pair["trainguard"], pair["torchrun"]["restart_s"]
+    if tg["restart_s"] is None:
+        return False
+    if tg["warm_ranks"] == NNODES * NPROC:
+        return bool(tg["restart_s"] <= WARM_RESTART_S)
+    if tg["warm_ranks"] + tg["importing_ranks"] == 0:
+        return torchrun is not None and tg["restart_s"] <= torchrun
+    return None
+
+
+def summarize_cases(
+    warm: dict[str, list[dict[str, Any]]], cold: dict[str, list[dict[str, Any]]]
+) -> dict[str, Any]:
+    """Per case: each system's restarts and medians, and whether every trainguard restart met its
+    goal (``_met``)."""
+    out: dict[str, Any] = {}
+    for case in CASES:
+        pairs = warm[case] + cold[case]
+        verdicts = [v for v in map(_met, pairs) if v is not None]
+        out[case] = {
+            "torchrun_s": _median([p["torchrun"]["restart_s"] for p in pairs]),
+            "trainguard_s": _median([p["trainguard"]["restart_s"] for p in warm[case]]),
+            "trainguard_restarts": [_restart(p) for p in warm[case]],
+            "trainguard_no_warm_s": _median([p["trainguard"]["restart_s"] for p in cold[case]]),
+            "trainguard_no_warm_restarts": [_restart(p) for p in cold[case]],
+            "ok": bool(verdicts) and all(verdicts),
+        }
+    return out
+
+
+def measure(trials: int, case_trials: int, parts: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {"trials": trials}
+
+    def side(recovery: Callable[[Path, int, Any], Awaitable[dict[str, Any]]], warm: bool) -> Bench:
+        async def run(d: Path, log: Any) -> dict[str, Any]:
+            res = await recovery(d, trials, log) if "recovery" in parts else {}
+            if "cases" in parts:
+                res["cases"] = await cases(d, case_trials, warm, log)
+            return res
+
+        return run
+
+    warm = run_bench(
+        "tg-bench-recovery-", NODES, side(run_warm, True), warm_ranks=WARM_RANKS, rank_nice=RANK_NICE
+    )
+    cold = run_bench("tg-bench-recovery-cold-", NODES, side(run_cold, False), rank_nice=RANK_NICE)
+    out["wall_s"] = round(warm.pop("wall_s") + cold.pop("wall_s"), 1)
+    if "cases" in parts:
+        out["cases"] = summarize_cases(warm.pop("cases"), cold.pop("cases"))
+        out["case_trials"] = case_trials
+    if "recovery" in parts:
+        lost = warm.pop("lost_steps") + cold.pop("lost_steps")
+        out.update(
+            crash_warm_s=warm.pop("crash_warm_s"),
+            crash_cold_s=cold["crash_cold_s"],
+            hot_update_s=warm.pop("hot_update_s"),
+            lost_steps_max=max(lost),
+            lost_steps_median=statistics.median(lost),
+            **warm,
+        )
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--case-trials", type=int, default=3)
+    ap.add_argument("--parts", default=",".join(PARTS), help="recovery (the example job's), cases")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if args.trials < 1:
-        print("error: trials: must be >= 1", file=sys.stderr)
-        exit_now(2)
-    result = measure(args.trials)
+    for flag, value in (("--trials", args.trials), ("--case-trials", args.case_trials)):
+        if value < 1:
+            print(f"error: {flag}: must be >= 1", file=sys.stderr)
+            exit_now(2)
+    parts = choose("--parts", args.parts, PARTS)
+    result = measure(args.trials, args.case_trials, parts)
     if args.json:
         print(json.dumps(result))
     else:

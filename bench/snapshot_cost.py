@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples" / "gpt"))
 
+import gpt_model as gpt  # noqa: E402
 import torch  # noqa: E402
-import train as gpt  # noqa: E402
 
 from trainguard.runtime.context import Context  # noqa: E402
 from trainguard.runtime.env import RankEnv  # noqa: E402

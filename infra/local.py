@@ -90,9 +90,8 @@ def start_agent(
         str(workdir),
         "--code-dir",
         str(code_dir),
-        # Every simulated machine shares this host's cores: ranks yield to the control plane.
         "--rank-nice",
-        "19",
+        str(stack.config.rank_nice),
         # Restarts on this machine skip the torch import (2: the example's ranks per machine).
         "--warm-ranks",
         str(stack.config.warm_ranks),

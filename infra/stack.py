@@ -86,8 +86,12 @@ class StackConfig(BaseModel):
     namespace: str = "default"
     bucket: str = Field(default="trainguard", pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
     headless: bool = False
-    # Rank processes each agent keeps started (torch imported) for fast restarts.
-    warm_ranks: int = Field(default=2, ge=0, le=64)
+    # Rank processes each agent keeps started (torch imported) for fast restarts: two starts of
+    # the example's 2 ranks per machine (a job's start takes one, a crash soon after the other).
+    warm_ranks: int = Field(default=4, ge=0, le=64)
+    # The ranks' niceness: 0, the priority the user's own torchrun would give them (against
+    # other work on the host, trainguard's ranks must not lose what a plain run would get).
+    rank_nice: int = Field(default=0, ge=0, le=19)
     # Who the ranks run as (trainguard.agent.rank_user); None: the stack's own user.
     rank_user: str | None = Field(default_factory=_rank_user)
     temporal_port: int
@@ -186,11 +190,13 @@ class StackConfig(BaseModel):
         """Every port picked free by the kernel: stacks of parallel tests coexist. Headless
         unless a test looks at the UI (its port is one of the free ones).
 
-        No warm rank processes: on a 2-core test machine, refilling them after every attempt
-        costs more CPU than they save (``tests/unit/test_warm.py`` covers them on a real process).
+        No warm rank processes: on a loaded 2-core test machine they would never finish their
+        idle-priority import, and would hold memory (``tests/unit/test_warm.py`` covers them on
+        real processes). Ranks at nice 19: many tests' stacks share the machine, and each one's
+        agents, controller and servers must keep pace with their own ranks' checks.
         """
         ports = dict(zip(cls._PORT_FIELDS, free_ports(len(cls._PORT_FIELDS)), strict=True))
-        return cls(state_dir=Path(state_dir), headless=headless, warm_ranks=0, **ports)
+        return cls(state_dir=Path(state_dir), headless=headless, warm_ranks=0, rank_nice=19, **ports)
 
     @property
     def temporal_address(self) -> str:

@@ -151,6 +151,20 @@ class ProtectionDoc(TypedDict):
     persist_every_s: float | None
 
 
+class PartDoc(TypedDict):
+    """``steady``: a stretch of the job's wall time."""
+
+    seconds: float
+    ettr: float
+    badput_s: dict[str, float]
+
+
+class FirstMinuteDoc(PartDoc):
+    """``first_minute``: as ``steady``, and whether the minute is over."""
+
+    complete: bool
+
+
 class PendingCodeDoc(TypedDict):
     version: str
     how: str
@@ -179,8 +193,11 @@ class JobStatus(TypedDict, total=False):
     ettr: float
     ettr_window_1h: float
     badput_s: dict[str, float]
+    first_minute: FirstMinuteDoc
+    steady: PartDoc | None
     protection: ProtectionDoc
     nodes: dict[str, str]
+    warm: dict[str, int]
     world_size: int
     pool: str
     checkpoint: CheckpointDoc | None

@@ -49,7 +49,7 @@ from activities.rank_logs import LogActivities
 from activities.ranks import RankActivities
 from activities.session import Sessions
 from activities.stacks import StackActivities
-from activities.warm_pool import WarmPool
+from activities.warm_pool import AUTO, MEMORY_FRACTION, WarmPool
 from trainguard.agent.health.events import Probe
 from trainguard.agent.health.host import HostProbe
 from trainguard.agent.health.link import LinkProbe
@@ -108,11 +108,12 @@ async def main(
     gpus: int,
     rank_nice: int,
     nic: str | None = None,
-    warm_ranks: int = 0,
+    warm_ranks: int = AUTO,
     pool: str | None = None,
     metrics_port: int | None = None,
     user: RankUser | None = None,
     rank_dir: Path | None = None,
+    warm_memory: float = MEMORY_FRACTION,
 ) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     rank_dir = rank_dir or workdir
@@ -133,24 +134,36 @@ async def main(
     # The client's TracingInterceptor applies to this worker too: its activities are traced.
     client = await connect(settings, endpoint.runtime if endpoint else None)
     pool = pool or settings.pool
+    # The agent's parts, each built on those before it: the sessions first, which the host
+    # probe, the rank output, the stack dumps, the fence, the warm pool (held back while ranks
+    # start) and the shutdown all read.
+    sessions = Sessions()
+    machine_probes = probes(name, [workdir, memory_dir], drills, gpus, sessions.rank_pids, nic)
+    health = HealthMonitor(machine_probes)
+    health.start()
+    stores = JobStores(settings)  # each job's files through credentials of its own
+    found_gpus = gpus or count_gpus()
+    warm = WarmPool(
+        warm_ranks,
+        workdir / "warm",
+        functools.partial(rank_preexec, rank_nice, user),
+        hold=sessions.starting,
+        gpus=found_gpus,
+        fraction=warm_memory,
+        user=user,
+    )
+    isolation = RankIsolation(user, rank_dir, memory_dir, sessions, warm)
+    await isolation.startup()  # before the warm processes: it kills every process of the rank user
+    warm.start()
     info = NodeInfo(
         name=name,
         task_queue=node_queue(name, pool),
         host=host,
-        gpus=gpus or count_gpus(),
+        gpus=found_gpus,
         cpus=len(os.sched_getaffinity(0)),
         sealing_key=sealed.public_text(machine_key) if machine_key else None,
+        warm_ranks=warm.target(),
     )
-    # The agent's parts, each built on those before it: the sessions first, which the host
-    # probe, the rank output, the stack dumps, the fence and the shutdown all read.
-    sessions = Sessions()
-    health = HealthMonitor(probes(name, [workdir, memory_dir], drills, gpus, sessions.rank_pids, nic))
-    health.start()
-    stores = JobStores(settings)  # each job's files through credentials of its own
-    warm = WarmPool(warm_ranks, workdir / "warm", functools.partial(rank_preexec, rank_nice, user), user=user)
-    isolation = RankIsolation(user, rank_dir, memory_dir, sessions, warm)
-    await isolation.startup()  # before the warm processes: it kills every process of the rank user
-    warm.start()
     logs = LogActivities(name, stores, sessions)
     ranks = RankActivities(
         client, stores, rank_dir, code_dir, host, health, drills, sessions, logs,
@@ -257,59 +270,95 @@ def node_name(text: str) -> str:
     return text
 
 
-def cli() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--name", type=node_name, required=True, help="machine name, unique in the cluster")
-    parser.add_argument("--workdir", type=Path, required=True, help="local dir: rank logs, checkpoints")
-    parser.add_argument("--code-dir", type=Path, default=Path.cwd(), help="directory ranks run in")
-    parser.add_argument("--host", default="127.0.0.1", help="address peers use to reach this machine")
-    parser.add_argument("--gpus", type=int, default=0, help="GPUs on this machine (0: as many as NVML finds)")
-    parser.add_argument("--rank-nice", type=int, default=0, help="niceness of ranks (shared local hosts)")
-    parser.add_argument(
+def warm_ranks(text: str) -> int:
+    """argparse type: ``auto`` or a count of warm rank processes."""
+    if text == "auto":
+        return AUTO
+    if not text.isdigit() or int(text) > 64:
+        raise argparse.ArgumentTypeError("auto, or a whole number from 0 to 64")
+    return int(text)
+
+
+def fraction(text: str) -> float:
+    """argparse type: a share, above 0 and at most 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError("a number above 0 and at most 1")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    """The agent's command line (the deployment recipes' tests parse theirs with it)."""
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--name", type=node_name, required=True, help="machine name, unique in the cluster")
+    p.add_argument("--workdir", type=Path, required=True, help="local dir: rank logs, checkpoints")
+    p.add_argument("--code-dir", type=Path, default=Path.cwd(), help="directory ranks run in")
+    p.add_argument("--host", default="127.0.0.1", help="address peers use to reach this machine")
+    p.add_argument("--gpus", type=int, default=0, help="GPUs expected on this machine (0: as found)")
+    p.add_argument("--rank-nice", type=int, default=0, help="niceness of ranks (shared local hosts)")
+    p.add_argument(
         "--nic",
         default=None,
         help="this machine's NIC, a real interface link drills may take down (netns local stack)",
     )
-    parser.add_argument(
+    p.add_argument(
         "--warm-ranks",
-        type=int,
-        default=0,
-        help="rank processes kept started (torch imported) for fast restarts; ranks per machine is right",
+        type=warm_ranks,
+        default=AUTO,
+        metavar="auto|N",
+        help="rank processes kept started (torch imported, at idle CPU priority) for fast restarts; "
+        "auto (default): two starts of a rank per GPU (of 2 ranks without GPUs; more when a job runs "
+        "more ranks here), within --warm-memory; 0: none",
     )
-    parser.add_argument(
+    p.add_argument(
+        "--warm-memory",
+        type=fraction,
+        default=MEMORY_FRACTION,
+        metavar="FRACTION",
+        help=f"share of the machine's memory warm rank processes may hold (default {MEMORY_FRACTION})",
+    )
+    p.add_argument(
         "--pool",
         type=node_name,
         default=None,
         help="the pool to join, one per cluster or allocation (default: TRAINGUARD_POOL or trainguard-pool)",
     )
-    parser.add_argument(
+    p.add_argument(
         "--rank-user",
         default=os.environ.get("TRAINGUARD_RANK_USER") or None,
         help="start ranks as this unprivileged user (root only; one per pool; default TRAINGUARD_RANK_USER)",
     )
-    parser.add_argument(
+    p.add_argument(
         "--rank-netns",
         type=Path,
         default=None,
         help="with --rank-user: a network namespace (a path such as /run/netns/NAME) to start ranks in",
     )
-    parser.add_argument(
+    p.add_argument(
         "--rank-host",
         type=Path,
         default=None,
         help="with --rank-user: the socket of a rank host that starts the ranks in a container of "
         "their own (python -m trainguard.agent.rank_host)",
     )
-    parser.add_argument(
+    p.add_argument(
         "--rank-dir",
         type=Path,
         default=None,
         help="where ranks' files live, enterable by the rank user (default: the work dir)",
     )
-    add_metrics_port(parser)
-    args = parser.parse_args()
+    add_metrics_port(p)
+    return p
+
+
+def cli() -> None:
+    p = parser()
+    args = p.parse_args()
     if importlib.util.find_spec("torch") is None:  # the ranks and the self-test train with it
-        parser.exit(
+        p.exit(
             1,
             "error: the node agent needs torch, which comes with the 'agent' extra: "
             "pip install 'trainguard[agent]'\n",
@@ -327,7 +376,7 @@ def cli() -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         rank_dir = prepare_rank_dir(workdir, args.rank_dir or workdir, user)
     except RankUserError as exc:
-        parser.exit(1, f"error: {exc}\n")
+        p.exit(1, f"error: {exc}\n")
     setup_logging(f"agent-{args.name}")
     trace_memory_if_asked(f"agent-{args.name}")
     asyncio.run(
@@ -344,6 +393,7 @@ def cli() -> None:
             args.metrics_port,
             user,
             rank_dir,
+            args.warm_memory,
         )
     )
 

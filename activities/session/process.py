@@ -311,13 +311,17 @@ class RankProcesses:
             else None
         )
         if warm is not None:
+            importing = not warm.preloaded()  # taken while importing, raised to the rank's priority
             try:
                 env = self.rank_env(local_rank, rank, warm.report_w)
                 await warm.activate(argv[1:], env, str(s.workdir), out_path, err_path)
             finally:
                 os.close(warm.report_w)
             self.warm_started += 1
-            log.info("rank %d of %s started in a warm process", rank, s.inp.job_id)
+            log.info(
+                "rank %d of %s attempt %d started in a warm process%s",
+                rank, s.inp.job_id, s.inp.attempt, " (still importing)" if importing else "",
+            )  # fmt: skip
             self.procs[rank] = warm.proc
             return warm.report_r
         r_fd, w_fd = os.pipe()

@@ -25,6 +25,7 @@ from temporalio.client import Client
 
 from activities.session.snapshots import Snapshots
 from activities.session.state import SessionState
+from activities.warm_pool import WarmPool
 from trainguard.contract import job
 from trainguard.domain.messages import ProgressReport, ScriptCheckpointRef
 from trainguard.domain.protection import CpuBeside
@@ -58,10 +59,13 @@ async def discard(report: ProgressReport) -> None:
 
 
 class ProgressReporter:
-    def __init__(self, state: SessionState, snapshots: Snapshots, send: SignalFn) -> None:
+    def __init__(
+        self, state: SessionState, snapshots: Snapshots, send: SignalFn, warm: WarmPool | None = None
+    ) -> None:
         self.s = state
         self.snapshots = snapshots
         self.send = send
+        self.warm = warm  # the machine's warm processes: how many wait is in every report
         self.last_step: dict[int, int] = {}
         self.loss: float | None = None
         self.step_times: list[float] = []
@@ -187,6 +191,7 @@ class ProgressReporter:
             snapshot_settle_s=interval.get("settle_s") if interval else None,
             snapshot_persist_every=interval.get("persist") if interval else None,
             script_ckpts=list(self.scripts_unsent),
+            warm_ready=self.warm.ready_count() if self.warm is not None else None,
         )
 
     def _agent_cost(self) -> float:

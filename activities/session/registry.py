@@ -2,7 +2,8 @@
 
 Built first when the agent starts (``workers.node_agent``), before the parts that read it: the
 host probe (``rank_pids``), the rank output (``activities.rank_logs``), the stack dumps
-(``activities.stacks``), the fence (``fence``) and the shutdown (``running``).
+(``activities.stacks``), the fence (``fence``), the warm pool (``starting``) and the shutdown
+(``running``).
 ``activities.ranks`` adds and drops sessions as ``run_ranks`` starts and replaces them.
 """
 
@@ -60,6 +61,10 @@ class Sessions:
             if pids or not s.done:
                 out.setdefault(job, []).extend(pids)
         return out
+
+    def starting(self) -> bool:
+        """Whether ranks are starting here: the warm pool holds its refill back meanwhile."""
+        return any(s.starting for s in self._by_key.values())
 
     def running(self) -> str | None:
         """What ranks run here now (a graceful shutdown waits for them), or None."""

@@ -50,6 +50,9 @@ _DEATHS = ("crash", "comm", "oom", RENDEZVOUS_KIND)
 # How long a stop waits for the end's work once the ranks are gone (the script's last
 # checkpoints: a look, the coordinator's wait for other machines' DCP parts, the last report).
 END_WAIT_S = FLUSH_WAIT_S + FINAL_REPORT_TIMEOUT_S + 5.0
+# The warm pool waits while a session's ranks start (imports, rendezvous, restore), but no longer
+# than this: a script that never steps an optimizer must not hold the refill for its whole life.
+STARTING_AT_MOST_S = 120.0
 
 
 class RankSession:
@@ -71,7 +74,7 @@ class RankSession:
         self.state = s = SessionState(inp, workdir, code_dir, memory_dir, user)
         self.process = RankProcesses(s, drills, warm, rank_nice)
         self.snapshots = Snapshots(s, store)
-        self.progress = ProgressReporter(s, self.snapshots, send_progress)
+        self.progress = ProgressReporter(s, self.snapshots, send_progress, warm)
         self.ending = Ending(s, self.process, self.snapshots, self.progress)
         self.incidents = Incidents(s, self.process, self.progress, self.ending, drills)
         self.reports = Reports(s, self.process, self.snapshots, self.progress, self.incidents)
@@ -92,6 +95,7 @@ class RankSession:
             else None
         )  # fmt: skip
         self._script_task: asyncio.Task[Any] | None = None
+        self._created = time.monotonic()
 
     # -- what the agent's activities read and call ---------------------------------------
     @property
@@ -125,6 +129,14 @@ class RankSession:
     @property
     def frozen(self) -> bool:
         return self.state.frozen
+
+    @property
+    def starting(self) -> bool:
+        """Its ranks are starting: about to be spawned, or not every one past its first step (for
+        at most STARTING_AT_MOST_S)."""
+        if self.done or time.monotonic() - self._created > STARTING_AT_MOST_S:
+            return False
+        return len(self.progress.last_step) < len(self.state.inp.ranks)
 
     @property
     def machine_step(self) -> int:
@@ -180,6 +192,8 @@ class RankSession:
             except Exception as exc:  # a storage outage: the script starts from what is here
                 log.warning("restoring the script's checkpoints of %s failed: %s", s.inp.job_id, exc)
             self._script_task = s.spawn(self.script_ckpts.run(), "script-ckpt")
+        if self.process.warm is not None:
+            self.process.warm.note_ranks(len(s.inp.ranks))  # the next restart here takes as many
         for local_rank, rank in enumerate(s.inp.ranks):
             self.reports.start_reading(rank, await self.process.spawn(local_rank, rank))
         s.spawn(self._supervise(), "supervise")

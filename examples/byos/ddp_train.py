@@ -7,10 +7,11 @@ It reads RANK/WORLD_SIZE/LOCAL_RANK from the environment, joins over NCCL on its
 (LOCAL_RANK's) where CUDA is, else over gloo on the CPU, `torch.save`s a checkpoint every
 ``--ckpt-every`` steps into ``--ckpt-dir`` and loads it at start if present.
 For drills it can misbehave, each fault once, in the start whose TORCHELASTIC_RESTART_COUNT is
-given (default 0, the first): ``--crash-at S`` dies of SIGSEGV, ``--hang-at S`` blocks, ``--nan-at S``
-makes the loss NaN, each on ``--fault-rank``; ``--abort-at-exit`` makes that rank die of SIGABRT
-after the script has ended, in every start, as gloo's threads now and then do in their static
-destructors.
+given (default 0, the first): ``--crash-at S`` dies of SIGSEGV (given again, one crash per start:
+the first in the first start, the next in the next, unless ``--crash-restart`` says which),
+``--hang-at S`` blocks, ``--nan-at S`` makes the loss NaN, each on ``--fault-rank``;
+``--abort-at-exit`` makes that rank die of SIGABRT after the script has ended, in every start,
+as gloo's threads now and then do in their static destructors.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--step-s", type=float, default=0.05, help="extra time per step (a bigger model)")
     p.add_argument("--fault-rank", type=int, default=1)
-    p.add_argument("--crash-at", type=int, default=0)
+    p.add_argument("--crash-at", type=int, action="append", default=[], help="again: one in the next start")
     p.add_argument("--hang-at", type=int, default=0)
     p.add_argument("--nan-at", type=int, default=0)
-    p.add_argument("--crash-restart", type=int, default=0, help="the restart count the crash acts in")
+    p.add_argument(
+        "--crash-restart", type=int, action="append", default=[], help="the restart count each crash acts in"
+    )
     p.add_argument("--hang-restart", type=int, default=0)
     p.add_argument("--nan-restart", type=int, default=0)
     p.add_argument("--crash-every-start", action="store_true", help="the crash acts in every start")
@@ -45,6 +48,8 @@ def main() -> None:
     p.add_argument("--log-steps", action="store_true", help="rank 0 prints each step's end time")
     a = p.parse_args()
 
+    # Restart count -> the step its crash comes at.
+    crashes = dict(zip(a.crash_restart or range(len(a.crash_at)), a.crash_at, strict=True))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     cuda = torch.cuda.is_available()
@@ -73,7 +78,7 @@ def main() -> None:
             loss = loss * float("nan")
         opt.zero_grad()
         loss.backward()
-        if faulty and step == a.crash_at and (restart == a.crash_restart or a.crash_every_start):
+        if faulty and (step == crashes.get(restart) or (a.crash_every_start and step in a.crash_at)):
             # Dies as a rank does when a driver or an extension faults (an exception raised here
             # would be a bug in the script, which no restart cures).
             print(f"rank {rank} crashing at step {step}", flush=True)

@@ -24,10 +24,13 @@ code_dir=${TRAINGUARD_CODE_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
 host=${TRAINGUARD_AGENT_HOST:-$(hostname -I | awk '{print $1}')}
 
 # exec: the agent gets Slurm's signals itself (SIGTERM drains, or leaves the pool when idle).
+# Warm rank processes (torch imported, at idle CPU priority, for restarts in about a second): two
+# per GPU within 10% of the step's memory (its cgroup's limit); extra arguments override it.
 # -P: the submit directory (the user's code) is not on the agent's import path.
 exec "$python" -P -m workers.node_agent \
     --name "$SLURMD_NODENAME" \
     --host "$host" \
     --workdir "$workdir" \
     --code-dir "$code_dir" \
+    --warm-ranks auto \
     "$@"

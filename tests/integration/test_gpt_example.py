@@ -26,6 +26,7 @@ import pytest
 
 from trainguard.agent.ports import free_port
 from trainguard.domain.checkpoints import parse_step_dir
+from trainguard.domain.protection import worst_loss_s
 from trainguard.domain.spec import Topology
 from trainguard.domain.topology import coords
 from trainguard.runtime.env import RankEnv
@@ -125,6 +126,7 @@ def launch(
     ckpt_every: int = CKPT_EVERY,
     ckpt_budget: float = 0.0,
     persist_every_s: float = 0.0,
+    max_lost_s: float = 10.0,
     **knobs: str,
 ) -> Ranks:
     """Start the 4 ranks as the agent would: one process group, one report pipe per rank."""
@@ -151,6 +153,7 @@ def launch(
             ckpt_budget=ckpt_budget,
             persist_every=CKPT_EVERY,
             persist_every_s=persist_every_s,
+            max_lost_s=max_lost_s,
             resume_step=resume_step,
             report_fd=write_fd,
         )
@@ -265,8 +268,17 @@ def test_resume_after_kill_is_bitwise_exact(uninterrupted: Ranks, tmp_path: Path
 def test_budget_interval_is_agreed_by_every_rank(uninterrupted: Ranks, tmp_path: Path) -> None:
     """With a cost budget the ranks start with a snapshot every step, then vote on an interval
     and switch at the same step, so every step snapshotted is snapshotted by every rank; and
-    the training itself is the same, bit for bit."""
-    ranks = launch(tmp_path / "ckpt", tmp_path / "logs", ckpt_every=1, ckpt_budget=0.02, persist_every_s=1.0)
+    the training itself is the same, bit for bit. A tight max_lost_s caps the interval: at the
+    slowest rank's step and settle times a failure loses at most that."""
+    max_lost_s = 1.0
+    ranks = launch(
+        tmp_path / "ckpt",
+        tmp_path / "logs",
+        ckpt_every=1,
+        ckpt_budget=0.02,
+        persist_every_s=1.0,
+        max_lost_s=max_lost_s,
+    )
     try:
         ranks.wait()
     finally:
@@ -276,6 +288,8 @@ def test_budget_interval_is_agreed_by_every_rank(uninterrupted: Ranks, tmp_path:
     for r, rec in ranks.of("interval"):
         votes.setdefault(r, set()).add((rec["step"], rec["every"], rec["persist"]))
         assert rec["cost_s"] > 0 and rec["step_s"] > 0
+        worst = worst_loss_s(rec["every"], rec["step_s"], rec["settle_s"])
+        assert rec["every"] == 1 or worst <= max_lost_s, rec
         # The S3 stride: snapshot steps the spec allows, a second of training apart at least.
         assert rec["persist"] % rec["every"] == 0 and rec["persist"] % CKPT_EVERY == 0
     # One stride on every rank (each derives it from the slowest rank's step time).

@@ -5,6 +5,7 @@ exists (argparse rejects an unknown one, exit 2)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -59,3 +60,11 @@ def run_help(argv: list[str], timeout_s: float = 60.0) -> subprocess.CompletedPr
         env=env,
         timeout=timeout_s,
     )
+
+
+def agent_args(argv: list[str]) -> argparse.Namespace:
+    """A recipe's node agent command line (``... -m workers.node_agent ARGS``) read by the agent's
+    own parser, as the agent would read it."""
+    from workers.node_agent import parser
+
+    return parser().parse_args(argv[argv.index("workers.node_agent") + 1 :])

@@ -158,3 +158,30 @@ def test_status_text_names_the_newest_checkpoint_of_either_kind() -> None:
     assert rows == [("checkpoint", "step 40 (s3) s3://b/j/step-20")]
     assert cli._checkpoint_rows({"checkpoint": runtime}) == [("checkpoint", "step 20 (s3) s3://b/j/step-20")]
     assert cli._checkpoint_rows({}) == []
+
+
+def test_status_text_shows_the_first_minute_apart_and_the_warm_processes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from trainguard.face import cli
+
+    st = {
+        "job_id": "j", "phase": "running", "step": 900, "target_steps": 4000, "attempt": 1,
+        "code_version": "v1", "ettr": 0.8, "ettr_window_1h": 0.8, "incidents": [],
+        "nodes": {"0": "node-1", "1": "node-2"}, "warm": {"node-1": 4, "node-2": 3},
+        "badput_s": {"startup": 9.0, "protection": 0.6},
+        "first_minute": {"seconds": 62.0, "ettr": 0.83, "badput_s": {"startup": 9.0, "protection": 0.2},
+                         "complete": True},
+        "steady": {"seconds": 40.0, "ettr": 0.99, "badput_s": {"startup": 0.0, "protection": 0.4}},
+    }  # fmt: skip
+    assert cli._cost_rows(st)[1:] == [
+        ("first minute", "ETTR 0.830 over 62 s; startup 9.0 s, protection 0.2 s"),
+        ("after it", "ETTR 0.990 over 40 s; protection 0.4 s"),
+    ]
+    still = {"first_minute": {**st["first_minute"], "seconds": 30.0, "complete": False}, "steady": None}
+    assert cli._cost_rows(still) == [
+        ("first minute", "ETTR 0.830 over 30 s, so far; startup 9.0 s, protection 0.2 s")
+    ]
+    cli._print_status(st)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "0: node-1 (4 warm), 1: node-2 (3 warm)" in text

@@ -63,3 +63,25 @@ def test_checkpoint_blocking_moves_from_productive_to_badput() -> None:
     # Never more than was counted productive.
     led = ettr.reclassify(led, "checkpoint", 100.0)
     assert led.productive_s == 0.0 and led.badput_s["checkpoint"] == pytest.approx(10.0)
+
+
+def test_the_first_minute_is_kept_apart_from_the_steady_state() -> None:
+    led = ettr.start(ettr.Ledger(), T0)
+    led = ettr.add_badput(led, "startup", 20.0)
+    led = ettr.record_steps(led, T0 + timedelta(seconds=50), 0, 300, 0.1)  # 30 s of steps
+    led = ettr.reclassify(led, "protection", 3.0)  # a start slowed by something beside it
+    assert ettr.close_first_minute(led, T0 + timedelta(seconds=59)) is led  # not a minute old yet
+    assert ettr.after_first_minute(led, T0 + timedelta(seconds=59)) is None
+    led = ettr.close_first_minute(led, T0 + timedelta(seconds=62))  # the first fold after the minute
+    first = led.first_minute
+    assert first is not None and first.seconds == 62.0
+    assert first.productive_s == pytest.approx(27.0) and first.ettr == pytest.approx(27.0 / 62)
+    assert first.badput_s["startup"] == 20.0 and first.badput_s["protection"] == 3.0
+    # Closed once: later folds leave it as it was.
+    led = ettr.record_steps(led, T0 + timedelta(seconds=122), 300, 900, 0.1)  # 60 s, all productive
+    assert ettr.close_first_minute(led, T0 + timedelta(seconds=122)).first_minute == first
+    steady = ettr.after_first_minute(led, T0 + timedelta(seconds=122))
+    assert steady is not None and steady.seconds == 60.0
+    assert steady.ettr == pytest.approx(1.0) and steady.badput_s["protection"] == 0.0
+    # The whole is both parts: the start's badput does not dilute the steady state's ETTR.
+    assert ettr.ettr(led, T0 + timedelta(seconds=122)) == pytest.approx(87.0 / 122)

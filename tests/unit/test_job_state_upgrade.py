@@ -28,8 +28,10 @@ from trainguard.domain.messages import NodeInfo, ScriptCheckpointRef, ShardInfo
 from trainguard.domain.spec import JobSpec
 from trainguard.services.temporal import wire_data_converter
 
-# Status keys this release added: the script's own checkpoints (JobState.scripts).
-NEW_STATUS = {"script_checkpoints", "newest_checkpoint"}
+# Status keys this release added, which the previous one does not show: the script's own
+# checkpoints (JobState.scripts), the first minute apart from the steady state, the warm rank
+# processes per machine, and who did what (the audit trail).
+ADDED_TO_STATUS = {"script_checkpoints", "newest_checkpoint", "first_minute", "steady", "warm", "audit"}
 HISTORIES = Path(__file__).resolve().parents[1] / "replay" / "histories"
 CONVERTER = wire_data_converter.payload_converter
 T0 = datetime(2026, 11, 26, 8, 0, tzinfo=UTC)
@@ -216,9 +218,10 @@ def test_the_previous_release_reads_the_same_values_and_continues_the_job(previo
     # It read every moved field's value from the flat fields this release wrote.
     for flat in FLAT:
         assert previous["read"][flat] == part_value(state, flat), flat
-    # Its status document is this release's, field for field (less what this release added).
+    # Its status document is this release's, field for field, less the fields this release adds.
     ours = json.loads(json.dumps(status_json(state, NOW)))
-    assert previous["status"] == {k: v for k, v in ours.items() if k not in NEW_STATUS}
+    assert ours.keys() - previous["status"].keys() == ADDED_TO_STATUS
+    assert previous["status"] == {k: v for k, v in ours.items() if k not in ADDED_TO_STATUS}
     # The state it continued the job with (flat only) comes back whole.
     assert "bounds" not in previous["continued"]["state"]
     back = receive(json.dumps(previous["continued"]).encode()).state

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.unit.deploy import K8S, by_kind, render, run_help
+from activities.warm_pool import AUTO
+from tests.unit.deploy import K8S, agent_args, by_kind, render, run_help
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[dev]'")
 
@@ -131,3 +132,11 @@ def test_every_container_command_line_exists(rendered: dict[str, list[dict[str, 
     for argv, done in results.items():
         assert not any("$(" in a for a in argv), argv  # every variable a pod would expand is known
         assert done.returncode == 0 and "usage" in done.stdout.lower(), (argv, done.stderr[-2000:])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_agents_keep_warm_rank_processes(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+    (agent,) = by_kind(rendered[overlay], "DaemonSet")
+    (container,) = agent["spec"]["template"]["spec"]["containers"]
+    # Restarts in about a second need them: sized by the node's GPUs and memory.
+    assert agent_args(expand(container)).warm_ranks == AUTO

@@ -17,7 +17,9 @@ from trainguard.domain.protection import (
     candidate_intervals,
     choose_interval,
     contention,
+    largest_interval,
     persist_stride,
+    worst_loss_s,
 )
 from trainguard.domain.spec import parse_spec
 from trainguard.runtime.context import vote_gap
@@ -91,6 +93,37 @@ def test_max_lost_caps_the_interval() -> None:
     # 0.5 s of steps: 19 steps; a snapshot that takes 1 s to be stored leaves 17.
     assert choose_interval(1.0, 0.5, 0.02, 10.0, 1, 10_000) == 19
     assert choose_interval(1.0, 0.5, 0.02, 10.0, 1, 10_000, settle_s=1.0) == 17
+
+
+def test_the_agreed_interval_keeps_status_worst_case_within_max_lost() -> None:
+    """Each rank caps its proposal at its own step time; the largest proposal wins, so the fastest
+    rank's cap could set the pace. The runtime caps the winner again at the slowest rank's step
+    and settle times, and status's own worst case (interval, step in flight, settle) then stays
+    within max_lost_s."""
+    spec = parse_spec(
+        {"name": "j", "entrypoint": ["python", "t.py"], "nodes": 1, "target_steps": 100_000, "checkpoint": {}}
+    )
+    max_lost = spec.checkpoint.max_lost_s
+    rng = random.Random(7)
+    over_uncapped = 0
+    for _ in range(2000):
+        ranks = [(rng.uniform(0.02, 0.3), rng.uniform(0.0, 2.0)) for _ in range(rng.randint(2, 8))]
+        cost, persist_every = rng.uniform(0.001, 2.0), rng.choice([1, 5, 20, 50, 100])
+        proposals = [
+            choose_interval(cost, step_s, 0.02, max_lost, persist_every, 100_000, settle_s=settle_s)
+            for step_s, settle_s in ranks
+        ]
+        step_s, settle_s = max(s for s, _ in ranks), max(s for _, s in ranks)
+        winner = max(proposals)
+        over_uncapped += worst_loss_s(winner, step_s, settle_s) > max_lost
+        agreed = min(winner, largest_interval(step_s, max_lost, persist_every, 100_000, settle_s))
+        assert agreed in candidate_intervals(persist_every, agreed)
+        state = JobState(spec=spec, step_time_s=step_s)
+        state.protection.snapshot_every, state.protection.snapshot_settle_s = agreed, settle_s
+        lost = status_json(state, T0)["protection"]["lost_s_per_failure"]
+        # Over the cap only where even a snapshot every step is (the step in flight and the settle).
+        assert lost <= max_lost + 1e-3 or agreed == 1, (ranks, cost, persist_every, agreed)
+    assert over_uncapped > 0  # the fastest rank's proposal alone would have broken it
 
 
 def test_contention() -> None:

@@ -8,7 +8,7 @@ import ast
 import json
 import re
 import typing
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -242,6 +242,12 @@ def sample_state() -> JobState:
             "code_history": [{**event, "how": "submitted", "version": "v1", "applied_at": T0}],
             "pending_update": {"event": event, "deadline": T0},
             "audit": [{"at": T0, "who": "alice", "what": "submit", "target": "demo"}],
+            "warm": {"node-2": 2, "node-1": 1},  # node-1 left with its eviction
+            "ledger": {
+                "started_at": T0 - timedelta(minutes=5),
+                "productive_s": 200.0,
+                "first_minute": {"seconds": 61.0, "productive_s": 40.0, "badput_s": {"startup": 12.0}},
+            },
         }
     )
 
@@ -251,11 +257,18 @@ def status_doc() -> dict[str, Any]:
 
 
 def test_status_keys_are_the_documented_ones() -> None:
-    produced = paths(status_doc(), leaves=frozenset({"nodes", "progress"}))
+    leaves = frozenset({"nodes", "progress", "warm", "first_minute.badput_s", "steady.badput_s"})
+    produced = paths(status_doc(), leaves=leaves)
     doc = documented("status")
     assert produced - doc == set(), "produced but not in docs/reference.md"
     assert doc - produced == set(), "in docs/reference.md but not produced"
     assert produced >= CONTRACT_STATUS
+
+
+def test_status_counts_warm_processes_on_the_jobs_machines_only() -> None:
+    st = status_doc()
+    assert st["warm"] == {"node-2": 2}  # node-1 left the job with its eviction
+    assert st["first_minute"]["complete"] and st["steady"]["seconds"] == 300 - 61.0
 
 
 def test_the_sdks_status_types_name_the_same_keys() -> None:
@@ -268,6 +281,8 @@ def test_the_sdks_status_types_name_the_same_keys() -> None:
     assert set(hints(client.NewestCheckpointDoc)) == set(st["newest_checkpoint"])
     assert set(hints(client.ResultDoc)) == set(st["result"])
     assert set(hints(client.ProtectionDoc)) == set(st["protection"])
+    assert set(hints(client.FirstMinuteDoc)) == set(st["first_minute"])
+    assert set(hints(client.PartDoc)) == set(st["steady"])
     assert set(hints(client.PendingCodeDoc)) == set(st["pending_code_version"])
     assert set(hints(client.AuditDoc)) == set(st["audit"][0])
 
@@ -360,9 +375,10 @@ BENCHES = ["detection", "localization", "recovery", "chaos", "soak", "controller
 
 @pytest.mark.parametrize("bench", BENCHES)
 def test_bench_keys_are_built_by_the_bench(bench: str) -> None:
-    """Each documented key is one the bench's code (or run_bench, which adds wall_s) puts in a dict."""
+    """Each documented key is one the bench's code (or run_bench, which adds wall_s, or the restart
+    measures two benches share) puts in a dict."""
     rel = f"bench/{bench}.py"
-    missing = names_in(documented(rel)) - built_keys(rel, "infra/private_stack.py")
+    missing = names_in(documented(rel)) - built_keys(rel, "infra/private_stack.py", "bench/restarts.py")
     assert not missing, f"{rel} builds no {sorted(missing)}"
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.deploy import REPO, local_argv, run_help
+from activities.warm_pool import AUTO
+from tests.unit.deploy import REPO, agent_args, local_argv, run_help
 
 UNITS = REPO / "infra" / "systemd"
 SERVICES = ["trainguard-controller.service", "trainguard-agent.service"]
@@ -93,3 +94,8 @@ def test_exec_start_arguments_exist(unit: str) -> None:
     assert argv[0] == DEPLOYED_PYTHON
     done = run_help(argv)
     assert done.returncode == 0 and "usage" in done.stdout.lower(), (argv, done.stderr[-2000:])
+
+
+def test_the_agent_keeps_warm_rank_processes() -> None:
+    # Restarts in about a second need them: sized by the machine's GPUs and memory.
+    assert agent_args(exec_start("trainguard-agent.service")).warm_ranks == AUTO

@@ -5,6 +5,10 @@ counts as productive only the first time it is reached; repeating steps after a
 restart is ``recompute`` badput. Time between an attempt's start and its first
 step is ``startup``. The 1-hour window is computed from a short list of
 (time, cumulative productive seconds) samples, trimmed as they age out.
+
+A job's first minute (its start: machines, imports, the first steps, a refill of warm processes
+beside them) is kept apart from its steady state: the ledger as it stood when the job turned a
+minute old (:func:`close_first_minute`), and what came after it (:func:`after_first_minute`).
 """
 
 from __future__ import annotations
@@ -15,9 +19,22 @@ from pydantic import BaseModel
 
 WINDOW = timedelta(hours=1)
 SAMPLE_EVERY = timedelta(seconds=30)
+FIRST_MINUTE = timedelta(minutes=1)
 # checkpoint: training waited for its snapshots; protection: the snapshots' background work
 # (copy, serialize, hash, peer backup) slowed the steps beyond that.
 BUCKETS = ("startup", "detection", "diagnosis", "recovery", "recompute", "checkpoint", "idle", "protection")
+
+
+class Part(BaseModel):
+    """A stretch of the job's wall time: how long, and what it trained and lost."""
+
+    seconds: float
+    productive_s: float
+    badput_s: dict[str, float]
+
+    @property
+    def ettr(self) -> float:
+        return min(1.0, self.productive_s / self.seconds) if self.seconds > 0 else 0.0
 
 
 class Ledger(BaseModel):
@@ -27,6 +44,8 @@ class Ledger(BaseModel):
     badput_s: dict[str, float] = {b: 0.0 for b in BUCKETS}
     # (time, cumulative productive seconds), oldest first, about one per report.
     samples: list[tuple[datetime, float]] = []
+    # The ledger when the job turned FIRST_MINUTE old (taken at the first fold after it).
+    first_minute: Part | None = None
 
 
 def start(ledger: Ledger, now: datetime) -> Ledger:
@@ -72,6 +91,32 @@ def record_steps(ledger: Ledger, now: datetime, prev_step: int, step: int, step_
     while len(samples) > 2 and samples[1][0] <= now - WINDOW:
         samples.pop(0)
     return out.model_copy(update={"samples": samples})
+
+
+def so_far(ledger: Ledger, now: datetime) -> Part:
+    wall = (now - ledger.started_at).total_seconds() if ledger.started_at else 0.0
+    badput = {k: ledger.badput_s.get(k, 0.0) for k in BUCKETS}
+    return Part(seconds=max(0.0, wall), productive_s=ledger.productive_s, badput_s=badput)
+
+
+def close_first_minute(ledger: Ledger, now: datetime) -> Ledger:
+    """Keep the first minute apart once the job is that old (a no-op before, and after)."""
+    if ledger.started_at is None or ledger.first_minute is not None or now - ledger.started_at < FIRST_MINUTE:
+        return ledger
+    return ledger.model_copy(update={"first_minute": so_far(ledger, now)})
+
+
+def after_first_minute(ledger: Ledger, now: datetime) -> Part | None:
+    """The steady state: everything since the first minute was closed (None until it was)."""
+    first = ledger.first_minute
+    if first is None:
+        return None
+    whole = so_far(ledger, now)
+    return Part(
+        seconds=max(0.0, whole.seconds - first.seconds),
+        productive_s=max(0.0, whole.productive_s - first.productive_s),
+        badput_s={k: max(0.0, v - first.badput_s.get(k, 0.0)) for k, v in whole.badput_s.items()},
+    )
 
 
 def ettr(ledger: Ledger, now: datetime) -> float:

@@ -254,6 +254,8 @@ class JobState(FlatFields):
     code: CodeVersions = CodeVersions()
     protection: Protection = Protection()
     snapshots: Snapshots = Snapshots()
+    # Warm rank processes waiting on each machine, as its agent last reported.
+    warm: dict[str, int] = {}
     scripts: KnownScriptCheckpoints = KnownScriptCheckpoints()
 
     @property
@@ -276,8 +278,17 @@ def status_json(state: JobState, now: datetime) -> dict[str, Any]:
         "ettr": round(ettr.ettr(state.ledger, now), 4),
         "ettr_window_1h": round(ettr.ettr_window(state.ledger, now), 4),
         "badput_s": {k: round(state.ledger.badput_s.get(k, 0.0), 3) for k in ettr.BUCKETS},
+        # The start kept apart from the steady state: the first minute (still running while
+        # `complete` is false) and everything after it.
+        "first_minute": {
+            **_part(state.ledger.first_minute or ettr.so_far(state.ledger, now)),
+            "complete": state.ledger.first_minute is not None,
+        },
+        "steady": _part(steady) if (steady := ettr.after_first_minute(state.ledger, now)) else None,
         "protection": _protection(state),
         "nodes": {str(i): n.name for i, n in enumerate(state.nodes)},
+        # Per machine of the job: warm rank processes ready for its next restart there.
+        "warm": {n.name: state.warm[n.name] for n in state.nodes if n.name in state.warm},
         "world_size": state.spec.world_size,
         "pool": state.spec.pool or POOL_WORKFLOW_ID,
         "checkpoint": state.checkpoint.model_dump(mode="json", exclude={"at"}) if state.checkpoint else None,
@@ -299,6 +310,14 @@ def status_json(state: JobState, now: datetime) -> dict[str, Any]:
         "as_of": now.isoformat(),
         "progress": _progress(state.progress_series),
         "audit": [e.model_dump(mode="json") for e in state.audit],
+    }
+
+
+def _part(part: ettr.Part) -> dict[str, Any]:
+    return {
+        "seconds": round(part.seconds, 1),
+        "ettr": round(part.ettr, 4),
+        "badput_s": {k: round(v, 3) for k, v in part.badput_s.items()},
     }
 
 

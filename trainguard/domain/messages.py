@@ -52,6 +52,8 @@ class NodeInfo(Msg):
     # The public half of the agents' machine key: secret values are sealed to it
     # (trainguard.services.sealed); None: this agent cannot open them.
     sealing_key: str | None = None
+    # Warm rank processes the agent keeps (its memory-budgeted target when it registered).
+    warm_ranks: int = 0
 
 
 # suspect: waiting for its self-test (new, returning, or evicted with a group); standby: passed it,
@@ -591,6 +593,8 @@ class ProgressReport(Msg):
     snapshot_persist_every: int | None = None
     # The script's own checkpoints this machine stored since its last report.
     script_ckpts: list[ScriptCheckpointRef] = []
+    # Warm rank processes preloaded and waiting on this machine (None: an agent without a pool).
+    warm_ready: int | None = None
 
 
 # -- groups of a large job's machines (workflows.job.group) ------------------------

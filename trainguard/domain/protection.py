@@ -77,12 +77,24 @@ def choose_interval(
     at most ``max_lost_s``."""
     if step_s <= 0:
         return 1
-    # The largest k with worst_loss_s(k, step_s, settle_s) <= max_lost_s.
-    cap = max(1, min(target_steps, math.floor((max_lost_s - settle_s) / step_s) - 1))
     need = max(1, math.ceil(cost_s / (budget * step_s) - 1e-9))
-    allowed = candidate_intervals(persist_every, cap)
+    allowed = candidate_intervals(persist_every, _cap(step_s, max_lost_s, target_steps, settle_s))
     fits = [k for k in allowed if k >= need]
     return fits[0] if fits else allowed[-1]
+
+
+def largest_interval(
+    step_s: float, max_lost_s: float, persist_every: int, target_steps: int, settle_s: float = 0.0
+) -> int:
+    """The largest allowed interval within ``max_lost_s`` at ``step_s`` a step (1 where none is)."""
+    if step_s <= 0:
+        return 1
+    return candidate_intervals(persist_every, _cap(step_s, max_lost_s, target_steps, settle_s))[-1]
+
+
+def _cap(step_s: float, max_lost_s: float, target_steps: int, settle_s: float) -> int:
+    """The largest k with worst_loss_s(k, step_s, settle_s) <= max_lost_s (at least 1)."""
+    return max(1, min(target_steps, math.floor((max_lost_s - settle_s) / step_s) - 1))
 
 
 def contention(cpu_rate: float, cores_per_rank: float, load_per_core: float) -> float:

@@ -293,11 +293,20 @@ class Context:
             self._vote = None
             if work is not None:
                 work.wait()
-            agreed, step_us = (int(v) for v in value.tolist())
+            agreed, step_us, settle_us = (int(v) for v in value.tolist())
+            step_s, settle_s = step_us / 1e6, settle_us / 1e6
+            if agreed > 0:
+                # Each rank capped its proposal at its own step time; the largest proposal may come
+                # from the fastest rank. Capped again at the slowest rank's step and settle times
+                # (the same figures on every rank), a failure anywhere loses at most max_lost_s.
+                largest = protection.largest_interval(
+                    step_s, env.max_lost_s, env.persist_every, env.target_steps, settle_s
+                )
+                agreed = min(agreed, largest)
             # The next vote from the agreed (slowest) step time, the same step on every rank; soon
             # again while no rank had a cost to propose.
-            self._next_vote = step - VOTE_LAG + (vote_gap(step_us / 1e6) if agreed > 0 else VOTE_EVERY)
-            persist = protection.persist_stride(agreed, env.persist_every, step_us / 1e6, env.persist_every_s)
+            self._next_vote = step - VOTE_LAG + (vote_gap(step_s) if agreed > 0 else VOTE_EVERY)
+            persist = protection.persist_stride(agreed, env.persist_every, step_s, env.persist_every_s)
             if agreed > 0 and ((agreed, persist) != (self._every, self._persist) or not self._announced):
                 self._every, self._persist, self._announced = agreed, persist, True
                 self._reporter.send(
@@ -305,9 +314,9 @@ class Context:
                         t="interval",
                         step=step,
                         every=agreed,
-                        step_s=round(self._median_step_s(), 6),
+                        step_s=round(step_s, 6),
                         cost_s=round(self._last_cost, 6),
-                        settle_s=round(self._last_settle, 6),
+                        settle_s=round(settle_s, 6),
                         persist=persist,
                     )
                 )
@@ -333,7 +342,9 @@ class Context:
                 env.target_steps,
                 settle_s=self._last_settle,
             )
-        value = torch.tensor([proposal, round(self._median_step_s() * 1e6)], dtype=torch.int64)
+        value = torch.tensor(
+            [proposal, round(self._median_step_s() * 1e6), round(self._last_settle * 1e6)], dtype=torch.int64
+        )
         work = None
         if self._ctl_group is not None:
             # Waited for VOTE_LAG steps later: by then every rank has sent its proposal.

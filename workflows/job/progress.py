@@ -67,6 +67,8 @@ class Progress:
 
     def drain(self) -> None:
         reports, self.inbox = self.inbox, []
+        # What came before this batch is the first minute's, once the job is that old.
+        self.s.ledger = ettr.close_first_minute(self.s.ledger, workflow.now())
         run = self.s.running
         latest: datetime | None = None
         for r in reports:
@@ -81,6 +83,8 @@ class Progress:
             self._note_replicas(r)
             if r.compute_s is not None:
                 self.s.slow.compute_s[r.node] = r.compute_s
+            if r.warm_ready is not None:
+                self.s.warm[r.node] = r.warm_ready
         if not self.vis.report_clock:
             self._check_fail_slow(workflow.now())
         elif latest is not None:

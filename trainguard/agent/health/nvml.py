@@ -243,6 +243,11 @@ class NvmlProbe(Probe):
     def available(self) -> bool:
         return self._ready and not self._closed
 
+    @property
+    def gpu_count(self) -> int:
+        """GPUs NVML found at start (0 where it cannot run)."""
+        return self._baseline_count or 0
+
     def _call(self, index: int | None, query: str, *args: Any) -> Any:
         """One guarded NVML call: the value, or _SKIP. Never raises (lost devices included)."""
         try:
