@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from trainguard.domain import checkpoints
 from trainguard.domain.messages import ShardInfo
@@ -53,6 +53,9 @@ class MemoryStore:
         data = path.read_bytes()
         self.objects[key] = data
         return len(data), hashlib.sha256(data).hexdigest()
+
+    def get_fileobj(self, key: str, f: BinaryIO) -> None:
+        f.write(self.objects[key])
 
     def get_file(self, key: str, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -137,6 +137,6 @@ def test_every_container_command_line_exists(rendered: dict[str, list[dict[str, 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_agents_keep_warm_rank_processes(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
     (agent,) = by_kind(rendered[overlay], "DaemonSet")
-    (container,) = agent["spec"]["template"]["spec"]["containers"]
+    (container,) = (c for c in agent["spec"]["template"]["spec"]["containers"] if c["name"] == "agent")
     # Restarts in about a second need them: sized by the node's GPUs and memory.
     assert agent_args(expand(container)).warm_ranks == AUTO

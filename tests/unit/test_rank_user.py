@@ -126,16 +126,16 @@ async def test_admitting_a_job_opens_its_gates_only_and_ends_what_the_user_left_
 
 async def test_warm_processes_another_job_ran_beside_are_retired(user: RankUser, tmp_path: Path) -> None:
     preexec = functools.partial(rank_preexec, 0, user)
-    pool = WarmPool(1, tmp_path / "warm", preexec, refill_delay_s=3600.0, user=user)
+    pool = WarmPool(1, tmp_path / "warm", preexec, user=user)  # not started: no refill
     warm = await pool._spawn()
-    pool.ready.append(warm)
+    pool.procs.append(warm)
     try:
         assert psutil.Process(warm.proc.pid).uids().real == user.uid
         assert pool.admit("job-a") == [warm.proc.pid]  # nothing ran beside it yet: job-a's now
         assert warm.job == "job-a"
         assert pool.admit("job-a") == [warm.proc.pid]
         # job-a's ranks could have tampered with it: retired, and still the pool's to reap
-        assert pool.admit("job-b") == [warm.proc.pid] and warm not in pool.ready
+        assert pool.admit("job-b") == [warm.proc.pid] and warm not in pool.procs
         assert await asyncio.wait_for(warm.proc.wait(), 10) == -9
     finally:
         await pool.stop()
