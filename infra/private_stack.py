@@ -53,12 +53,14 @@ def run_bench(
     netns: bool = False,
     state_dir: Path | None = None,
     rank_nice: int | None = None,
+    release: Path | None = None,
 ) -> dict[str, Any]:
     """Bring up ``nodes`` machines (each keeping ``warm_ranks`` warm rank processes, their ranks
     started in ``code_dir`` at ``rank_nice``, None: the tests' niceness) and ``controllers``
     controller workers, each machine in its own network namespace with ``netns``; run
     ``bench(state_dir, log)``, tear down; adds ``wall_s``.
-    ``state_dir``: where the stack lives (kept after, logs and data for a look), else a fresh temp dir."""
+    ``state_dir``: where the stack lives (kept after, logs and data for a look), else a fresh temp dir;
+    ``release``: the controllers run another checkout's code (an older release's)."""
     t0 = time.monotonic()
     if state_dir is None:
         state_dir = Path(tempfile.mkdtemp(prefix=prefix))
@@ -67,7 +69,13 @@ def run_bench(
         config = config.model_copy(update={"rank_nice": rank_nice})
     try:
         bring_up(
-            state_dir, nodes=nodes, config=config, code_dir=code_dir, controllers=controllers, netns=netns
+            state_dir,
+            nodes=nodes,
+            config=config,
+            code_dir=code_dir,
+            controllers=controllers,
+            netns=netns,
+            release=release,
         )
         result = asyncio.run(bench(state_dir, log))
     finally:
