@@ -94,7 +94,7 @@ from trainguard.domain.job_state import TERMINAL  # noqa: E402
 from trainguard.domain.spec import JobSpec  # noqa: E402
 from trainguard.services import checkpoint_store  # noqa: E402
 from trainguard.services.storage import S3Store  # noqa: E402
-from workflows.job.workflow import TrainingJobWorkflow  # noqa: E402
+from workflows.registry import WORKFLOWS, interceptors  # noqa: E402
 
 # The activity each mid-action kill waits for, and the drill that makes the job run it
 # (fault, rank, count): the second of two crashes runs the stop-time checks, a lost GPU is
@@ -541,7 +541,9 @@ class ChaosRun:
 async def replays_cleanly(tg: TrainguardClient, job_id: str) -> bool:
     """Whether every run of ``job_id`` replays on the workflow code without nondeterminism: a
     controller taking over mid-job (or answering a query) replays it, so this must hold."""
-    replayer = Replayer(workflows=[TrainingJobWorkflow], data_converter=tg.temporal.data_converter)
+    replayer = Replayer(
+        workflows=list(WORKFLOWS), data_converter=tg.temporal.data_converter, interceptors=interceptors()
+    )
     async for wf in tg.temporal.list_workflows(f"WorkflowId = '{job_id}'"):
         history = await tg.temporal.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
         result = await replayer.replay_workflow(history, raise_on_replay_failure=False)

@@ -74,7 +74,7 @@ from trainguard.services import pool_client
 from trainguard.services.settings import Settings
 from trainguard.services.temporal import connect
 from workers.common import run_until_signalled, setup_logging
-from workflows.registry import WORKFLOWS
+from workflows.registry import WORKFLOWS, interceptors
 
 log = logging.getLogger("controller_scale")
 
@@ -458,6 +458,7 @@ async def run_controller() -> None:
         client,
         task_queue=CONTROLLER_QUEUE,
         workflows=list(WORKFLOWS),
+        interceptors=interceptors(),
         activities=SimController().activities(client),
         identity="sim-controller",
         graceful_shutdown_timeout=timedelta(seconds=1),

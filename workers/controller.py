@@ -31,8 +31,7 @@ from trainguard.services.storage import S3Store
 from trainguard.services.temporal import connect
 from workers.common import add_metrics_port, run_until_signalled, setup_logging, start_metrics
 from workers.memory_trace import trace_memory_if_asked
-from workflows.identity import IdentityInterceptor
-from workflows.registry import WORKFLOWS
+from workflows.registry import WORKFLOWS, interceptors
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,7 @@ async def main(identity: str | None = None, metrics_port: int | None = None) -> 
             StoredLogActivities(store).read_logs,
         ],
         identity=identity,
-        interceptors=[IdentityInterceptor(keys)],
+        interceptors=interceptors(keys),
         graceful_shutdown_timeout=timedelta(seconds=10),
     )
     await run_until_signalled(worker)

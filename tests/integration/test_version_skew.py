@@ -24,7 +24,7 @@ from tests.previous_release import PREVIOUS, materialize
 from trainguard.client import TrainguardClient
 from trainguard.services.settings import Settings
 from trainguard.services.temporal import wire_data_converter
-from workflows.registry import WORKFLOWS
+from workflows.registry import WORKFLOWS, interceptors
 
 
 @pytest.fixture(scope="session")
@@ -111,7 +111,9 @@ async def test_the_previous_releases_controller_with_these_agents(
     assert final["result"]["param_hash"] == reference["result"]["param_hash"], (final["result"], PREVIOUS)
     # The histories the previous release's workflow code wrote (the job's, and the pool's so
     # far) replay on this checkout's.
-    replayer = Replayer(workflows=list(WORKFLOWS), data_converter=wire_data_converter)
+    replayer = Replayer(
+        workflows=list(WORKFLOWS), data_converter=wire_data_converter, interceptors=interceptors()
+    )
     for workflow_id in ("skew-old-controller", tg.settings.pool):
         history = await tg.temporal.get_workflow_handle(workflow_id).fetch_history()
         result = await replayer.replay_workflow(history, raise_on_replay_failure=False)

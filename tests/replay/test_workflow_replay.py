@@ -18,8 +18,7 @@ from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
 from trainguard.services.temporal import wire_data_converter
-from workflows.identity import IdentityInterceptor
-from workflows.registry import WORKFLOWS
+from workflows.registry import WORKFLOWS, interceptors
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json.gz"))
 # The identity keys of the test stacks the histories were recorded on (tests/replay/record.py):
@@ -44,7 +43,7 @@ async def test_replays_without_nondeterminism(path: Path) -> None:
     replayer = Replayer(
         workflows=list(WORKFLOWS),
         data_converter=wire_data_converter,
-        interceptors=[IdentityInterceptor(KEYS)],
+        interceptors=interceptors(KEYS),
     )
     result = await replayer.replay_workflow(_load(path), raise_on_replay_failure=False)
     assert result.replay_failure is None, f"{path.name}: {result.replay_failure}"
