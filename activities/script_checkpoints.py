@@ -37,6 +37,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from trainguard.agent.rank_files import RankFiles, UnsafeRankFile
 from trainguard.domain import script_checkpoints as sc
 from trainguard.domain.checkpoints import earlier_run
@@ -56,23 +58,14 @@ RESTORE_RECORD = "script-ckpt-restore.json"
 
 
 def open_paths(pids: list[int]) -> set[str]:
-    """Files the given processes, and their children, hold open (from /proc)."""
-    seen: set[int] = set()
-    todo = list(pids)
+    """Files the given processes, and their children, hold open."""
     paths: set[str] = set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    paths.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        with contextlib.suppress(OSError):
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(OSError):
-                    todo.extend(int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split())
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            top = psutil.Process(pid)
+            for proc in [top, *top.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    paths.update(f.path for f in proc.open_files())
     return paths
 
 
