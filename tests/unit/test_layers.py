@@ -240,3 +240,12 @@ def test_the_public_names_users_rely_on_resolve() -> None:
     module, _, attr = script.partition(":")
     assert callable(getattr(__import__(module, fromlist=[attr]), attr))
     assert "from trainguard.face.cli import main" in (REPO / "trainguard" / "__main__.py").read_text()
+
+
+# The agent's side stays in modules a newcomer reads whole: RankSession once grew past 1,200 lines.
+ACTIVITY_MODULE_MAX_LINES = 450
+
+
+def test_no_activity_module_is_over_450_lines() -> None:
+    sizes = {p.relative_to(REPO): len(p.read_text().splitlines()) for p in (REPO / "activities").rglob("*.py")}
+    assert not {p: n for p, n in sizes.items() if n > ACTIVITY_MODULE_MAX_LINES}, sizes
