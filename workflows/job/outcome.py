@@ -79,10 +79,15 @@ def what_failed(err: ActivityError) -> str:
 def machine_lost(node: str, err: ActivityError | str) -> IncidentReport:
     """``node``'s agent stopped answering: ``err`` is its activity's error (or what it said)."""
     what = err if isinstance(err, str) else what_failed(err)
+    return _lost(node, f"{node}'s agent stopped answering ({what})")
+
+
+def _lost(node: str, evidence: str) -> IncidentReport:
+    """``node`` is lost, its own cause (the agent gone or restarted, its ranks with it)."""
     return IncidentReport(
         kind="machine-lost",
         node=node,
-        evidence=f"{node}'s agent stopped answering ({what})",
+        evidence=evidence,
         confidence=1.0,
         origin=True,
         detected_at=workflow.now(),
@@ -278,14 +283,7 @@ def report_of(name: str, r: RunRanksResult) -> IncidentReport | None:
     """What a machine's result says of the failure, if anything."""
     if r.gone:
         # Asked to re-attach after missing heartbeats: the agent restarted, its ranks died.
-        return IncidentReport(
-            kind="machine-lost",
-            node=name,
-            evidence=f"{name}'s agent restarted: {r.message}",
-            confidence=1.0,
-            origin=True,
-            detected_at=workflow.now(),
-        )
+        return _lost(name, f"{name}'s agent restarted: {r.message}")
     if r.incident is not None:
         return r.incident
     if not r.ok and r.message != "ranks stopped":
