@@ -34,9 +34,12 @@ async def test_the_s3_secret_is_in_no_log_status_or_history(tg: TrainguardClient
     secret = stack.config.secret_key.get_secret_value()
     logs = stack.config.logs_dir
     assert any(logs.glob("agent-*.log")) and any(logs.glob("controller*.log"))
-    assert any((stack_dir / "nodes").rglob("rank-*.err"))  # ranks ran and wrote output
+    # The machines keep their ranks' files outside the state dir (see StackConfig.ranks_dir).
+    ranks = stack.config.ranks_dir
+    assert any(ranks.rglob("rank-*.err"))  # ranks ran and wrote output
     # SeaweedFS keeps its identities in its own data dir: that is the server, not a leak.
     assert files_holding(stack_dir, secret.encode(), {stack_dir / "seaweed"}) == []
+    assert files_holding(ranks, secret.encode(), set()) == []
 
     jobs = [wf async for wf in tg.temporal.list_workflows()]
     assert jobs

@@ -252,15 +252,15 @@ for _ in range(5):
 
 
 async def test_secret_values_never_reach_temporal_in_clear(
-    tg: TrainguardClient, settings: Settings, tmp_path: Path
+    tg: TrainguardClient, settings: Settings, tmp_path: Path, shared_tmp: Path
 ) -> None:
-    (tmp_path / "uses_token.py").write_text(SECRET_SCRIPT)
+    (shared_tmp / "uses_token.py").write_text(SECRET_SCRIPT)  # the ranks' user reads the workdir
     value = f"hf_{secrets.token_hex(16)}"
     job = started(
-        cli(settings, tmp_path, "run", "--secret-env", "HF_TOKEN", "uses_token.py", env={"HF_TOKEN": value})
+        cli(settings, shared_tmp, "run", "--secret-env", "HF_TOKEN", "uses_token.py", env={"HF_TOKEN": value})
     )
     final = await run_to_end(tg.job(job))
-    assert final["phase"] == "completed", final
+    assert final["phase"] == "completed", (final.get("verdict"), final.get("incidents"))
     history = await tg.temporal.get_workflow_handle(job).fetch_history()
     assert value not in history.to_json()
     assert value not in json.dumps(final)

@@ -150,6 +150,32 @@ def test_an_elastic_range_takes_what_the_pool_has_or_says_why_not(fake: FakeClie
     assert fake.submitted == []
 
 
+def test_an_elastic_range_waits_for_machines_coming_back_like_torchruns_rendezvous(fake: FakeClient) -> None:
+    # One machine on standby, one retested after its last job: the second is waited for.
+    fake.pool = PoolState(nodes={"a": machine("a"), "b": machine("b", state="suspect")})
+    asked = 0
+
+    async def nodes() -> PoolState:
+        nonlocal asked
+        asked += 1
+        if asked == 3:  # its retest passes while the CLI waits
+            fake.pool = PoolState(nodes={"a": machine("a"), "b": machine("b")})
+        return fake.pool
+
+    fake.nodes = nodes  # type: ignore[method-assign]
+    result = run("--nnodes", "2:3", "--nproc-per-node", "1", "t.py")
+    assert result.exit_code == 0, result.stderr
+    assert "waiting up to 600 s for 1 machine(s) coming back to standby" in result.stderr
+    assert fake.submitted[-1].nodes == 2 and asked == 3
+    # A quarantined machine does not come back by itself: refused at once, nothing submitted.
+    fake.submitted.clear()
+    asked = 0
+    fake.pool = PoolState(nodes={"a": machine("a"), "b": machine("b", state="quarantined")})
+    result = run("--nnodes", "2:3", "t.py")
+    assert result.exit_code == 1 and "1 machine(s) on standby, at least 2 needed" in result.stderr
+    assert fake.submitted == [] and asked == 1
+
+
 def test_the_per_machine_words(fake: FakeClient) -> None:
     fake.pool = PoolState(nodes={"c1": machine("c1", gpus=0, cpus=3), "c2": machine("c2", gpus=0, cpus=5)})
     assert submitted(fake, "--nproc-per-node", "auto", "t.py")[0].ranks_per_node == 3

@@ -13,6 +13,7 @@ import os
 import re
 import secrets
 import sys
+import time
 import types
 import typing
 from collections.abc import Callable, Coroutine
@@ -590,10 +591,7 @@ def run(
         n, per = shape[0][0], fixed
         pool = await c.nodes() if torchrun.needs_pool(*shape) or secret_values else None
         if torchrun.needs_pool(*shape) and pool is not None:
-            try:
-                n, per = torchrun.choose_shape(shape[0], shape[1], _standby(pool))
-            except torchrun.ShapeRefused as exc:
-                _fail(1, str(exc))
+            n, per, pool = await _shape_when_ready(c, shape, pool)
             err.print(
                 f"note: --nnodes {nnodes} --nproc-per-node {nproc_per_node}: {n} x {per} ranks",
                 markup=False,
@@ -605,6 +603,45 @@ def run(
 
     st = _run(go())
     _show_started(st, wait, json_out, name_only=True)
+
+
+async def _shape_when_ready(
+    c: TrainguardClient, shape: tuple[tuple[int, int], int | str], pool: PoolState
+) -> tuple[int, int, PoolState]:
+    """The job's shape once MIN machines are on standby: like torchrun's rendezvous, an elastic
+    job waits (up to its join timeout) while enough machines are coming back (retested after a
+    job, or still ending one); it is refused at once when the pool could never give MIN."""
+    deadline = time.monotonic() + torchrun.JOIN_TIMEOUT_S
+    noted = False
+    while True:
+        try:
+            n, per = torchrun.choose_shape(shape[0], shape[1], _standby(pool))
+            return n, per, pool
+        except torchrun.TooFewOnStandby as exc:
+            coming = _coming_back(pool, gpus=shape[1] == "gpu")
+            if len(_standby(pool)) + coming < exc.needed or time.monotonic() > deadline:
+                _fail(1, str(exc))
+            if not noted:
+                err.print(
+                    f"note: {exc}; waiting up to {torchrun.JOIN_TIMEOUT_S:.0f} s for {coming} machine(s) "
+                    "coming back to standby",
+                    markup=False,
+                    highlight=False,
+                )
+                noted = True
+        except torchrun.ShapeRefused as exc:
+            _fail(1, str(exc))
+        await asyncio.sleep(1.0)  # the pool's state is polled: no event reaches a CLI
+        pool = await c.nodes()
+
+
+def _coming_back(pool: PoolState, gpus: bool) -> int:
+    """Machines that return to standby by themselves: in a job now, or being retested."""
+    return sum(
+        1
+        for n in pool.nodes.values()
+        if n.state in ("active", "suspect") and not n.cordoned and (n.info.gpus > 0 or not gpus)
+    )
 
 
 def _standby(pool: PoolState) -> list[torchrun.Machine]:

@@ -5,7 +5,8 @@ spellings (``--nproc-per-node``, ``--nproc_per_node``), and everything after the
 ``-m MODULE``, belongs to the script untouched. Three kinds of torchrun options:
 
 - those trainguard uses: ``--nnodes N`` or ``MIN:MAX`` (elastic: the job starts with the machines
-  the pool has on standby within the range), ``--nproc-per-node N|gpu|auto|cpu``, ``--max-restarts``
+  the pool has on standby within the range, waiting up to torchrun's join timeout for MIN of them
+  while machines that finished a job are retested), ``--nproc-per-node N|gpu|auto|cpu``, ``--max-restarts``
   (mapped onto ``detection.max_attempts``), ``-m``, ``--no-python``;
 - those it has no use for (:data:`NOT_NEEDED`: the rendezvous, the node rank, log redirection...):
   accepted, each with a one-line note on stderr saying why, and ignored;
@@ -27,6 +28,19 @@ class ShapeProblem(ValueError):
 
 class ShapeRefused(RuntimeError):
     """The pool cannot give the job what it asks for now (one line, exit 1)."""
+
+
+class TooFewOnStandby(ShapeRefused):
+    """Fewer than MIN machines on standby: the CLI waits while enough are coming back."""
+
+    def __init__(self, message: str, needed: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+
+
+# torchrun's rendezvous waits this long for MIN machines by default (its join_timeout); an
+# elastic job here waits as long for MIN machines to come back to standby.
+JOIN_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -214,9 +228,10 @@ def choose_shape(nnodes: tuple[int, int], nproc: int | str, standby: list[Machin
     if low != high:
         if len(usable) < low:
             what = "with a GPU " if nproc == "gpu" else ""
-            raise ShapeRefused(
+            raise TooFewOnStandby(
                 f"--nnodes {low}:{high}: {len(usable)} machine(s) {what}on standby, at least {low} "
-                "needed (see trainguard nodes)"
+                "needed (see trainguard nodes)",
+                low,
             )
         count = min(high, len(usable))
     else:
