@@ -75,6 +75,9 @@ with workflow.unsafe.imports_passed_through():
 
 # Pools whose history has this marker run sharded (a run decides once, when it starts).
 PATCH_SHARDS = "pool-shards"
+# A machine under test (one that just joined) counts as a standby on its way when deciding to
+# ask Slurm for another: before it, a replacement joining was asked for twice.
+PATCH_TESTING_COMING = "pool-testing-is-coming"
 # The coordinator's history: summaries (at most one a second per shard) and queue updates.
 MAX_HISTORY_EVENTS = 8000
 TICKET_TTL = timedelta(seconds=TICKET_TTL_S)
@@ -132,7 +135,7 @@ class NodePoolWorkflow:
             if self.stale:
                 stale, self.stale = sorted(self.stale), set()
                 await asyncio.gather(*(self._tell(k) for k in stale))
-            if self._replacement_needed():
+            if self._replacement_needed(testing_coming=workflow.patched(PATCH_TESTING_COMING)):
                 await self._request_replacement()
             self.alarm.arm(min((t.renewed_at + TICKET_TTL for t in self.queue), default=None))
             self.wake = False
@@ -245,14 +248,15 @@ class NodePoolWorkflow:
     def _live(self) -> int:
         return sum(sum(s.states.values()) - s.states.get("lost", 0) for s in self.summaries.values())
 
-    def _replacement_needed(self) -> bool:
+    def _replacement_needed(self, testing_coming: bool) -> bool:
         """Jobs run, with fewer standbys than the target, and no replacement is on its way (one
-        is until a machine joins after the request)."""
+        is until a machine joins after the request, and while it is being tested)."""
         if self.settings.slurm_queue is None or not self.slurm_replacements or not self._total("active"):
             return False
         if self.slurm_requested is not None and self._live() <= self.slurm_requested:
             return False
-        return self._free() < self._standby_target()
+        coming = self._total("suspect") if testing_coming else 0
+        return self._free() + coming < self._standby_target()
 
     async def _request_replacement(self) -> None:
         queue = self.settings.slurm_queue
