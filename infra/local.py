@@ -97,8 +97,10 @@ def start_agent(
         str(stack.config.warm_ranks),
         *(["--gpus", str(gpus)] if gpus else []),
     ]
-    if stack.config.rank_user:
-        argv += ["--rank-user", stack.config.rank_user, "--rank-dir", str(stack.config.ranks_dir / name)]
+    # An earlier release's agent runs its ranks as itself: it knows no rank user.
+    rank_user = stack.config.rank_user if release is None else None
+    if rank_user:
+        argv += ["--rank-user", rank_user, "--rank-dir", str(stack.config.ranks_dir / name)]
         if plan is None:  # on loopback, the ranks' own: see netns.ranks_namespace
             argv += ["--rank-netns", str(netns_mod.ranks_namespace(stack.config.state_dir))]
     # An earlier release's agent knows no job role: it keeps the stack's own credentials.
@@ -109,7 +111,7 @@ def start_agent(
         **release_env(release),
         "TRAINGUARD_SECRET_KEY": stack.config.machine_key.get_secret_value(),
     }
-    if stack.config.rank_user and plan is None:
+    if rank_user and plan is None:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks' namespace has no other interface
     if plan is not None:
         env.update(netns_env(stack.config, plan))
