@@ -22,7 +22,15 @@ from infra.local import rank_user_ready
 from infra.stack import RANK_USER
 from trainguard.agent.rank_files import RankFiles, UnsafeRankFile
 from trainguard.agent.rank_host import RemoteRank, host_process
-from trainguard.agent.rank_user import GATE_OPEN, GATE_SHUT, RankUser, leftovers, rank_preexec, reachable
+from trainguard.agent.rank_user import (
+    GATE_OPEN,
+    GATE_SHUT,
+    RankUser,
+    leftovers,
+    let_write,
+    rank_preexec,
+    reachable,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
@@ -223,3 +231,24 @@ async def test_a_rank_host_starts_ranks_as_its_user_and_ends_them_with_their_age
     finally:
         host.kill()
         host.wait()
+
+
+def test_a_local_workdir_is_opened_to_the_rank_user_and_nothing_else(user: RankUser, tmp_path: Path) -> None:
+    # root's 0700 directories on the way (pytest's own), the project itself 0755: as `trainguard
+    # run` typed in root's checkout finds them.
+    project = tmp_path / "home" / "project"
+    project.mkdir(parents=True)
+    (tmp_path / "home").chmod(0o700)
+    (tmp_path / "home" / "secret").write_text("root's")
+    write = f"import os; os.chdir({str(project)!r}); os.mkdir('ckpt')"
+    before = run_as(user, write)
+    assert before.returncode != 0 and "PermissionError" in before.stderr
+    changed = let_write(user, project)
+    assert changed[-1] == project and tmp_path / "home" in changed
+    done = run_as(user, write)
+    assert done.returncode == 0, done.stderr
+    assert (project / "ckpt").stat().st_uid == user.uid
+    # Entered, not listed nor read: the ACL entry on the way gives execute alone.
+    peek = run_as(user, f"import os; print(os.listdir({str(tmp_path / 'home')!r}))")
+    assert peek.returncode != 0 and "PermissionError" in peek.stderr
+    assert let_write(user, project) == []  # once is enough

@@ -204,6 +204,26 @@ def test_a_temporal_toml_profile_sets_address_namespace_and_tls_files(
     assert Settings.load(tmp_path).namespace == "ml-dev"
 
 
+def test_the_profile_carries_the_identity_and_trainguards_variables_override_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _clean_env(monkeypatch, tmp_path)
+    toml = tmp_path / "temporal.toml"
+    toml.write_text(
+        '[profile.default]\naddress = "localhost:1"\n'
+        '[profile.default.grpc_meta]\ntrainguard-identity = "tok-profile"\n'
+    )
+    monkeypatch.setenv("TEMPORAL_CONFIG_FILE", str(toml))
+    assert Settings.load(tmp_path).identity_token() == "tok-profile"
+    # A file named in the environment wins over the profile's token (not "set both").
+    (tmp_path / "mine.token").write_text("tok-file\n")
+    monkeypatch.setenv("TRAINGUARD_IDENTITY_FILE", str(tmp_path / "mine.token"))
+    assert Settings.load(tmp_path).identity_token() == "tok-file"
+    monkeypatch.setenv("TRAINGUARD_IDENTITY", "tok-env")
+    with pytest.raises(SettingsError, match="TRAINGUARD_IDENTITY: set it or TRAINGUARD_IDENTITY_FILE"):
+        Settings.load(tmp_path)  # both in one layer is still a mistake
+
+
 def test_unusable_temporal_envconfig_names_its_variable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -200,6 +200,17 @@ def let_through(user: RankUser, path: Path) -> list[Path]:
     return changed
 
 
+def let_write(user: RankUser, path: Path) -> list[Path]:
+    """``let_through`` down to the directory ``path``, and let ``user`` write in it (an ACL entry
+    naming it alone): the local stack's ranks write where the submitter's torchrun ranks would,
+    in the directory `trainguard run` was typed in. Returns the directories changed."""
+    changed = let_through(user, path)
+    if not user.can_write(path):
+        _add_acl_entry(path, user.uid, 0o7)
+        changed.append(path)
+    return changed
+
+
 def _add_acl_entry(path: Path, uid: int, perm: int) -> None:
     mode = stat.S_IMODE(path.stat().st_mode)
     try:

@@ -585,6 +585,8 @@ def run(
         )
 
     build(shape[0][0], fixed, {k: ["-"] for k in secret_values})  # bad input stops here, unconnected
+    if local and workdir is None:
+        _open_workdir(settings, Path.cwd())
 
     async def go() -> dict[str, Any]:
         c = await TrainguardClient.connect(settings)
@@ -642,6 +644,31 @@ def _coming_back(pool: PoolState, gpus: bool) -> int:
         for n in pool.nodes.values()
         if n.state in ("active", "suspect") and not n.cordoned and (n.info.gpus > 0 or not gpus)
     )
+
+
+def _open_workdir(settings: Settings, workdir: Path) -> None:
+    """On the local stack started as root, its ranks run as another user: let them write the
+    directory `trainguard run` was typed in, as torchrun's ranks would (said on stderr)."""
+    from infra.local import open_workdir
+    from trainguard.agent.rank_user import RankUserError
+
+    try:
+        changed = open_workdir(settings.state_dir, workdir)
+    except (RankUserError, OSError) as exc:
+        _fail(1, str(exc))
+    workdir = workdir.resolve()
+    rights = (
+        [f"enter {', '.join(str(d) for d in changed if d != workdir)}"]
+        if len(changed) > (workdir in changed)
+        else []
+    )
+    rights += [f"write {workdir}"] if workdir in changed else []
+    if rights:
+        err.print(
+            f"note: the ranks' user may now {' and '.join(rights)} (ACL entries naming it alone)",
+            markup=False,
+            highlight=False,
+        )
 
 
 def _standby(pool: PoolState) -> list[torchrun.Machine]:
@@ -1280,7 +1307,8 @@ def identity(
     state_dir: StateDir = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Who this client is (TRAINGUARD_IDENTITY or TRAINGUARD_IDENTITY_FILE): subject and roles;
+    """Who this client is (TRAINGUARD_IDENTITY, TRAINGUARD_IDENTITY_FILE, or the Temporal
+    profile's grpc_meta entry trainguard-identity): subject and roles;
     or, with --issue, a new signed token for someone (the controller's keys file signs it)."""
     if issue is None:
         token = Settings.load(state_dir).identity_token()
@@ -1288,7 +1316,10 @@ def identity(
         if json_out:
             _print_json(claims)
         elif claims is None:
-            out.print("no identity (TRAINGUARD_IDENTITY or TRAINGUARD_IDENTITY_FILE)")
+            out.print(
+                "no identity (TRAINGUARD_IDENTITY, TRAINGUARD_IDENTITY_FILE "
+                "or the profile's trainguard-identity)"
+            )
         else:
             out.print(f"{claims['subject']}: {', '.join(claims['roles']) or 'no role'}")
         return

@@ -24,7 +24,8 @@ Production Temporal:
 Temporal's own environment configuration (``temporalio.envconfig``) is read too: the
 ``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``, ``TEMPORAL_API_KEY``, ``TEMPORAL_TLS*``
 variables and the ``temporal.toml`` profile that ``TEMPORAL_PROFILE`` names (file:
-``TEMPORAL_CONFIG_FILE``, else Temporal's default location). Precedence, highest first:
+``TEMPORAL_CONFIG_FILE``, else Temporal's default location); the profile's ``grpc_meta`` entry
+``trainguard-identity`` is this client's identity token. Precedence, highest first:
 
 1. ``TRAINGUARD_*`` variables;
 2. Temporal's environment configuration (its ``TEMPORAL_*`` variables over its profile);
@@ -117,8 +118,8 @@ class Settings(BaseModel):
                 local = values.get("TRAINGUARD_TEMPORAL_ADDRESS")
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 pass
-        values.update(temporal_envconfig(os.environ))
-        values.update({k: v for k, v in os.environ.items() if k.startswith(("TRAINGUARD_", "AWS_"))})
+        _overlay(values, temporal_envconfig(os.environ))
+        _overlay(values, {k: v for k, v in os.environ.items() if k.startswith(("TRAINGUARD_", "AWS_"))})
         if state_dir is not None:
             values["TRAINGUARD_STATE_DIR"] = str(sd)
         settings = cls.from_mapping(values, sd)
@@ -259,6 +260,23 @@ def _path(source: object, variable: str) -> str | None:
     raise SettingsError(f"{variable}: give the certificate as a file path (*_PATH), not inline data")
 
 
+# Credentials given inline or as a file: a higher layer's choice replaces both of a lower one's.
+_EITHER = ("TRAINGUARD_IDENTITY", "TRAINGUARD_PAYLOAD_KEY", "TRAINGUARD_SECRET_KEY")
+
+
+def _overlay(values: dict[str, str], higher: Mapping[str, str]) -> None:
+    for name in _EITHER:
+        if higher.get(name) or higher.get(f"{name}_FILE"):
+            values.pop(name, None)
+            values.pop(f"{name}_FILE", None)
+    values.update(higher)
+
+
+# The Temporal profile's gRPC metadata entry that holds this client's identity token: the
+# profile that says where Temporal is and how to reach it also says who is asking.
+PROFILE_IDENTITY = "trainguard-identity"
+
+
 def temporal_envconfig(environ: Mapping[str, str]) -> dict[str, str]:
     """Temporal's environment configuration (``TEMPORAL_*`` variables and the ``temporal.toml``
     profile) as the ``TRAINGUARD_*`` values it stands for; empty when none is set."""
@@ -273,6 +291,8 @@ def temporal_envconfig(environ: Mapping[str, str]) -> dict[str, str]:
         out["TRAINGUARD_NAMESPACE"] = profile.namespace
     if profile.api_key:
         out["TRAINGUARD_TEMPORAL_API_KEY"] = profile.api_key
+    if token := (profile.grpc_meta or {}).get(PROFILE_IDENTITY):
+        out["TRAINGUARD_IDENTITY"] = token
     tls = profile.tls
     if tls is not None:
         out["TRAINGUARD_TEMPORAL_TLS"] = "false" if tls.disabled else "true"
