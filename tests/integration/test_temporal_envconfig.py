@@ -98,8 +98,12 @@ def test_a_profile_with_mutual_tls_and_an_identity_reaches_a_tls_temporal(
         for op in ("cordon", "uncordon"):  # needs the operator role: the profile's token has it
             done = as_profile("mtls", "nodes", op, node)
             assert done.returncode == 0, done.stderr
-        audit = json.loads(as_profile("mtls", "nodes", "--json").stdout)["audit"]
-        assert [(e["who"], e["what"]) for e in audit[-2:]] == [(subject, "cordon"), (subject, "uncordon")]
+        doc = json.loads(as_profile("mtls", "nodes", "--json").stdout)
+        # Both are the pool's cordon operation (cordoned true, then false), done as the subject.
+        assert [(e["who"], e["what"], e["refused"]) for e in doc["audit"][-2:]] == [
+            (subject, "cordon", False)
+        ] * 2
+        assert not next(r for r in doc["nodes"] if r["node"] == node)["cordoned"]
         accepted = front.accepted
         for name in ("nocert", "plain"):
             refused = as_profile(name, "nodes", "--json")
