@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from infra.stack import StackConfig, client_env, identity_keys_file, local_identity
 from trainguard import contract
@@ -23,6 +24,7 @@ from trainguard.domain.identity import (
     verify,
 )
 from trainguard.domain.identity import refusal as refusal_of
+from trainguard.face.cli import app
 from trainguard.services.settings import Settings
 
 KEY, OTHER = b"k" * 32, b"o" * 32
@@ -99,3 +101,18 @@ def test_the_local_stack_signs_its_user_every_role_and_gives_controllers_the_key
     token = Settings.from_mapping(client_env(cfg)).identity_token()
     assert token is not None and verify(token, keys, now=0).roles == ROLES
     assert verify(local_identity(cfg, "user"), keys, now=0).roles == ("user",)
+
+
+def test_issuing_on_the_local_stack_signs_with_its_keys_and_elsewhere_needs_the_file(tmp_path: Path) -> None:
+    runner = CliRunner()
+    args = ["identity", "--issue", "alice", "--role", "user", "--state-dir", str(tmp_path)]
+    bare = runner.invoke(app, args)
+    assert bare.exit_code == 2
+    assert bare.stderr.strip() == "error: keys-file: --issue needs the keys file the controller verifies with"
+    keys = Settings.from_mapping(
+        {"TRAINGUARD_IDENTITY_KEYS_FILE": str(identity_keys_file(StackConfig.default(tmp_path)))}
+    ).identity_keys()
+    done = runner.invoke(app, args)
+    assert done.exit_code == 0, done.stderr
+    claims = verify(done.stdout.strip(), keys, now=0)
+    assert (claims.subject, claims.roles) == ("alice", ("user",))

@@ -1299,7 +1299,10 @@ def identity(
         list[str] | None, typer.Option(help=f"with --issue: a role it holds ({', '.join(ROLES)}); repeat")
     ] = None,
     keys_file: Annotated[
-        Path | None, typer.Option(help="with --issue: the cluster's identity keys (the first one signs)")
+        Path | None,
+        typer.Option(
+            help="with --issue: the cluster's identity keys, the first one signs (default: the local stack's)"
+        ),
     ] = None,
     expires_in_s: Annotated[
         float | None, typer.Option(min=1, help="with --issue: the token expires after this long")
@@ -1326,8 +1329,10 @@ def identity(
     bad = [r for r in role or [] if r not in ROLES]
     if bad:
         raise BadInput(f"role: '{shown(bad[0])}' is not a role (one of {', '.join(ROLES)})")
-    if keys_file is None:
-        raise BadInput("keys-file: --issue needs the keys file the controller verifies with")
+    if keys_file is None:  # the local stack's controllers read theirs from its state dir
+        keys_file = state_dir_from_env(state_dir) / "identity.keys"
+        if not keys_file.is_file():
+            raise BadInput("keys-file: --issue needs the keys file the controller verifies with")
     try:
         key = keys_file.read_text().split()[0].encode()
     except (OSError, IndexError, UnicodeDecodeError) as exc:
