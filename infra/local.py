@@ -32,7 +32,7 @@ from infra.netns import NetnsPlan
 from infra.processes import wait_for
 from infra.stack import Stack, StackConfig, addresses, agent_env, client_env, identity_keys_file
 from trainguard.agent.ports import LOOPBACK, port_is_free
-from trainguard.agent.rank_user import RankUser, RankUserError, ensure_user, let_through, let_write
+from trainguard.agent.rank_user import RankUser, RankUserError, ensure_user, let_through
 from trainguard.client import TrainguardClient
 from trainguard.services import pool_client
 from trainguard.services.settings import Settings
@@ -213,22 +213,6 @@ def bring_up(
         env = netns_env(stack.config, plan)
         out["relay"] = f"{env['TRAINGUARD_TEMPORAL_ADDRESS']}, {env['TRAINGUARD_S3_ENDPOINT']}"
     return out
-
-
-def open_workdir(state_dir: Path, workdir: Path) -> list[Path]:
-    """A local job's workdir (the directory `trainguard run` was typed in) made writable by the
-    stack's rank user, as it is by the submitter's own torchrun ranks: ACL entries naming that
-    user alone. Refused for a directory holding the stack's state (its credentials)."""
-    config = Stack.load(state_dir).config
-    if config.rank_user is None or os.geteuid() != 0:
-        return []  # the ranks run as the submitter: its directory is theirs
-    workdir = workdir.resolve()
-    if config.state_dir.resolve().is_relative_to(workdir):
-        raise RankUserError(
-            f"workdir {workdir}: holds the stack's state dir {config.state_dir}; "
-            f"the ranks (user {config.rank_user}) may not write there: run from a project directory"
-        )
-    return let_write(RankUser.lookup(config.rank_user), workdir)
 
 
 def rank_user_ready(name: str, code_dir: Path) -> RankUser:

@@ -649,8 +649,8 @@ def _coming_back(pool: PoolState, gpus: bool) -> int:
 def _open_workdir(settings: Settings, workdir: Path) -> None:
     """On the local stack started as root, its ranks run as another user: let them write the
     directory `trainguard run` was typed in, as torchrun's ranks would (said on stderr)."""
-    from infra.local import open_workdir
     from trainguard.agent.rank_user import RankUserError
+    from trainguard.face.local_workdir import open_workdir
 
     try:
         changed = open_workdir(settings.state_dir, workdir)
