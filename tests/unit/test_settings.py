@@ -159,6 +159,13 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
 
 
+def _profile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, toml: str) -> None:
+    """A clean environment whose only Temporal configuration is this ``temporal.toml``."""
+    _clean_env(monkeypatch, tmp_path)
+    (tmp_path / "temporal.toml").write_text(toml)
+    monkeypatch.setenv("TEMPORAL_CONFIG_FILE", str(tmp_path / "temporal.toml"))
+
+
 def test_temporal_envconfig_outranks_the_stack_record_and_trainguard_outranks_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -182,16 +189,15 @@ def test_temporal_envconfig_outranks_the_stack_record_and_trainguard_outranks_it
 def test_a_temporal_toml_profile_sets_address_namespace_and_tls_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _clean_env(monkeypatch, tmp_path)
     ca = tmp_path / "ca.pem"
     ca.write_text("-----BEGIN CERTIFICATE-----\n")
-    toml = tmp_path / "temporal.toml"
-    toml.write_text(
+    _profile(
+        monkeypatch,
+        tmp_path,
         '[profile.default]\naddress = "localhost:1"\n'
         '[profile.prod]\naddress = "tls.prod:7233"\nnamespace = "ml"\n'
-        f'[profile.prod.tls]\nserver_name = "temporal.internal"\nserver_ca_cert_path = "{ca}"\n'
+        f'[profile.prod.tls]\nserver_name = "temporal.internal"\nserver_ca_cert_path = "{ca}"\n',
     )
-    monkeypatch.setenv("TEMPORAL_CONFIG_FILE", str(toml))
     assert Settings.load(tmp_path).temporal_address == "localhost:1"
     monkeypatch.setenv("TEMPORAL_PROFILE", "prod")
     s = Settings.load(tmp_path)
@@ -207,13 +213,12 @@ def test_a_temporal_toml_profile_sets_address_namespace_and_tls_files(
 def test_the_profile_carries_the_identity_and_trainguards_variables_override_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _clean_env(monkeypatch, tmp_path)
-    toml = tmp_path / "temporal.toml"
-    toml.write_text(
+    _profile(
+        monkeypatch,
+        tmp_path,
         '[profile.default]\naddress = "localhost:1"\n'
-        '[profile.default.grpc_meta]\ntrainguard-identity = "tok-profile"\n'
+        '[profile.default.grpc_meta]\ntrainguard-identity = "tok-profile"\n',
     )
-    monkeypatch.setenv("TEMPORAL_CONFIG_FILE", str(toml))
     assert Settings.load(tmp_path).identity_token() == "tok-profile"
     # A file named in the environment wins over the profile's token (not "set both").
     (tmp_path / "mine.token").write_text("tok-file\n")
@@ -227,12 +232,11 @@ def test_the_profile_carries_the_identity_and_trainguards_variables_override_it(
 def test_unusable_temporal_envconfig_names_its_variable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _clean_env(monkeypatch, tmp_path)
-    toml = tmp_path / "temporal.toml"
-    toml.write_text(
-        '[profile.default]\naddress = "x:1"\n[profile.default.tls]\nserver_ca_cert_data = "PEM"\n'
+    _profile(
+        monkeypatch,
+        tmp_path,
+        '[profile.default]\naddress = "x:1"\n[profile.default.tls]\nserver_ca_cert_data = "PEM"\n',
     )
-    monkeypatch.setenv("TEMPORAL_CONFIG_FILE", str(toml))
     with pytest.raises(SettingsError, match=r"^TEMPORAL_TLS_SERVER_CA_CERT: .*file path"):
         Settings.load(tmp_path)
     monkeypatch.setenv("TEMPORAL_PROFILE", "missing")

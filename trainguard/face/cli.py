@@ -616,12 +616,13 @@ async def _shape_when_ready(
     deadline = time.monotonic() + torchrun.JOIN_TIMEOUT_S
     noted = False
     while True:
+        standby = _standby(pool)
         try:
-            n, per = torchrun.choose_shape(shape[0], shape[1], _standby(pool))
+            n, per = torchrun.choose_shape(shape[0], shape[1], standby)
             return n, per, pool
         except torchrun.TooFewOnStandby as exc:
             coming = _coming_back(pool, gpus=shape[1] == "gpu")
-            if len(_standby(pool)) + coming < exc.needed or time.monotonic() > deadline:
+            if len(standby) + coming < exc.needed or time.monotonic() > deadline:
                 _fail(1, str(exc))
             if not noted:
                 err.print(
@@ -657,11 +658,8 @@ def _open_workdir(settings: Settings, workdir: Path) -> None:
     except (RankUserError, OSError) as exc:
         _fail(1, str(exc))
     workdir = workdir.resolve()
-    rights = (
-        [f"enter {', '.join(str(d) for d in changed if d != workdir)}"]
-        if len(changed) > (workdir in changed)
-        else []
-    )
+    entered = [str(d) for d in changed if d != workdir]
+    rights = [f"enter {', '.join(entered)}"] if entered else []
     rights += [f"write {workdir}"] if workdir in changed else []
     if rights:
         err.print(
