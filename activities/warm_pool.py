@@ -25,6 +25,12 @@ How many: ``size``, or ``AUTO``: two starts' worth of ranks, a rank per GPU (``C
 on a machine without GPUs), grown to the ranks a job runs here (``note_ranks``); within the budget.
 Two starts: a job's start takes one set, and a crash soon after it (or the next job on the
 machine) takes the other while the first is refilled.
+
+A restart that would find too few (a second crash while the pool refills; ``size`` 0) does not
+wait for the decision to start the rest: when this machine's ranks fail or are stopped,
+``prestart`` starts what the next attempt here will take at once, at the ranks' priority, while
+the job decides (about a second, and on a large job more). Those the next attempt does not take
+(the machine was evicted, the job ended) are retired after PRESTART_KEEP_S beyond ``target``.
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ MIN_AVAILABLE_FRACTION = 0.2
 FIRST_ESTIMATE_BYTES = 512 << 20
 # How often a held-back refill looks again whether ranks are still starting.
 HOLD_POLL_S = 0.5
+# How long processes started for a restart that did not take them are kept beyond the target: a
+# restart after the stop-time checks comes tens of seconds after the stop.
+PRESTART_KEEP_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -133,6 +142,7 @@ class WarmProc:
     report_r: int  # the agent's end of the report pipe
     report_w: int  # the number the rank writes to (inherited at start)
     job: str | None = None  # the job whose processes ran beside it (None: none yet)
+    prestarted: bool = False  # started for a restart (``prestart``), not by the refill
 
     def preloaded(self) -> bool:
         """Whether the process announced the end of its preload (READY_LINE, left in the pipe
@@ -230,7 +240,7 @@ class WarmPool:
             self.wanted = STARTS * ranks
             self._short.set()
 
-    async def _spawn(self) -> WarmProc:
+    async def _spawn(self, at_rank_priority: bool = False) -> WarmProc:
         r_fd, w_fd = os.pipe()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         out = (self.log_dir / "warm.log").open("ab")
@@ -243,6 +253,7 @@ class WarmPool:
                 "--ready-fd",
                 str(w_fd),
                 *(["--preload", ",".join(self.preload)] if self.preload is not None else []),
+                *(["--at-rank-priority"] if at_rank_priority else []),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=out,
                 stderr=out,
@@ -257,7 +268,7 @@ class WarmPool:
             raise
         finally:
             out.close()
-        return WarmProc(proc=proc, report_r=r_fd, report_w=w_fd, job=self.job)
+        return WarmProc(proc=proc, report_r=r_fd, report_w=w_fd, job=self.job, prestarted=at_rank_priority)
 
     async def _preload_done(self, w: WarmProc) -> bool:
         """Until ``w`` announced its preload (True) or died (False)."""
@@ -316,6 +327,42 @@ class WarmPool:
             self.procs.remove(taken)
         self._short.set()
         return taken
+
+    async def prestart(self, ranks: int) -> int:
+        """This machine's ranks failed or were stopped: ``ranks`` processes for its next attempt
+        start importing now, at the ranks' priority (those already importing are raised to it),
+        as far as memory allows; not staggered, not held back: no ranks run here. Returns how
+        many it started."""
+        self._reap()
+        for w in self.procs:
+            if not w.preloaded():
+                w.raise_to_rank()
+        started = 0
+        while len(self.procs) < ranks:
+            memory = self.memory()
+            if memory.available - self.per_process < memory.total * MIN_AVAILABLE_FRACTION:
+                log.info("a restart's processes: %d started, no memory for more", started)
+                break
+            try:
+                self.procs.append(await self._spawn(at_rank_priority=True))
+            except OSError as exc:
+                log.warning("could not start a process for the next attempt: %s", exc)
+                break
+            started += 1
+        if started:
+            asyncio.get_running_loop().call_later(PRESTART_KEEP_S, self.trim)
+        return started
+
+    def trim(self) -> None:
+        """Retire the processes a restart started and no attempt took, as far as they are
+        beyond ``target``; the refill's own are left to it."""
+        self._reap()
+        surplus = len(self.procs) - self.target()
+        for w in [w for w in self.procs if w.prestarted][: max(0, surplus)]:
+            self.procs.remove(w)
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.kill()
+            self._close(w)
 
     def admit(self, job: str) -> list[int]:
         """``job``'s ranks are about to start here: retire the processes another job's ran

@@ -297,19 +297,32 @@ class RankProcesses:
             out.append(a)
         return out
 
+    def warm_fits(self, argv: list[str]) -> bool:
+        """Whether this job's ranks can start in a warm process here: the agent's interpreter
+        runs them, exactly as cold, and not in a rank host's container (warm processes live in
+        the agent's)."""
+        return (
+            self.warm is not None
+            and (self.s.user is None or self.s.user.host is None)
+            and argv[0] == sys.executable
+            and activatable(argv[1:])
+            and env_activatable(self.s.spec.env, self.warm.env)
+        )
+
+    async def prestart_next(self) -> None:
+        """The ranks here failed or are being stopped: the next attempt's processes start
+        importing now, while the job decides (``WarmPool.prestart``)."""
+        if self.warm is not None and self.warm_fits(self.argv()):
+            started = await self.warm.prestart(len(self.s.inp.ranks))
+            if started:
+                log.info("%d processes for %s's next attempt started", started, self.s.inp.job_id)
+
     async def spawn(self, local_rank: int, rank: int) -> int:
         """Start ``rank``; the read end of its report pipe."""
         s = self.s
         argv = self.argv()
         out_path, err_path = s.log_dir / f"rank-{rank:05d}.out", s.log_dir / f"rank-{rank:05d}.err"
-        warm = (
-            self.warm.take()
-            if self.warm
-            and argv[0] == sys.executable
-            and activatable(argv[1:])
-            and env_activatable(s.spec.env, self.warm.env)
-            else None
-        )
+        warm = self.warm.take() if self.warm is not None and self.warm_fits(argv) else None
         if warm is not None:
             importing = not warm.preloaded()  # taken while importing, raised to the rank's priority
             try:

@@ -226,6 +226,7 @@ class RankSession:
                     # keep making progress.
                     s.monitor.on_alive(rank, time.monotonic(), finished=True)
             if failed:
+                await process.prestart_next()  # beside the decision, not after it
                 await process.terminate()
                 for t in pending:
                     process.record_exit(waits[t])

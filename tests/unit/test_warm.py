@@ -1,5 +1,6 @@
 """Warm rank processes: activation turns one into exactly the rank a cold start would be; the pool
-refills at idle priority, one at a time, never while ranks start, within its memory budget."""
+refills at idle priority, one at a time, never while ranks start, within its memory budget; a
+failure starts the next attempt's processes at once, at the ranks' priority."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from typing import Any
 
 import pytest
 
+from activities.drills import DrillState
 from activities.session import RankSession, Sessions
+from activities.session.process import RankProcesses
 from activities.session.session import STARTING_AT_MOST_S
 from activities.warm_pool import (
     AUTO,
@@ -27,6 +30,7 @@ from activities.warm_pool import (
     room_for_one,
     warm_target,
 )
+from trainguard.domain.spec import parse_spec
 from trainguard.runtime.warm import PRELOAD, READY_LINE, activatable, env_activatable
 
 GIB = 1 << 30
@@ -280,3 +284,58 @@ def test_ranks_hold_the_refill_back_until_each_has_stepped_for_two_minutes_at_mo
     # A script that never steps an optimizer does not hold it for its whole life.
     sessions.add(session([0, 1, 2], age_s=STARTING_AT_MOST_S + 1))
     assert not sessions.starting()
+
+
+def _memory(available_gib: float) -> Any:
+    return lambda: Memory(total=64 * GIB, available=int(available_gib * GIB))
+
+
+async def test_a_failure_starts_the_next_attempts_processes_at_once_at_the_ranks_priority(
+    tmp_path: Path,
+) -> None:
+    # Size 0: no refill; what the next attempt takes is started by the failure alone.
+    pool = WarmPool(0, tmp_path, lambda: None, preload=LIGHT, memory=_memory(60))
+    spec = parse_spec({"name": "job", "entrypoint": ["python", "train.py"], "nodes": 1, "target_steps": 5})
+    state: Any = SimpleNamespace(
+        spec=spec, user=None, script_ckpt_dir=None, inp=SimpleNamespace(ranks=[4, 5], job_id="job")
+    )
+    process = RankProcesses(state, DrillState(tmp_path, "node-1"), pool)
+    try:
+        await process.prestart_next()
+        assert len(pool.procs) == 2 and all(w.prestarted for w in pool.procs)  # both at once
+        for w in pool.procs:  # no thread of theirs at idle priority: a restart waits for them
+            assert os.SCHED_IDLE not in _policies(w.proc.pid).values()
+        await _until(lambda: pool.ready_count() == 2, "preloaded")
+        assert "at idle priority" not in (tmp_path / "warm.log").read_text()
+        await process.prestart_next()  # a second stop of the same attempt starts no more
+        assert len(pool.procs) == 2
+        first = pool.take()
+        assert first is not None and first.preloaded()
+        first.proc.kill()
+        await first.proc.wait()
+        # Those no attempt took are retired after PRESTART_KEEP_S: beyond a target of 0.
+        pool.trim()
+        assert pool.procs == []
+    finally:
+        await pool.stop()
+
+
+async def test_no_processes_for_a_restart_the_warm_ones_cannot_run_or_memory_cannot_hold(
+    tmp_path: Path,
+) -> None:
+    def process(entrypoint: list[str], memory_gib: float, host: str | None = None) -> RankProcesses:
+        spec = parse_spec({"name": "job", "entrypoint": entrypoint, "nodes": 1, "target_steps": 5})
+        user = SimpleNamespace(host=host) if host else None
+        state: Any = SimpleNamespace(
+            spec=spec, user=user, script_ckpt_dir=None, inp=SimpleNamespace(ranks=[0, 1], job_id="job")
+        )
+        pool = WarmPool(0, tmp_path, lambda: None, preload=LIGHT, memory=_memory(memory_gib))
+        return RankProcesses(state, DrillState(tmp_path, "node-1"), pool)
+
+    for p in (
+        process(["bash", "train.sh"], 60),  # not a Python script: it cannot start warm
+        process(["python", "train.py"], 60, host="/run/ranks.sock"),  # ranks in another container
+        process(["python", "train.py"], 12),  # 12 of 64 GiB free: under MIN_AVAILABLE_FRACTION
+    ):
+        await p.prestart_next()
+        assert p.warm is not None and p.warm.procs == []

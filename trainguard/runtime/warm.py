@@ -125,11 +125,12 @@ def lower_this_thread() -> bool:
     return True
 
 
-def preload(modules: list[str], ready_fd: int | None) -> None:
-    """Import ``modules`` at idle priority, then announce it on ``ready_fd``. Runs in a thread of
-    its own, which it lowers; an import that fails ends the process (the agent starts another)."""
+def preload(modules: list[str], ready_fd: int | None, idle: bool = True) -> None:
+    """Import ``modules`` at idle priority (``idle``), then announce it on ``ready_fd``. Runs in a
+    thread of its own, which it lowers; an import that fails ends the process (the agent starts
+    another)."""
     try:
-        idle = lower_this_thread()
+        idle = idle and lower_this_thread()
         t0 = time.monotonic()
         for mod in modules:
             importlib.import_module(mod)
@@ -145,6 +146,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preload", default=",".join(PRELOAD), help="modules to import while waiting")
     p.add_argument("--ready-fd", type=int, help="report pipe to announce the end of the preload on")
+    p.add_argument(
+        "--at-rank-priority",
+        action="store_true",
+        help="import at the priority started with, not SCHED_IDLE (a restart is about to take it)",
+    )
     args = p.parse_args()
     # Nothing of the launcher's own path may leak into the rank's imports.
     if sys.path and sys.path[0] in ("", os.getcwd()):
@@ -153,7 +159,7 @@ def main() -> None:
         import numpy  # noqa: F401  (its BLAS threads at the rank's priority: see the docstring)
     importing = threading.Thread(
         target=preload,
-        args=([m for m in args.preload.split(",") if m], args.ready_fd),
+        args=([m for m in args.preload.split(",") if m], args.ready_fd, not args.at_rank_priority),
         name="warm-preload",
         daemon=True,
     )
