@@ -41,8 +41,9 @@ from rank 0's step lines (``bench/restarts.py``): the crash's last step to the f
 Each trainguard run of a case runs beside torchrun's run of it (the order alternating), on each
 stack. Per case the restarts' medians, and for each trainguard restart how many of its 4 ranks
 started in a preloaded warm process and how many in one still importing, with the torchrun
-restart beside it. ``ok``: a restart with every rank warm took at most 3 s, one with none no
-longer than the torchrun restart beside it.
+restart beside it (a failure starts the next attempt's processes at once, so a restart that
+found no preloaded one counts them as importing). ``ok``: a restart with every rank warm took at
+most 3 s, any other no longer than the torchrun restart beside it.
 
     python bench/recovery.py [--trials 5] [--case-trials 3] [--parts recovery,cases] [--json]
 """
@@ -374,16 +375,15 @@ def _restart(pair: dict[str, Any]) -> tuple[float | None, int, int, float | None
 
 
 def _met(pair: dict[str, Any]) -> bool | None:
-    """A restart's goal: every rank warm, at most WARM_RESTART_S; none warm, no slower than the
-    torchrun run beside it; None for a restart with some ranks warm (no goal of its own)."""
+    """A restart's goal: every rank preloaded, at most WARM_RESTART_S; any other (some or all
+    ranks still importing, or cold), no slower than the torchrun run beside it; None where that
+    run has no figure."""
     tg, torchrun = pair["trainguard"], pair["torchrun"]["restart_s"]
     if tg["restart_s"] is None:
         return False
     if tg["warm_ranks"] == NNODES * NPROC:
         return bool(tg["restart_s"] <= WARM_RESTART_S)
-    if tg["warm_ranks"] + tg["importing_ranks"] == 0:
-        return torchrun is not None and tg["restart_s"] <= torchrun
-    return None
+    return None if torchrun is None else bool(tg["restart_s"] <= torchrun)
 
 
 def summarize_cases(
