@@ -15,7 +15,11 @@ left the priority the agent started it at. Threads started by an import inherit 
 policy: numpy's BLAS workers start when numpy is imported, so numpy is imported on the main
 thread first (0.13-0.18 s of CPU here, against 2.7-3.3 s for the rest).
 
-    python -m trainguard.runtime.warm [--preload mod1,mod2]
+    python -m trainguard.runtime.warm [--preload mod1,mod2] [--at-rank-priority]
+
+``--at-rank-priority``: the import stays at the priority the agent started it at; the agent asks
+for it when a failure on the machine means the next attempt will take the process within
+seconds (``activities.warm_pool.WarmPool.prestart``).
 
 Activation line: ``{"argv": [...], "env": {...}, "cwd": "...", "stdout": path,
 "stderr": path}``; ``argv`` is the entrypoint after the interpreter. Anything
