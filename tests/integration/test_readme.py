@@ -172,6 +172,9 @@ def serve(term: Terminal, cmd: Command) -> None:
     proc = subprocess.Popen(
         term.script(cmd.text), cwd=term.cwd, env=term.env, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        # Ctrl-C works as in a terminal even where the test run itself ignores SIGINT (a run
+        # started in the background by a shell without job control inherits it ignored).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     assert proc.stdout is not None
     first = proc.stdout.readline()
