@@ -127,13 +127,15 @@ def warm_target(wanted: int, memory: Memory, per_process: int, fraction: float =
     return max(0, min(wanted, int(memory.total * fraction) // max(1, per_process)))
 
 
+def leaves_room(memory: Memory, per_process: int) -> bool:
+    """Whether one more process leaves the machine MIN_AVAILABLE_FRACTION of its memory free."""
+    return memory.available - per_process >= memory.total * MIN_AVAILABLE_FRACTION
+
+
 def room_for_one(memory: Memory, held: int, per_process: int, fraction: float = MEMORY_FRACTION) -> bool:
     """Whether one more warm process fits: inside the budget with the ``held`` bytes the others
     take, and leaving the machine MIN_AVAILABLE_FRACTION of its memory free."""
-    return (
-        held + per_process <= memory.total * fraction
-        and memory.available - per_process >= memory.total * MIN_AVAILABLE_FRACTION
-    )
+    return held + per_process <= memory.total * fraction and leaves_room(memory, per_process)
 
 
 @dataclass
@@ -339,8 +341,7 @@ class WarmPool:
                 w.raise_to_rank()
         started = 0
         while len(self.procs) < ranks:
-            memory = self.memory()
-            if memory.available - self.per_process < memory.total * MIN_AVAILABLE_FRACTION:
+            if not leaves_room(self.memory(), self.per_process):
                 log.info("a restart's processes: %d started, no memory for more", started)
                 break
             try:
@@ -359,10 +360,7 @@ class WarmPool:
         self._reap()
         surplus = len(self.procs) - self.target()
         for w in [w for w in self.procs if w.prestarted][: max(0, surplus)]:
-            self.procs.remove(w)
-            with contextlib.suppress(ProcessLookupError):
-                w.proc.kill()
-            self._close(w)
+            self._retire(w)
 
     def admit(self, job: str) -> list[int]:
         """``job``'s ranks are about to start here: retire the processes another job's ran
@@ -372,16 +370,20 @@ class WarmPool:
         if self.user is None:
             return mine
         for w in [w for w in self.procs if w.job not in (None, job)]:
-            self.procs.remove(w)
-            if w.proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    w.proc.kill()
-            self._close(w)
+            self._retire(w)
         self.job = job
         for w in self.procs:
             w.job = job
         self._short.set()  # the retired ones are replaced
         return mine
+
+    def _retire(self, w: WarmProc) -> None:
+        """Out of the pool and killed (it reaps itself: asyncio waits for its children)."""
+        self.procs.remove(w)
+        if w.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.kill()
+        self._close(w)
 
     @staticmethod
     def _close(w: WarmProc) -> None:

@@ -630,12 +630,12 @@ class Stack:
         if not busy:
             return
         holder = self._stack_holding(busy)
-        deadline = time.monotonic() + PORT_GRACE_S
-        while busy and holder is None and time.monotonic() < deadline:
-            time.sleep(0.2)  # the kernel tells no one when a port comes free: poll it
+        if holder is None:
+            with contextlib.suppress(TimeoutError):  # the refusal below names what is still taken
+                wait_for(lambda: all(port_is_free(p) for p in busy), PORT_GRACE_S, f"{name}'s ports")
             busy = [p for p in busy if not port_is_free(p)]
-        if not busy:
-            return
+            if not busy:
+                return
         if holder is not None:
             raise PortsInUse(
                 f"cannot start {name}: port(s) {busy} belong to the stack running in {holder}; "

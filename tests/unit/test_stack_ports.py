@@ -14,20 +14,24 @@ from infra.stack import PortsInUse, Stack, StackConfig
 from trainguard.agent.ports import LOOPBACK
 
 
-def _listener() -> socket.socket:
+def _held_port() -> tuple[socket.socket, int]:
+    """A listener on a loopback port, as another program's would be, and its port."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((LOOPBACK, 0))
     sock.listen(1)
-    return sock
+    return sock, sock.getsockname()[1]
+
+
+def _check(tmp_path: Path, port: int) -> None:
+    Stack(StackConfig.for_tests(tmp_path))._check_ports_free("temporal", [port])
 
 
 def test_a_port_released_within_the_grace_lets_the_start_go_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(stack_module, "PORT_GRACE_S", 10.0)
-    held = _listener()
-    port = held.getsockname()[1]
+    held, port = _held_port()
     checking = threading.Event()
     real_free = stack_module.port_is_free
 
@@ -41,7 +45,7 @@ def test_a_port_released_within_the_grace_lets_the_start_go_on(
     release = threading.Thread(target=lambda: (checking.wait(10), held.close()))
     release.start()
     started = time.monotonic()
-    Stack(StackConfig.for_tests(tmp_path))._check_ports_free("temporal", [port])
+    _check(tmp_path, port)
     release.join()
     assert checking.is_set()
     assert time.monotonic() - started < 10.0
@@ -51,12 +55,11 @@ def test_a_port_held_past_the_grace_is_refused_naming_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(stack_module, "PORT_GRACE_S", 0.5)
-    held = _listener()
-    port = held.getsockname()[1]
+    held, port = _held_port()
     try:
         with pytest.raises(
             PortsInUse, match=rf"cannot start temporal: port\(s\) \[{port}\] .* another program"
         ):
-            Stack(StackConfig.for_tests(tmp_path))._check_ports_free("temporal", [port])
+            _check(tmp_path, port)
     finally:
         held.close()
