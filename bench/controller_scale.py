@@ -22,7 +22,11 @@ for ``--minutes``, stops them, and reads what happened from Temporal itself:
   wait for a worker), the longest run and the events per machine. Over every workflow (jobs
   included): ``max_pending_activities`` and ``max_workflow_task_s``;
 - CPU seconds each process of the stack used until standby and in all (``cpu_s_to_standby``,
-  ``cpu_s``: the dev server, the controller, the simulated agents), from /proc.
+  ``cpu_s``: the dev server, the controller, the simulated agents), from /proc;
+- the dev server's own metrics (``temporal_server``, ``bench.temporal_server``), from the
+  agents' start to standby and over the training: its store's busy seconds per second, the
+  operations that took the most, activities' schedule-to-start p50 / p99 and how many were
+  matched to a waiting poller at once.
 
 ``--minutes 0`` stops once every machine is on standby (the pool's figures only).
 
@@ -61,7 +65,7 @@ from temporalio.api.enums.v1 import EventType  # noqa: E402
 from temporalio.client import Client  # noqa: E402
 from temporalio.service import RPCError  # noqa: E402
 
-from bench import history_metrics  # noqa: E402
+from bench import history_metrics, temporal_server  # noqa: E402
 from infra.local import bring_down, process_env  # noqa: E402
 from infra.private_stack import connect, log  # noqa: E402
 from infra.stack import Stack, StackConfig  # noqa: E402
@@ -242,27 +246,33 @@ def history_figures(events: list[Any]) -> dict[str, Any]:
     }
 
 
+def _granted(result: object) -> bool:
+    return isinstance(result, dict) and bool(result.get("granted"))
+
+
 def reservations(runs: list[list[Any]]) -> tuple[list[float], float | None]:
     """Every ``reserve_nodes`` call's seconds (scheduled -> completed), and the job's wait from
     its first call to the completion of the one that granted (None: never granted)."""
-    events = [e for run in runs for e in run]
-    asked: dict[int, datetime] = {}
+    # Event ids restart with every run (continue-as-new), so a completion is matched to its
+    # scheduling within the same run only.
+    events = [(i, e) for i, run in enumerate(runs) for e in run]
+    asked: dict[tuple[int, int], datetime] = {}
     calls: list[float] = []
     first: datetime | None = None
     wait = None
-    for e in events:
+    for run, e in events:
         if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
             if (
                 e.activity_task_scheduled_event_attributes.activity_type.name
                 == contract.calls.reserve_nodes.name
             ):
-                asked[e.event_id] = _at(e)
+                asked[(run, e.event_id)] = _at(e)
                 first = first or _at(e)
         elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
             a = e.activity_task_completed_event_attributes
-            if a.scheduled_event_id in asked:
-                calls.append((_at(e) - asked[a.scheduled_event_id]).total_seconds())
-                granted = any(json.loads(p.data or b"{}").get("granted") for p in a.result.payloads)
+            if (run, a.scheduled_event_id) in asked:
+                calls.append((_at(e) - asked[(run, a.scheduled_event_id)]).total_seconds())
+                granted = any(_granted(json.loads(p.data or b"{}")) for p in a.result.payloads)
                 if granted and wait is None and first is not None:
                     wait = (_at(e) - first).total_seconds()
     return calls, wait
@@ -364,6 +374,29 @@ def analyse_job(
     }
 
 
+class Metrics:
+    """The Temporal server's own metrics, window after window (``bench.temporal_server``)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.last = self._scrape()
+        self.at = time.monotonic()
+
+    def _scrape(self) -> temporal_server.Samples:
+        try:
+            return temporal_server.scrape(self.port)
+        except OSError as exc:  # the figures say they are missing; the bench goes on
+            log(f"  the Temporal server's metrics could not be read: {exc}")
+            return {}
+
+    def window(self) -> dict[str, Any]:
+        """Since the last window (or the start) to now."""
+        now, samples = time.monotonic(), self._scrape()
+        out = temporal_server.window(self.last, samples, now - self.at) if samples else {}
+        self.last, self.at = samples, now
+        return out
+
+
 async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
     # Each machine polls its own queue with one poller: one partition each, as a production
     # namespace would configure them (four apiece is 2,000 partitions on the dev server's SQLite).
@@ -374,6 +407,7 @@ async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
     py = sys.executable
     stack.start_process("controller", [py, "-m", "bench.controller_scale_sim", "controller"], env, cwd=REPO)
     agents_at = time.monotonic()
+    server = Metrics(stack.config.temporal_metrics_port)
     per = -(-args.machines // AGENT_PROCESSES)
     for p in range(AGENT_PROCESSES):
         first = 1 + p * per
@@ -423,6 +457,7 @@ async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
     standby_s = time.monotonic() - agents_at
     log(f"{args.machines} simulated machines on standby {standby_s:.0f} s after the agents started")
     cpu = cpu_seconds(stack)
+    server_to_standby = server.window()
     pool = await pool_figures(client.temporal, args.machines)
     if args.minutes == 0:
         return {
@@ -430,6 +465,7 @@ async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
             "standby_s": round(standby_s, 1),
             "cpu_s_to_standby": cpu,
             "pool": pool,
+            "temporal_server": {"to_standby": server_to_standby},
         }
     jobs = [f"scale-{j:03d}" for j in range(1, args.jobs + 1)]
     for job in jobs:
@@ -441,6 +477,7 @@ async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
             **({"group_size": args.group_size} if args.group_size else {}),
         )
     started = time.monotonic()
+    server.window()  # the training window starts at the submissions
     log(f"{args.jobs} jobs submitted; training for {args.minutes:g} min")
     while (left := args.minutes * 60 - (time.monotonic() - started)) > 0:
         await asyncio.sleep(min(60.0, left))
@@ -452,6 +489,7 @@ async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
             f"{sorted({s.get('phase') for s in ok})}"
         )
     stopped_at = datetime.now(UTC)
+    server_training = server.window()
     # A few at a time, as jobs end in a cluster: every stop releases machines through the pool.
     at_once = max(STOP_AT_ONCE, len(jobs) // 20)
     for i in range(0, len(jobs), at_once):
@@ -470,6 +508,7 @@ async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
     result["cpu_s_to_standby"] = cpu
     result["cpu_s"] = cpu_seconds(stack)
     result["pool_at_standby"] = pool
+    result["temporal_server"] = {"to_standby": server_to_standby, "training": server_training}
     pool = result["pool"] = await pool_figures(client.temporal, args.machines)
     # Over every workflow, the jobs' and the pool's.
     result["max_pending_activities"] = max(result["max_pending_activities"], pool["max_pending_activities"])

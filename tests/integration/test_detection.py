@@ -42,9 +42,9 @@ def only_incident(final: dict[str, Any], reference: dict[str, Any]) -> dict[str,
     assert final["result"]["param_hash"] == reference["result"]["param_hash"]
     assert len(final["incidents"]) == 1, final["incidents"]
     inc = final["incidents"][0]
-    assert inc["detected_at"] and inc["evidence"]
-    assert inc["fault_at"] is not None and inc["detection_s"] is not None and inc["detection_s"] >= 0
-    assert inc["recovered_at"] is not None and inc["recovery_s"] > 0
+    assert inc["detected_at"] and inc["evidence"], inc
+    assert inc["fault_at"] is not None and inc["detection_s"] is not None and inc["detection_s"] >= 0, inc
+    assert inc["recovered_at"] is not None and inc["recovery_s"] > 0, inc
     return inc
 
 

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from bench.controller_scale import unsteady_spans
+from temporalio.api.common.v1 import Payload, Payloads
+from temporalio.api.enums.v1 import EventType
+from temporalio.api.history.v1 import HistoryEvent
+
+from bench.controller_scale import reservations, unsteady_spans
+from trainguard import contract
 
 
 def test_an_incident_never_recovered_from_is_unsteady_to_the_end() -> None:
@@ -18,3 +23,28 @@ def test_an_incident_never_recovered_from_is_unsteady_to_the_end() -> None:
     assert (e1 - s1).total_seconds() == 32
     assert s2 == datetime(2026, 11, 25, 10, 5, tzinfo=UTC)
     assert e2.year == 9999
+
+
+def _event(event_id: int, kind: str, **kw: object) -> HistoryEvent:
+    e = HistoryEvent(event_id=event_id)
+    e.event_time.FromDatetime(datetime(2026, 11, 25, 10, 0, int(kw.get("at", 0))))
+    if kind == "scheduled":
+        e.event_type = EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        e.activity_task_scheduled_event_attributes.activity_type.name = str(kw["name"])
+    else:
+        e.event_type = EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
+        a = e.activity_task_completed_event_attributes
+        a.scheduled_event_id = int(kw["scheduled"])
+        a.result.CopyFrom(Payloads(payloads=[Payload(data=str(kw["result"]).encode())]))
+    return e
+
+
+def test_reservations_match_completions_within_their_own_run() -> None:
+    """Event ids restart after continue-as-new: run 2's event 5 is not run 1's reservation."""
+    first = [_event(5, "scheduled", name=contract.calls.reserve_nodes.name, at=0),
+             _event(6, "completed", scheduled=5, result='{"granted": false}', at=1)]  # fmt: skip
+    second = [_event(5, "scheduled", name="run_ranks", at=3),
+              _event(7, "completed", scheduled=5, result="true", at=4)]  # fmt: skip
+    calls, wait = reservations([first, second])
+    assert calls == [1.0]
+    assert wait is None
