@@ -24,9 +24,9 @@ for ``--minutes``, stops them, and reads what happened from Temporal itself:
 - CPU seconds each process of the stack used until standby and in all (``cpu_s_to_standby``,
   ``cpu_s``: the dev server, the controller, the simulated agents), from /proc;
 - the dev server's own metrics (``temporal_server``, ``bench.temporal_server``), from the
-  agents' start to standby and over the training: its store's busy seconds per second, the
-  operations that took the most, activities' schedule-to-start p50 / p99 and how many were
-  matched to a waiting poller at once.
+  agents' start to standby, over the training and in its busiest 10 s (restarts come in bursts):
+  its store's busy seconds per second, the operations that took the most, activities'
+  schedule-to-start p50 / p99 and how many were matched to a waiting poller at once.
 
 ``--minutes 0`` stops once every machine is on standby (the pool's figures only).
 
@@ -99,6 +99,8 @@ READY_TIMEOUT_S = 600.0
 END_TIMEOUT_S = 300.0
 POLL_S = 1.0
 PROGRESS_EVERY_S = 15.0
+# The dev server's metrics are read this often while the jobs train (Metrics.sampling).
+SAMPLE_S = 10.0
 POOL_WORKFLOWS = (
     f"WorkflowType = '{contract.pool.WORKFLOW.name}' OR WorkflowType = '{contract.shard.WORKFLOW.name}'"
 )
@@ -375,12 +377,14 @@ def analyse_job(
 
 
 class Metrics:
-    """The Temporal server's own metrics, window after window (``bench.temporal_server``)."""
+    """The Temporal server's own metrics (``bench.temporal_server``): ``mark``ed moments, windows
+    between them, and while ``sampling`` one window every SAMPLE_S (restarts come in bursts that
+    a whole-training average would hide)."""
 
     def __init__(self, port: int) -> None:
         self.port = port
-        self.last = self._scrape()
-        self.at = time.monotonic()
+        self.marks: dict[str, tuple[float, temporal_server.Samples]] = {}
+        self.samples: list[tuple[float, temporal_server.Samples]] = []
 
     def _scrape(self) -> temporal_server.Samples:
         try:
@@ -389,12 +393,31 @@ class Metrics:
             log(f"  the Temporal server's metrics could not be read: {exc}")
             return {}
 
-    def window(self) -> dict[str, Any]:
-        """Since the last window (or the start) to now."""
-        now, samples = time.monotonic(), self._scrape()
-        out = temporal_server.window(self.last, samples, now - self.at) if samples else {}
-        self.last, self.at = samples, now
-        return out
+    def mark(self, name: str) -> None:
+        self.marks[name] = (time.monotonic(), self._scrape())
+
+    def between(self, first: str, last: str) -> dict[str, Any]:
+        (t0, a), (t1, b) = self.marks[first], self.marks[last]
+        return temporal_server.window(a, b, t1 - t0) if a and b else {}
+
+    async def sampling(self) -> None:
+        """Until cancelled: a scrape every SAMPLE_S."""
+        while True:
+            self.samples.append((time.monotonic(), await asyncio.to_thread(self._scrape)))
+            await asyncio.sleep(SAMPLE_S)
+
+    def busiest(self) -> dict[str, Any]:
+        """The sampled window in which the store was busiest, and every window's busy seconds
+        per second."""
+        windows = [
+            temporal_server.window(a, b, t1 - t0)
+            for (t0, a), (t1, b) in zip(self.samples, self.samples[1:], strict=False)
+            if a and b
+        ]
+        if not windows:
+            return {}
+        top = max(windows, key=lambda w: w["persistence"]["busy_per_s"] or 0.0)
+        return {**top, "busy_per_s_every_window": [w["persistence"]["busy_per_s"] for w in windows]}
 
 
 async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
@@ -408,6 +431,7 @@ async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
     stack.start_process("controller", [py, "-m", "bench.controller_scale_sim", "controller"], env, cwd=REPO)
     agents_at = time.monotonic()
     server = Metrics(stack.config.temporal_metrics_port)
+    server.mark("agents")
     per = -(-args.machines // AGENT_PROCESSES)
     for p in range(AGENT_PROCESSES):
         first = 1 + p * per
@@ -457,7 +481,8 @@ async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
     standby_s = time.monotonic() - agents_at
     log(f"{args.machines} simulated machines on standby {standby_s:.0f} s after the agents started")
     cpu = cpu_seconds(stack)
-    server_to_standby = server.window()
+    server.mark("standby")
+    server_to_standby = server.between("agents", "standby")
     pool = await pool_figures(client.temporal, args.machines)
     if args.minutes == 0:
         return {
@@ -477,7 +502,8 @@ async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
             **({"group_size": args.group_size} if args.group_size else {}),
         )
     started = time.monotonic()
-    server.window()  # the training window starts at the submissions
+    server.mark("submitted")
+    sampler = asyncio.create_task(server.sampling())
     log(f"{args.jobs} jobs submitted; training for {args.minutes:g} min")
     while (left := args.minutes * 60 - (time.monotonic() - started)) > 0:
         await asyncio.sleep(min(60.0, left))
@@ -489,7 +515,9 @@ async def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
             f"{sorted({s.get('phase') for s in ok})}"
         )
     stopped_at = datetime.now(UTC)
-    server_training = server.window()
+    sampler.cancel()
+    server.mark("stopping")
+    server_training = {**server.between("submitted", "stopping"), "busiest_window": server.busiest()}
     # A few at a time, as jobs end in a cluster: every stop releases machines through the pool.
     at_once = max(STOP_AT_ONCE, len(jobs) // 20)
     for i in range(0, len(jobs), at_once):

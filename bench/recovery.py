@@ -324,9 +324,29 @@ async def trainguard_case(
         "completed": final["phase"] == "completed",
         "pools_full_at_start": pools,
         "incidents": [f"{i['kind']}:{i['action']}" for i in final["incidents"]],
+        # Where a restart's time went, so that an outlier explains itself.
+        "timeline": [_stages(i) for i in final["incidents"]],
     }
     await restore_pool(tg, state_dir, node_names(NODES, 0), REPO)
     return row
+
+
+def _stages(inc: dict[str, Any]) -> dict[str, Any]:
+    """One incident's stages: detected -> decided -> relaunched -> recovered (seconds from its
+    detection) and what it saw."""
+    detected = datetime.fromisoformat(inc["detected_at"])
+
+    def since(key: str) -> float | None:
+        at = inc.get(key)
+        return round((datetime.fromisoformat(at) - detected).total_seconds(), 2) if at else None
+
+    return {
+        "kind": inc["kind"],
+        "decided_s": inc.get("decision_s"),
+        "relaunched_s": since("relaunched_at"),
+        "recovered_s": since("recovered_at"),
+        "evidence": str(inc.get("evidence", ""))[:300],
+    }
 
 
 def torchrun_case(case: str) -> dict[str, Any]:

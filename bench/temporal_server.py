@@ -8,7 +8,8 @@ window: where the server's time went, so that a figure the dev server limits say
 - ``activity_schedule_to_start``: from an activity's scheduling to a worker's start of it
   (history's ``task_schedule_to_start_latency``), p50 / p99 read from the histogram's buckets.
 - ``matched``: activity tasks handed to a waiting poller at once (``syncmatch``) against those
-  stored first and dispatched later (``task_dispatch``): stored ones cost persistence writes.
+  stored first and dispatched from the backlog later (``task_dispatch`` from ``DbBacklog``):
+  stored ones cost persistence writes and wait for the backlog's reader.
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ def window(before: Samples, after: Samples, seconds: float) -> dict[str, Any]:
         },
         "matched": {
             "sync": int(_total(before, after, "syncmatch_latency_count", **start)),
-            "dispatched_from_store": int(_total(before, after, "task_dispatch_latency_count", **start)),
+            "from_backlog": int(
+                _total(before, after, "task_dispatch_latency_count", source="DbBacklog", **start)
+            ),
         },
     }

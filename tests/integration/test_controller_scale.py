@@ -35,6 +35,11 @@ def test_controller_scale_measures_decisions_actions_and_history() -> None:
     # Histories stay bounded: past 150 events a job continues as new (once its commits are in).
     assert out["continued_as_new"] >= 1, out
     assert 0 < out["max_history_events"] < 300 and out["history_events_per_job_day"] > 0, out
+    # The dev server's own metrics: its store worked and every restart's activities were started.
+    server = out["temporal_server"]["training"]
+    assert server["persistence"]["requests"] > 0 and server["persistence"]["busy_s"] > 0, server
+    assert server["activity_schedule_to_start"]["count"] >= out["incidents"], server
+    assert len(server["busiest_window"]["busy_per_s_every_window"]) >= 5, server  # 90 s, one every 10 s
 
 
 def test_controller_scale_refuses_bad_input_naming_the_flag() -> None:

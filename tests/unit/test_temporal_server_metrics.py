@@ -28,7 +28,8 @@ task_schedule_to_start_latency_bucket{task_type="Workflow",taskqueue="ctl",le="1
 task_schedule_to_start_latency_bucket{task_type="Workflow",taskqueue="ctl",le="+Inf"} 900
 task_schedule_to_start_latency_count{task_type="Activity",taskqueue="node_1"} 105
 syncmatch_latency_count{task_type="Activity",taskqueue="node_1"} 80
-task_dispatch_latency_count{task_type="Activity",taskqueue="node_1"} 25
+task_dispatch_latency_count{source="History",task_type="Activity",taskqueue="node_1"} 75
+task_dispatch_latency_count{source="DbBacklog",task_type="Activity",taskqueue="node_1"} 25
 """
 
 
@@ -46,7 +47,7 @@ def test_a_window_counts_only_what_happened_in_it() -> None:
     # (900 slow ones) are not counted.
     assert start["count"] == 100
     assert start["p50_s"] == 0.1 and start["p99_s"] == 1.0
-    assert w["matched"] == {"sync": 75, "dispatched_from_store": 25}
+    assert w["matched"] == {"sync": 75, "from_backlog": 25}
 
 
 def test_labels_with_quotes_and_malformed_lines_are_read_or_skipped() -> None:
