@@ -39,7 +39,7 @@ def test_controller_scale_measures_decisions_actions_and_history() -> None:
     server = out["temporal_server"]["training"]
     assert server["persistence"]["requests"] > 0 and server["persistence"]["busy_s"] > 0, server
     assert server["activity_schedule_to_start"]["count"] >= out["incidents"], server
-    assert len(server["busiest_window"]["busy_per_s_every_window"]) >= 5, server  # 90 s, one every 10 s
+    assert len(server["busiest_window"]["busy_per_s_every_window"]) >= 2, server  # 90 s, one every 30 s
 
 
 def test_controller_scale_refuses_bad_input_naming_the_flag() -> None:

@@ -50,6 +50,13 @@ def test_a_window_counts_only_what_happened_in_it() -> None:
     assert w["matched"] == {"sync": 75, "from_backlog": 25}
 
 
-def test_labels_with_quotes_and_malformed_lines_are_read_or_skipped() -> None:
-    samples = parse('m{a="x\\"y",b="2"} 3\nnot a sample\nm{a="z"} NaNx\n')
-    assert list(samples.values()) == [3.0]
+def test_a_scrape_keeps_only_what_it_reads_summed_over_queues() -> None:
+    text = "\n".join(
+        f'syncmatch_latency_count{{partition="0",task_type="Activity",taskqueue="node_{i}"}} 2'
+        for i in range(1000)
+    )
+    text += (
+        '\nother_metric{taskqueue="node_1"} 5\nnot a sample\nsyncmatch_latency_count{task_type="x"} NaNx\n'
+    )
+    samples = parse(text)
+    assert samples == {("syncmatch_latency_count", frozenset({("task_type", "Activity")})): 2000.0}
