@@ -568,6 +568,7 @@ async def collect(
     reserve_calls: list[float] = []
     reserve_waits: list[float] = []
     most_pending = workflows_per_job = 0
+    most_pending_in = ""
     longest_task = 0.0
     fanouts: list[float] = []
     for job in jobs:
@@ -586,7 +587,10 @@ async def collect(
         runs = histories[job]
         # The job's whole tree (its machine groups, fan-outs) counts toward its cost and limits.
         everything = [run for wf_runs in histories.values() for run in wf_runs]
-        most_pending = max(most_pending, *(history_metrics.most_pending_activities(r) for r in everything))
+        for wid, wf_runs in histories.items():
+            for r in wf_runs:
+                if (n := history_metrics.most_pending_activities(r)) > most_pending:
+                    most_pending, most_pending_in = n, wid
         longest_task = max(longest_task, *(history_metrics.longest_workflow_task_s(r) for r in everything))
         fanouts += history_metrics.restart_fanout_s(status, history_metrics.ranks_started(histories))
         workflows_per_job = max(workflows_per_job, len(histories))
@@ -627,6 +631,7 @@ async def collect(
         "reservation_wait_p99_s": _round(percentile(reserve_waits, 0.99)),
         "jobs_granted": len(reserve_waits),
         "max_pending_activities": most_pending,
+        "max_pending_workflow": most_pending_in,  # which workflow of a job's tree
         "max_workflow_task_s": _round(longest_task),
         "restart_fanout_p50_s": _round(statistics.median(fanouts) if fanouts else None),
         "restart_fanout_p99_s": _round(percentile(fanouts, 0.99)),
