@@ -74,3 +74,39 @@ def test_both_ends_passing_alone_name_the_link(monkeypatch: pytest.MonkeyPatch) 
     assert (follow.action, follow.rung, follow.machines) == ("evict", "checks-link", ["node-2"])
     assert "node-1<->node-2" in follow.evidence
     assert asked[-2:] == [(calls.self_test.name, ["node-1"]), (calls.collective_test.name, ["node-1"])]
+
+
+def test_a_large_pair_round_keeps_at_most_two_activities_a_pair_pending(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """600 pairs (a 1,200-machine job) run PAIRS_AT_ONCE at a time: never more than 400
+    activities pending in the job's workflow; every pair still answers."""
+    names = [f"node-{i}" for i in range(1200)]
+    pending = {"now": 0, "most": 0}
+
+    async def activity() -> None:
+        pending["now"] += 1
+        pending["most"] = max(pending["most"], pending["now"])
+        await asyncio.sleep(0.001)
+        pending["now"] -= 1
+
+    async def rendezvous_port(*_args: Any) -> Any:
+        await activity()
+        return SimpleNamespace(host="127.0.0.1", port=1)
+
+    async def pair_test(inp: Any, **_kw: Any) -> CheckResult:
+        await activity()
+        return CheckResult(node="n", passed=True, evidence="clean", elapsed_s=0.1)
+
+    monkeypatch.setattr(diagnosis, "rendezvous_port", rendezvous_port)
+    monkeypatch.setattr(calls, "pair_test", pair_test)
+    monkeypatch.setattr(diagnosis, "PairTestInput", lambda **kw: kw)
+    monkeypatch.setattr(diagnosis.workflow, "patched", lambda _id: True)
+    state = SimpleNamespace(nodes=[NodeInfo(name=n, task_queue=f"q-{n}") for n in names])
+    diag = Diagnosis(SimpleNamespace(), state)  # type: ignore[arg-type]
+    pairs = list(zip(names[::2], names[1::2], strict=True))
+    req = DiagnosticInput(job_id="j", attempt=2, local_world=2)
+    results = asyncio.run(diag._pair_round(pairs, req))
+    assert len(results) == 600 and all(r.ok for r in results)
+    assert pending["most"] <= 2 * diagnosis.PAIRS_AT_ONCE
+    assert pending["most"] > diagnosis.PAIRS_AT_ONCE  # the pairs of a wave do run together

@@ -38,6 +38,11 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.domain.recovery import alignment_outcome, check_targets, stacks_outcome
     from trainguard.domain.topology import ranks_on
 
+# A pair round runs at most this many pairs at once (patches.PAIR_WAVES): a pair keeps up to two
+# activities pending (its rendezvous port, then both sides' checks), so at most 400, under the
+# 500 Temporal advises for one workflow; a round of a job of up to 400 machines runs in one wave.
+PAIRS_AT_ONCE = 200
+
 
 async def rendezvous_port(
     task_queue: str, job_id: str, attempt: int, limit: timedelta = calls.SHORT, summary: str | None = None
@@ -160,6 +165,14 @@ class Diagnosis:
             )
             return pairing.PairResult(machines=(a, b), ok=ok, elapsed_s=elapsed, evidence=why[:500])
 
+        if len(pairs) > PAIRS_AT_ONCE and workflow.patched(patches.PAIR_WAVES):
+            gate = asyncio.Semaphore(PAIRS_AT_ONCE)
+
+            async def in_turn(a: str, b: str) -> pairing.PairResult:
+                async with gate:
+                    return await one(a, b)
+
+            return list(await asyncio.gather(*(in_turn(a, b) for a, b in pairs)))
         return list(await asyncio.gather(*(one(a, b) for a, b in pairs)))
 
     async def _replay(self, attempt: int) -> Decision:

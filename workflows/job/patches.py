@@ -73,3 +73,7 @@ FANOUT = "fanout-children"
 # A job of more machines than a group (workflows.job.group) runs its ranks through groups of
 # machines (child workflows) that its machines report to.
 GROUPS = "machine-groups"
+# A pair round of more pairs than ``workflows.job.diagnosis.PAIRS_AT_ONCE`` runs that many pairs
+# at a time: each keeps up to two activities pending in the job's workflow, and all 600 pairs of
+# a 1,200-machine job at once were 1,200 pending.
+PAIR_WAVES = "pair-waves"
