@@ -43,7 +43,7 @@ def test_reservations_match_completions_within_their_own_run() -> None:
     """Event ids restart after continue-as-new: run 2's event 5 is not run 1's reservation."""
     first = [_event(5, "scheduled", name=contract.calls.reserve_nodes.name, at=0),
              _event(6, "completed", scheduled=5, result='{"granted": false}', at=1)]  # fmt: skip
-    second = [_event(5, "scheduled", name="run_ranks", at=3),
+    second = [_event(5, "scheduled", name=contract.calls.run_ranks.name, at=3),
               _event(7, "completed", scheduled=5, result="true", at=4)]  # fmt: skip
     calls, wait = reservations([first, second])
     assert calls == [1.0]

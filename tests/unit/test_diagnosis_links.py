@@ -99,7 +99,7 @@ def test_a_large_pair_round_keeps_at_most_two_activities_a_pair_pending(
         return CheckResult(node="n", passed=True, evidence="clean", elapsed_s=0.1)
 
     monkeypatch.setattr(diagnosis, "rendezvous_port", rendezvous_port)
-    monkeypatch.setattr(calls, "pair_test", pair_test)
+    monkeypatch.setattr(calls, calls.pair_test.name, pair_test)  # the attribute is named after it
     monkeypatch.setattr(diagnosis, "PairTestInput", lambda **kw: kw)
     monkeypatch.setattr(diagnosis.workflow, "patched", lambda _id: True)
     state = SimpleNamespace(nodes=[NodeInfo(name=n, task_queue=f"q-{n}") for n in names])
