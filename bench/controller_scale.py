@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -416,7 +417,7 @@ class Metrics:
         per second."""
         windows = [
             temporal_server.window(a, b, t1 - t0)
-            for (t0, a), (t1, b) in zip(self.samples, self.samples[1:], strict=False)
+            for (t0, a), (t1, b) in itertools.pairwise(self.samples)
             if a and b
         ]
         if not windows:

@@ -88,13 +88,10 @@ def _quantile(before: Samples, after: Samples, name: str, q: float, **match: str
     if not buckets:
         return None
     bounds = sorted(buckets)
-    total = buckets[bounds[-1]]
+    total = buckets[bounds[-1]]  # the +Inf bucket holds every observation: the loop ends there
     if total <= 0:
         return None
-    for b in bounds:
-        if buckets[b] >= q * total:
-            return b
-    return bounds[-1]
+    return next(b for b in bounds if buckets[b] >= q * total)
 
 
 def _operation(name: str, seconds: float, requests: float) -> dict[str, Any]:
