@@ -66,9 +66,11 @@ class Incidents:
                 s.incident.kind, s.incident.confidence, s.incident.origin
             ):
                 s.incident = report
+                self.progress.incident_raised()
             return
         s.incident = report
         log.warning("incident on %s: %s: %s", report.node, report.kind, report.evidence)
+        self.progress.incident_raised()
         if report.kind == "hang":
             self.ending.freeze()
             return

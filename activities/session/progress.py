@@ -5,7 +5,7 @@ hashes, the step trail) and after every batch of records (``batch_read``), and a
 while the ranks run (``loop``): a report goes when something changed, at the machine's interval
 (``trainguard.domain.report_interval``), news at once. At the end, after the last uploads, one
 last report (``last_report``); a stop or the workflow's next attempt asks for one now
-(``flush``).
+(``flush``). An incident goes at once (``incident_raised``), ahead of the machine's result.
 """
 
 from __future__ import annotations
@@ -85,6 +85,8 @@ class ProgressReporter:
         # the script checkpoints' look, in its own thread.
         self.step_now: int | None = None
         self.scripts_unsent: list[ScriptCheckpointRef] = []  # stored, no report carried them yet
+        # One report at a time: each takes the unsent shards and checkpoints it carried off.
+        self.sending = asyncio.Lock()
 
     # -- the ranks' step records ------------------------------------------------------
     def on_step(self, rank: int, rec: protocol.Step) -> None:
@@ -192,6 +194,7 @@ class ProgressReporter:
             snapshot_persist_every=interval.get("persist") if interval else None,
             script_ckpts=list(self.scripts_unsent),
             warm_ready=self.warm.ready_count() if self.warm is not None else None,
+            incident=self.s.incident,
         )
 
     def _agent_cost(self) -> float:
@@ -239,6 +242,10 @@ class ProgressReporter:
 
     async def flush(self) -> bool:
         """Send the latest progress now; whether the report sent named the first step."""
+        async with self.sending:
+            return await self._send()
+
+    async def _send(self) -> bool:
         report = self.progress_report()
         try:
             await self.send(report)
@@ -251,6 +258,12 @@ class ProgressReporter:
         self.scripts_unsent = self.scripts_unsent[len(report.script_ckpts) :]
         self.hash_sent = report.hash_step if report.hash_step is not None else self.hash_sent
         return report.first_step_at is not None
+
+    def incident_raised(self) -> None:
+        """The attempt failed here: the workflow hears of it now, not only with the result after
+        the end's work (seconds on a loaded machine), so that it names this machine's incident,
+        not a peer's effect of it, as the cause. Retried by the loop if it fails."""
+        self.s.spawn(self.flush(), "incident")
 
     async def last_report(self) -> None:
         """The ranks finished: their last shards uploaded, then a last progress report. Without

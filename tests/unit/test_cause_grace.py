@@ -34,9 +34,16 @@ LATE_S = 2.0
 
 
 class Progress:
-    """What collect_failure reads of the attempt's progress: nothing found by the workflow."""
+    """What collect_failure reads of the attempt's progress: nothing found by the workflow, and
+    the incidents machines raised ahead of their results (``ProgressReport.incident``)."""
 
     found: IncidentReport | None = None
+
+    def __init__(self) -> None:
+        self.raised: dict[str, IncidentReport] = {}
+
+    def raised_now(self) -> dict[str, IncidentReport]:
+        return self.raised
 
     def drain(self) -> None:
         pass
@@ -49,6 +56,14 @@ class Progress:
 class CollectFailure:
     """Two machines' run_ranks until one fails, then ``collect_failure``; returns the primary's
     kind, its node and the workflow seconds collect_failure took."""
+
+    def __init__(self) -> None:
+        self.progress = Progress()
+
+    @workflow.signal
+    def raised(self, incident: IncidentReport) -> None:
+        """As the job's progress signal carrying an incident (``Progress.note_raised``)."""
+        self.progress.raised[incident.node] = incident
 
     @workflow.run
     async def run(self) -> tuple[str, str, float]:
@@ -64,7 +79,7 @@ class CollectFailure:
         }
         await workflow.wait_condition(lambda: any(failed(h) for h in handles.values()))
         began = workflow.now()
-        done = await collect_failure(s, Progress(), handles)  # type: ignore[arg-type]
+        done = await collect_failure(s, self.progress, handles)  # type: ignore[arg-type]
         assert done.primary is not None
         return done.primary.kind, done.primary.node, (workflow.now() - began).total_seconds()
 
@@ -86,17 +101,23 @@ async def until_cancelled_or(seconds: float | None) -> None:
 
 
 async def collect(
-    peer_kind: str, peer_origin: bool, at_fault_after_s: float | None
+    peer_kind: str, peer_origin: bool, at_fault_after_s: float | None, raises_first: bool = False
 ) -> tuple[tuple[str, str, float], list[str]]:
     """node-2's ranks end at once with ``peer_kind``; node-1 reports gpu-lost ``at_fault_after_s``
-    later (None: never, its ranks hang until stopped). Returns the workflow's answer and the
-    machines asked to stop."""
+    later (None: never, its ranks hang until stopped); ``raises_first``: node-1 sends its incident
+    at once, as the agent does when it raises one, its result still to come. Returns the
+    workflow's answer and the machines asked to stop."""
     stopped: list[str] = []
 
     @activity.defn(name=calls.run_ranks.name)
     async def at_fault(node: str) -> RunRanksResult:
+        incident = report("gpu-lost", node, origin=True)
+        if raises_first:
+            job = activity.client().get_workflow_handle(activity.info().workflow_id)
+            assert incident.incident is not None
+            await job.signal(CollectFailure.raised, incident.incident)
         await until_cancelled_or(at_fault_after_s)
-        return report("gpu-lost", node, origin=True)
+        return incident
 
     @activity.defn(name=calls.run_ranks.name)
     async def peer(node: str) -> RunRanksResult:
@@ -162,6 +183,32 @@ async def test_a_report_naming_its_origin_stops_the_others_at_once() -> None:
     assert (kind, node) == ("crash", "node-2")
     assert stopped == ["node-1"]
     assert took < CAUSE_GRACE_S
+
+
+async def test_an_incident_raised_ahead_of_its_result_names_the_cause_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """node-1's agent is still at its end's work (its result never comes before it is stopped):
+    the incident it sent when it raised it ends the grace and is the cause."""
+    monkeypatch.setattr(outcome, "CAUSE_GRACE_S", 3.0)
+    (kind, node, took), stopped = await collect("comm", False, None, raises_first=True)
+    assert (kind, node) == ("gpu-lost", "node-1")
+    assert stopped == ["node-1"]
+    assert took < 3.0
+
+
+async def test_before_the_incident_came_ahead_the_late_result_lost_the_cause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A history recorded before the patch replays so: the grace ran out, the peer's `comm`."""
+    monkeypatch.setattr(outcome, "CAUSE_GRACE_S", 3.0)
+    patched = workflow.patched
+    without = lambda patch: patch != patches.INCIDENT_AT_ONCE and patched(patch)  # noqa: E731
+    monkeypatch.setattr(outcome.workflow, "patched", without)
+    (kind, node, took), stopped = await collect("comm", False, None, raises_first=True)
+    assert (kind, node) == ("comm", "node-2")
+    assert stopped == ["node-1"]
+    assert took >= 3.0
 
 
 def test_the_grace_outlasts_an_agents_hardware_probe() -> None:

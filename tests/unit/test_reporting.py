@@ -15,6 +15,7 @@ from activities.session import RankSession
 from activities.session import progress as session_progress
 from activities.session import snapshots as session_snapshots
 from activities.session.ending import Ending
+from activities.session.incidents import Incidents
 from activities.session.progress import ProgressReporter
 from activities.session.reports import Reports
 from activities.session.snapshots import Snapshots
@@ -22,7 +23,7 @@ from activities.session.state import SessionState
 from trainguard.agent.rank_files import RankFiles
 from trainguard.domain.detection import TrainingMonitor
 from trainguard.domain.groups import GROUP_SIZE
-from trainguard.domain.messages import ShardInfo
+from trainguard.domain.messages import IncidentReport, ProgressReport, ShardInfo
 from trainguard.domain.report_interval import (
     JOB_ROUTINE_PER_S,
     replica_every,
@@ -313,3 +314,49 @@ async def test_a_stop_gives_up_its_own_uploads_in_a_storage_outage(
     await asyncio.wait_for(session.persist_newest(), timeout=5.0)
     assert len(tries) == 2 * session_snapshots.STOP_UPLOAD_TRIES
     assert snapshots.shards == {} and flushed == [True]
+
+
+async def test_an_incident_reaches_the_workflow_at_once_ahead_of_the_result() -> None:
+    """The machine's result follows its end's work (ranks stopped, pipes read, checkpoints
+    stored, hardware probed: seconds on a loaded machine); the incident goes when raised, and a
+    report that names the cause of the first goes too. The workflow's side:
+    tests/unit/test_cause_grace.py."""
+    sent: list[ProgressReport] = []
+
+    async def send(report: ProgressReport) -> None:
+        sent.append(report)
+
+    state: Any = SimpleNamespace(
+        inp=SimpleNamespace(node=SimpleNamespace(name="node-1"), attempt=3, ranks=[0, 1], resume=None),
+        spec=SimpleNamespace(detection=DetectionSpec(), nodes=2, redact=lambda text: text),
+        done=False,
+        incident=None,
+        changed=asyncio.Event(),
+        tasks=[],
+    )
+    state.spawn = lambda coro, name: SessionState.spawn(state, coro, name)
+    snapshots: Any = SimpleNamespace(
+        unsent=[], interval=None, ckpt_block_s=0.0, memory_shards=list, backup_shards=list
+    )
+    progress = ProgressReporter(state, snapshots, send)
+    terminated: list[bool] = []
+
+    async def terminate() -> None:
+        terminated.append(True)
+
+    incidents = Incidents(state, SimpleNamespace(terminate=terminate), progress, None, None)  # type: ignore[arg-type]
+
+    def incident(kind: str, origin: bool) -> IncidentReport:
+        return IncidentReport(
+            kind=kind, node="node-1", evidence=kind, origin=origin, detected_at=datetime.now(UTC)
+        )
+
+    effect, cause = incident("comm", origin=False), incident("crash", origin=True)
+    incidents.raise_incident(effect)
+    await asyncio.gather(*state.tasks)
+    assert [r.incident for r in sent] == [effect] and sent[0].attempt == 3
+    assert terminated == [True]  # and the ranks are stopped, as before
+    incidents.raise_incident(cause)  # a rank's own crash, read after its peer's broken collective
+    incidents.raise_incident(incident("comm", origin=False))  # a later effect: no news
+    await asyncio.gather(*state.tasks)
+    assert [r.incident for r in sent] == [effect, cause]

@@ -143,6 +143,12 @@ class Incident(BaseModel):
         self.action = decisions[-1].action
         self.evidence = f"{self.evidence} | {' -> '.join(d.evidence for d in decisions)}"[:3000]
 
+    def interrupted(self, why: str, at: datetime) -> None:
+        """Diagnosis cut short by a stop: no decision acted on, the job ends."""
+        self.decision_s = round((at - self.detected_at).total_seconds(), 3)
+        self.action = "stop"
+        self.evidence = f"{self.evidence} | {why}"[:3000]
+
     def evicted_to(self, evicted: list[str], at: datetime) -> None:
         """The pool swapped standbys in for ``evicted``."""
         self.action = "evict"

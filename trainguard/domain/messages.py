@@ -595,6 +595,11 @@ class ProgressReport(Msg):
     script_ckpts: list[ScriptCheckpointRef] = []
     # Warm rank processes preloaded and waiting on this machine (None: an agent without a pool).
     warm_ready: int | None = None
+    # The attempt failed here: its incident, sent as soon as it is raised. The machine's result
+    # carries it again once the end's work is done (ranks stopped, pipes read, the script's
+    # checkpoints stored, the hardware probed): seconds later on a loaded machine, by when a
+    # peer's effect (a broken collective) must not have been taken for the cause.
+    incident: IncidentReport | None = None
 
 
 # -- groups of a large job's machines (workflows.job.group) ------------------------
@@ -664,6 +669,9 @@ class GroupNews(Msg):
     # Machines that ended with a failure since the group's last news, and those whose run_ranks
     # failed (lost, with the error); machines still running and heard from.
     failed: list[RunRanksResult] = []
+    # Incidents machines raised since the group's last news (ProgressReport.incident): their
+    # results follow once their end's work is done.
+    raised: list[IncidentReport] = []
     lost: dict[str, str] = {}
     running: int = 0
     # Every machine ended: each one's result (their memory snapshots and backups name the

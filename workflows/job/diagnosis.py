@@ -42,6 +42,10 @@ with workflow.unsafe.imports_passed_through():
 # activities pending (its rendezvous port, then both sides' checks), so at most 400, under the
 # 500 Temporal advises for one workflow; a round of a job of up to 400 machines runs in one wave.
 PAIRS_AT_ONCE = 200
+# Decisions whose diagnosis runs checks on the machines (minutes at scale): a stop cuts them
+# short. Not a replay (its dry-run ranks would be left to the agents' orphan timer; it is not run
+# on a job of groups, whose checks take long).
+CHECKS = ("stop-time-checks", "alignment-test")
 
 
 async def rendezvous_port(

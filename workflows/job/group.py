@@ -24,7 +24,7 @@ from temporalio.exceptions import ActivityError, CancelledError
 
 from trainguard import contract
 from trainguard.contract import calls
-from workflows.job import fanout
+from workflows.job import fanout, patches
 from workflows.job.outcome import Handles, cancel_all, failed, heartbeat_lost, what_failed
 
 with workflow.unsafe.imports_passed_through():
@@ -35,6 +35,7 @@ with workflow.unsafe.imports_passed_through():
         GroupInput,
         GroupNews,
         GroupStop,
+        IncidentReport,
         PartRef,
         ProgressReport,
         ReplicaRun,
@@ -77,6 +78,8 @@ class RanksGroupWorkflow:
         self.news_hashes: tuple[int, list[ReplicaRun]] | None = None
         self.news_failed: list[RunRanksResult] = []
         self.news_lost: dict[str, str] = {}
+        self.news_raised: list[IncidentReport] = []  # incidents machines raised ahead of their results
+        self._raised: set[str] = set()  # machines whose raised incident was told
         # The script's own checkpoints the machines stored since the last news, newest per name:
         # they ride on the next summary (routine, as a large job's uploads do).
         self.news_scripts: dict[str, ScriptCheckpointRef] = {}
@@ -215,6 +218,10 @@ class RanksGroupWorkflow:
                     self.shards.setdefault(shard.step, {})[shard.rank] = shard
             if r.hash_step is not None and r.hashes:
                 self.hashes.setdefault(r.hash_step, {}).update(r.hashes)
+            told = r.node in self._raised
+            if r.incident is not None and not told and workflow.patched(patches.INCIDENT_AT_ONCE):
+                self._raised.add(r.node)
+                self.news_raised.append(r.incident)
             for ref in r.script_ckpts:
                 known = self.news_scripts.get(ref.name)
                 if known is None or ref.order > known.order:
@@ -305,7 +312,8 @@ class RanksGroupWorkflow:
     async def _tell(self, routine: bool) -> bool:
         """Send what is news (and, ``routine``, the summary); False when the job is gone."""
         first = self.first_step_at is not None and not self.first_step_sent
-        urgent = first or self.news_parts or self.news_hashes or self.news_failed or self.news_lost
+        told = self.news_parts or self.news_hashes or self.news_failed or self.news_lost or self.news_raised
+        urgent = first or told
         if not urgent and not routine:
             return True
         news = self._news()
@@ -332,9 +340,11 @@ class RanksGroupWorkflow:
             parts=list(self.news_parts),
             failed=list(self.news_failed),
             lost=dict(self.news_lost),
+            raised=list(self.news_raised),
             running=sum(not h.done() for n, h in self.handles.items() if n not in self._unheard()),
         )
         self.news_parts, self.news_hashes, self.news_failed, self.news_lost = [], None, [], {}
+        self.news_raised = []
         if news.progress is not None:
             self.news_scripts = {}
         return news

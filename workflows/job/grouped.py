@@ -24,6 +24,7 @@ from temporalio import workflow
 from temporalio.workflow import ParentClosePolicy
 
 from trainguard import contract
+from workflows.job import patches
 from workflows.job.outcome import (
     CAUSE_GRACE_S,
     AttemptOutcome,
@@ -171,11 +172,13 @@ class Groups:
     def hung(self) -> bool:
         return any(r.incident is not None and r.incident.kind == "hang" for r in self.failed.values())
 
-    def awaiting_cause(self) -> bool:
+    def awaiting_cause(self, raised: bool = False) -> bool:
         """As ``outcome.awaiting_cause``: every report so far is a peer's effect and a machine that
         may still report the cause is running."""
         found = self.progress.found
         if found is not None and found.origin:
+            return False
+        if raised and any(i.origin for i in self.progress.raised_now().values()):
             return False
         if self.lost or any(
             r.gone or (r.incident is not None and r.incident.origin) for r in self.failed.values()
@@ -209,17 +212,21 @@ class Groups:
     def results(self) -> list[RunRanksResult]:
         return [r for _, r in self.ends() if isinstance(r, RunRanksResult)]
 
-    def _first_cause(self, finding: StackFinding | None) -> AttemptOutcome:
-        """The cause among what the groups told so far (the failed machines' results)."""
+    def _first_cause(self, finding: StackFinding | None, raised: bool) -> AttemptOutcome:
+        """The cause among what the groups told so far (the failed machines' results, and the
+        incidents machines ``raised`` ahead of theirs)."""
         found = self.progress.found
         reports = [found] if found is not None else []
         reports += [machine_lost(name, what) for name, what in self.lost.items()]
         reports += [x for name, r in self.failed.items() if (x := report_of(name, r)) is not None]
+        if raised:
+            reports += [i for name, i in self.progress.raised_now().items() if name not in self.failed]
         return rank_reports(self.s, reports, list(self.failed.values()), finding)
 
-    def _final(self, finding: StackFinding | None) -> AttemptOutcome:
+    def _final(self, finding: StackFinding | None, raised: bool) -> AttemptOutcome:
         cut = sorted({name for g in self.done.values() for name in g.cut_off})
-        return name_cause(self.s, self.progress, self.ends(), cut, finding)
+        early = self.progress.raised_now() if raised else {}
+        return name_cause(self.s, self.progress, self.ends(), cut, finding, early)
 
     async def collect_failure(
         self, finding: StackFinding | None = None
@@ -229,8 +236,9 @@ class Groups:
         reported itself (``origin``) is decided on at once, the groups stopping meanwhile: the
         returned ``Settle`` then waits for every machine's result (what the others saw, their
         snapshots). Otherwise every result is in first (``Settle`` None)."""
+        raised = workflow.patched(patches.INCIDENT_AT_ONCE)
         deadline = workflow.time() + CAUSE_GRACE_S
-        while finding is None and self.awaiting_cause() and (left := deadline - workflow.time()) > 0:
+        while finding is None and self.awaiting_cause(raised) and (left := deadline - workflow.time()) > 0:
             try:
                 await workflow.wait_condition(
                     lambda: bool(self.inbox), timeout=timedelta(seconds=left), timeout_summary="cause-grace"
@@ -238,17 +246,17 @@ class Groups:
             except TimeoutError:
                 break
             self.drain()
-        first = self._first_cause(finding)
+        first = self._first_cause(finding, raised)
         assert first.primary is not None
         if finding is not None or not first.primary.origin:
             await self.stop()
-            return self._final(finding), None
+            return self._final(finding, raised), None
         stopping = asyncio.create_task(self._signal_stop(GroupStop()))
 
         async def settle() -> AttemptOutcome:
             await stopping
             await self._all_done()
-            final = self._final(None)
+            final = self._final(None, raised)
             cause = first.primary
             assert cause is not None and final.primary is not None
             # The cause decided on stays the cause; every other report is what the others saw.

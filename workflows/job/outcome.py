@@ -137,11 +137,16 @@ def _names_origin(h: workflow.ActivityHandle[RunRanksResult]) -> bool:
     return r.gone or (r.incident is not None and r.incident.origin)
 
 
-def awaiting_cause(progress: Progress, handles: Handles, unheard: frozenset[str]) -> bool:
+def awaiting_cause(
+    progress: Progress, handles: Handles, unheard: frozenset[str], raised: bool = False
+) -> bool:
     """Every report so far is a peer's effect (a collective error, a failed rendezvous, ranks
     that failed without a cause), and a machine that may still report the cause is running
-    (not one asked to re-attach and unheard since: perhaps cut off, it may never report)."""
+    (not one asked to re-attach and unheard since: perhaps cut off, it may never report).
+    ``raised``: the incidents machines raised ahead of their results count as reports."""
     if progress.found is not None and progress.found.origin:
+        return False
+    if raised and any(i.origin for i in progress.raised_now().values()):
         return False
     if any(h.done() and _names_origin(h) for h in handles.values()):
         return False
@@ -211,16 +216,17 @@ async def collect_failure(
     them that does not answer the stop either is lost (it is cut off, not merely slow), whatever
     its peers report."""
     silent: set[str] = set()
+    raised = workflow.patched(patches.INCIDENT_AT_ONCE)
     if (
         finding is None
-        and awaiting_cause(progress, handles, reattached)
+        and awaiting_cause(progress, handles, reattached, raised)
         and workflow.patched(patches.CAUSE_GRACE)
     ):
         # A peer's collective error reaches the workflow before the report of the machine whose
         # ranks died first; stopping that machine now would cancel its report.
         with contextlib.suppress(TimeoutError):
             await workflow.wait_condition(
-                lambda: not awaiting_cause(progress, handles, reattached),
+                lambda: not awaiting_cause(progress, handles, reattached, raised),
                 timeout=timedelta(seconds=CAUSE_GRACE_S),
                 timeout_summary="cause-grace",
             )
@@ -239,7 +245,8 @@ async def collect_failure(
         assert run is not None
         await fanout.on_machines(calls.stop_ranks, stop_request(s, run.attempt), s.nodes)
     cut = lost if lost and workflow.patched(patches.FENCE_BOUND) else []
-    return name_cause(s, progress, [(name, end_of(h)) for name, h in handles.items()], cut, finding)
+    ends = [(name, end_of(h)) for name, h in handles.items()]
+    return name_cause(s, progress, ends, cut, finding, progress.raised_now() if raised else {})
 
 
 # A machine's end: its result, the error that lost it (what it said), or None (cancelled).
@@ -259,15 +266,19 @@ def name_cause(
     ends: list[tuple[str, Ended]],
     cut: list[str],
     finding: StackFinding | None = None,
+    raised: dict[str, IncidentReport] | None = None,
 ) -> AttemptOutcome:
     """Every report of an attempt's end (the workflow's own finding, machines ``cut`` off, each
-    machine's end in ``ends``), the cause first: the incident and what the others saw."""
+    machine's end in ``ends``, the incident a machine whose end was cancelled had ``raised``
+    ahead of it), the cause first: the incident and what the others saw."""
     reports: list[IncidentReport] = [progress.found] if progress.found else []
     progress.found = None
     reports.extend(cut_off(name) for name in cut)
     results: list[RunRanksResult] = []
     for name, r in ends:
         if r is None:
+            if raised and name in raised:
+                reports.append(raised[name])
             continue
         if isinstance(r, str):
             reports.append(machine_lost(name, r))

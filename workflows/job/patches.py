@@ -77,3 +77,13 @@ GROUPS = "machine-groups"
 # at a time: each keeps up to two activities pending in the job's workflow, and all 600 pairs of
 # a 1,200-machine job at once were 1,200 pending.
 PAIR_WAVES = "pair-waves"
+# A machine's incident arrives ahead of its result (``ProgressReport.incident``, forwarded by its
+# group in ``GroupNews.raised``): the cause grace ends on it, and it names the cause when the
+# machine's result was cancelled. Before it, a machine whose end's work passed the grace (ranks
+# stopped, pipes read, checkpoints stored, hardware probed: seconds on a loaded machine) had a
+# peer's effect, a broken collective, taken for the cause.
+INCIDENT_AT_ONCE = "incident-at-once"
+# A user's stop or cancel during a failure's diagnosis cancels its checks and ends the job (it
+# waited for them before, then started the next attempt only to stop it: at 1,200 machines the
+# stop-time checks' pair rounds kept a stop waiting past 300 s).
+STOP_DIAGNOSIS = "stop-diagnosis"

@@ -64,6 +64,24 @@ class Progress:
         # A large job's groups (their count) and the parts of each step they committed so far.
         self.groups: int | None = None
         self.parts: dict[int, dict[int, PartRef]] = {}
+        # Incidents the machines of attempt ``raised_attempt`` raised ahead of their results.
+        self.raised: dict[str, IncidentReport] = {}
+        self.raised_attempt = 0
+
+    def note_raised(self, attempt: int, incident: IncidentReport) -> None:
+        """A machine's incident, sent as soon as it was raised (``ProgressReport.incident``); kept
+        for the running attempt only."""
+        run = self.s.running
+        if run is None or attempt != run.attempt:
+            return
+        if attempt != self.raised_attempt:
+            self.raised, self.raised_attempt = {}, attempt
+        self.raised[incident.node] = incident
+
+    def raised_now(self) -> dict[str, IncidentReport]:
+        """The running attempt's incidents raised ahead of their machines' results."""
+        run = self.s.running
+        return self.raised if run is not None and run.attempt == self.raised_attempt else {}
 
     def drain(self) -> None:
         reports, self.inbox = self.inbox, []

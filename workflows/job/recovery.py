@@ -9,13 +9,17 @@ verdict when the job must stop; the workflow ends the job. The sequence of decis
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Callable
 from datetime import datetime
 
 from temporalio import workflow
+from temporalio.exceptions import ActivityError, ChildWorkflowError
 
 from trainguard.contract import calls
 from workflows.job import patches
-from workflows.job.diagnosis import Diagnosis
+from workflows.job.diagnosis import CHECKS, Diagnosis
 from workflows.job.outcome import AttemptOutcome, Settle
 from workflows.job.progress import Progress, apply_version
 from workflows.job.visibility import Visibility
@@ -46,13 +50,20 @@ def suspects(primary: IncidentReport, others: list[IncidentReport], host: str | 
 
 class Recovery:
     def __init__(
-        self, inp: JobInput, s: JobState, vis: Visibility, progress: Progress, diagnosis: Diagnosis
+        self,
+        inp: JobInput,
+        s: JobState,
+        vis: Visibility,
+        progress: Progress,
+        diagnosis: Diagnosis,
+        stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         self.inp = inp
         self.s = s
         self.vis = vis
         self.progress = progress
         self.diagnosis = diagnosis
+        self.stopping = stopping  # a user asked the job to stop (or cancel)
 
     def _fault_time(self, primary: IncidentReport, run: RunningAttempt | None) -> datetime | None:
         """When the fault began: the machine's own record, else a drill injected this attempt."""
@@ -115,8 +126,25 @@ class Recovery:
             outcome = await settle()
             self.progress.note_last_steps(outcome.results)
             incident.saw(primary, outcome.others)
-        follow = await self.diagnosis.run(first, outcome, attempt)
+        if first.action in CHECKS and workflow.patched(patches.STOP_DIAGNOSIS):
+            # A stop does not wait for the checks (a 1,200-machine job's pair rounds take minutes);
+            # a decision that needs none (an eviction) is still carried out.
+            diagnosing = asyncio.create_task(self.diagnosis.run(first, outcome, attempt))
+            await workflow.wait_condition(lambda: diagnosing.done() or self.stopping())
+            interrupted = not diagnosing.done()
+            if interrupted:
+                diagnosing.cancel()  # its checks' activities and children with it
+                # Cancelled, or the error a cancelled activity or child ends a check with.
+                with contextlib.suppress(asyncio.CancelledError, ActivityError, ChildWorkflowError):
+                    await diagnosing
+            follow = None if interrupted else diagnosing.result()
+        else:
+            interrupted = False
+            follow = await self.diagnosis.run(first, outcome, attempt)
         s.ledger = ettr.add_badput(s.ledger, "diagnosis", (workflow.now() - diagnosing_since).total_seconds())
+        if interrupted:
+            incident.interrupted(f"{first.action} interrupted: the job was stopped", workflow.now())
+            return None  # the workflow sees the stop and ends the job
         done = conclude(facts, s.history, first, follow)
         final = done.final
         incident.concluded(done.decisions, workflow.now())

@@ -78,7 +78,9 @@ class TrainingJobWorkflow:
         self.attempt = Attempt(
             inp, self.s, self.vis, self.progress, lambda: self.stop_reason is not None, lambda: self.cancelled
         )
-        self.recovery = Recovery(inp, self.s, self.vis, self.progress, Diagnosis(inp, self.s))
+        self.recovery = Recovery(
+            inp, self.s, self.vis, self.progress, Diagnosis(inp, self.s), lambda: self.stop_reason is not None
+        )
         self.notifier = Notifier(self.s)
 
     def record_audit(self, entry: AuditEntry) -> None:
@@ -100,6 +102,8 @@ class TrainingJobWorkflow:
     def report_progress(self, report: ProgressReport) -> None:
         self.progress.inbox.append(report)
         self.progress.note_scripts(report.script_ckpts)
+        if report.incident is not None:
+            self.progress.note_raised(report.attempt, report.incident)
 
     @workflow.signal(name=contract.job.group.name)
     def group_news(self, news: GroupNews) -> None:
@@ -107,6 +111,8 @@ class TrainingJobWorkflow:
         self.attempt.groups.inbox.append(news)
         if news.progress is not None:
             self.progress.note_scripts(news.progress.script_ckpts)
+        for incident in news.raised:
+            self.progress.note_raised(news.attempt, incident)
 
     @workflow.signal(name=contract.job.drill.name)
     def drill(self, record: InjectResult) -> None:
@@ -200,6 +206,9 @@ class TrainingJobWorkflow:
             if outcome.kind == "update":
                 continue  # the next attempt, on the same machines, runs the new version
             await self._recover(outcome)
+            if self.stop_reason is not None and workflow.patched(patches.STOP_DIAGNOSIS):
+                # Stopped while it recovered: no next attempt only to stop it.
+                return await self._finish("stopped")
 
     async def _reserve(self) -> bool:
         """Wait for enough free machines (phase pending); False if stopped meanwhile."""
