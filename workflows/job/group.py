@@ -79,7 +79,7 @@ class RanksGroupWorkflow:
         self.news_failed: list[RunRanksResult] = []
         self.news_lost: dict[str, str] = {}
         self.news_raised: list[IncidentReport] = []  # incidents machines raised ahead of their results
-        self._raised: set[str] = set()  # machines whose raised incident was told
+        self._raised: dict[str, IncidentReport] = {}  # machine -> the raised incident last told
         # The script's own checkpoints the machines stored since the last news, newest per name:
         # they ride on the next summary (routine, as a large job's uploads do).
         self.news_scripts: dict[str, ScriptCheckpointRef] = {}
@@ -218,10 +218,9 @@ class RanksGroupWorkflow:
                     self.shards.setdefault(shard.step, {})[shard.rank] = shard
             if r.hash_step is not None and r.hashes:
                 self.hashes.setdefault(r.hash_step, {}).update(r.hashes)
-            told = r.node in self._raised
-            if r.incident is not None and not told and workflow.patched(patches.INCIDENT_AT_ONCE):
-                self._raised.add(r.node)
-                self.news_raised.append(r.incident)
+            # Every report after it carries it; a later one that names the cause of the first is news.
+            if r.incident is not None and self._raised.get(r.node) != r.incident:
+                self._note_raised(r.node, r.incident)
             for ref in r.script_ckpts:
                 known = self.news_scripts.get(ref.name)
                 if known is None or ref.order > known.order:
@@ -230,6 +229,12 @@ class RanksGroupWorkflow:
         for step in sorted(self.hashes):
             if len(self.hashes[step]) >= len(self.ranks):
                 self.news_hashes = (step, replica_runs(self.hashes.pop(step), self.positions))
+
+    def _note_raised(self, node: str, incident: IncidentReport) -> None:
+        """A machine's incident, ahead of its result: news for the job's cause grace."""
+        if workflow.patched(patches.INCIDENT_AT_ONCE):
+            self._raised[node] = incident
+            self.news_raised.append(incident)
 
     def _commit_parts(self) -> None:
         """A step whose every shard of this group's ranks arrived is committed as a part."""

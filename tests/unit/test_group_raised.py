@@ -1,0 +1,82 @@
+"""A job's group forwards a machine's incident as soon as it comes (``GroupNews.raised``), ahead
+of the machine's result, once per incident: every report after it carries the same one, and a
+later one that names the cause of the first is news again. The job's side:
+tests/unit/test_cause_grace.py."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from trainguard.domain.messages import (
+    Endpoint,
+    GroupInput,
+    IncidentReport,
+    NodeInfo,
+    ProgressReport,
+    RunRanksInput,
+)
+from trainguard.domain.spec import parse_spec
+from workflows.job import group, patches
+from workflows.job.group import RanksGroupWorkflow
+
+NODES = [NodeInfo(name=f"node-{i}", task_queue=f"q-{i}") for i in (1, 2)]
+
+
+def _group() -> RanksGroupWorkflow:
+    spec = parse_spec({"name": "job", "entrypoint": ["python", "train.py"], "nodes": 1, "target_steps": 5})
+    ranks = RunRanksInput(
+        job_id="job",
+        workflow_id="job",
+        attempt=3,
+        node=NODES[0],
+        node_index=0,
+        ranks=[0],
+        spec=spec,
+        master=Endpoint(host="127.0.0.1", port=29500),
+        ckpt_prefix="checkpoints/job",
+    )
+    inp = GroupInput(
+        parent="job",
+        group=0,
+        first_index=0,
+        nodes=NODES,
+        ranks_input=ranks,
+        schedule_to_start_s=30,
+        heartbeat_timeout_s=30,
+        pickup_s=35,
+        summary_every_s=5,
+    )
+    return RanksGroupWorkflow(inp)
+
+
+def _report(node: str, incident: IncidentReport | None) -> ProgressReport:
+    return ProgressReport(node=node, attempt=3, step=7, at=datetime.now(UTC), incident=incident)
+
+
+def _incident(kind: str, origin: bool) -> IncidentReport:
+    return IncidentReport(
+        kind=kind, node="node-1", evidence=kind, origin=origin, detected_at=datetime.now(UTC)
+    )
+
+
+def _told(g: RanksGroupWorkflow, *reports: ProgressReport) -> list[IncidentReport]:
+    g.inbox.extend(reports)
+    g._drain()
+    told, g.news_raised = g.news_raised, []
+    return told
+
+
+@pytest.mark.parametrize("patched", [True, False])
+def test_a_machines_incident_is_news_once(monkeypatch: pytest.MonkeyPatch, patched: bool) -> None:
+    allowed: Any = lambda patch: patched or patch != patches.INCIDENT_AT_ONCE  # noqa: E731
+    monkeypatch.setattr(group.workflow, "patched", allowed)
+    monkeypatch.setattr(group.workflow, "now", lambda: datetime.now(UTC))
+    g = _group()
+    effect, cause = _incident("comm", origin=False), _incident("crash", origin=True)
+    first = _told(g, _report("node-2", None), _report("node-1", effect))
+    assert first == ([effect] if patched else [])  # a group from before the patch tells nothing early
+    assert _told(g, _report("node-1", effect)) == []  # the same incident again: no news
+    assert _told(g, _report("node-1", cause)) == ([cause] if patched else [])
