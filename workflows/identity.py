@@ -77,13 +77,14 @@ class _IdentityInbound(WorkflowInboundInterceptor):
         problem = refusal(operation, claims, why, owner, REQUIRED, OWNED) if self.KEYS else None
         return problem, who
 
-    def _decide(self, operation: str, headers: Any, target: str) -> str | None:
-        """The refusal of ``operation`` (None: allowed); the attempt recorded either way."""
+    def _decide(self, operation: str, headers: Any, target: str, what: str | None = None) -> str | None:
+        """The refusal of ``operation`` (None: allowed); the attempt recorded either way, as
+        ``what`` where that names it better."""
         problem, who = self._refusal(operation, headers)
         record = getattr(workflow.instance(), "record_audit", None)
         if record is not None:
             entry = AuditEntry(
-                at=workflow.now(), who=who, what=operation, target=target, refused=problem is not None
+                at=workflow.now(), who=who, what=what or operation, target=target, refused=problem is not None
             )
             record(entry)
         return problem
@@ -134,10 +135,19 @@ class _IdentityInbound(WorkflowInboundInterceptor):
     async def handle_update_handler(self, input: HandleUpdateInput) -> Any:
         if input.update in REQUIRED and workflow.patched(ROLES_PATCH):
             await workflow.wait_condition(lambda: self.started)
-            problem = self._decide(input.update, input.headers, _target(input.args))
+            problem = self._decide(
+                input.update, input.headers, _target(input.args), _what(input.update, input.args)
+            )
             if problem is not None:
                 raise ApplicationError(problem, type="Refused", non_retryable=True)
         return await super().handle_update_handler(input)
+
+
+def _what(operation: str, args: Any) -> str:
+    """What the audit calls an operation: the pool's cordon that lifts one is an uncordon."""
+    if operation == contract.pool.cordon.name and args and getattr(args[0], "cordoned", True) is False:
+        return "uncordon"
+    return operation
 
 
 def _target(args: Any) -> str:

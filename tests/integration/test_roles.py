@@ -124,7 +124,7 @@ async def test_each_operation_needs_its_role_and_is_audited(
     assert audit(doc)[-4:] == [
         (doc["audit"][-4]["who"], "cordon", True),
         (doc["audit"][-3]["who"], "cordon", False),
-        (doc["audit"][-2]["who"], "cordon", False),
+        (doc["audit"][-2]["who"], "uncordon", False),  # the same update, named for what it did
         (doc["audit"][-1]["who"], CLEAR, False),
     ]
     assert doc["audit"][-4]["who"].startswith("? (identity of mallory")

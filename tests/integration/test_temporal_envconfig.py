@@ -101,8 +101,9 @@ def test_a_profile_with_mutual_tls_and_an_identity_reaches_a_tls_temporal(
         doc = json.loads(as_profile("mtls", "nodes", "--json").stdout)
         # Both are the pool's cordon operation (cordoned true, then false), done as the subject.
         assert [(e["who"], e["what"], e["refused"]) for e in doc["audit"][-2:]] == [
-            (subject, "cordon", False)
-        ] * 2
+            (subject, "cordon", False),
+            (subject, "uncordon", False),
+        ]
         assert not next(r for r in doc["nodes"] if r["node"] == node)["cordoned"]
         accepted = front.accepted
         for name in ("nocert", "plain"):

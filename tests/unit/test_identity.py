@@ -24,8 +24,10 @@ from trainguard.domain.identity import (
     verify,
 )
 from trainguard.domain.identity import refusal as refusal_of
+from trainguard.domain.messages import CordonInput
 from trainguard.face.cli import app
 from trainguard.services.settings import Settings
+from workflows.identity import _what
 
 KEY, OTHER = b"k" * 32, b"o" * 32
 STOP, CANCEL, UPDATE = contract.job.stop.name, contract.job.cancel.name, contract.job.update_code.name
@@ -116,3 +118,11 @@ def test_issuing_on_the_local_stack_signs_with_its_keys_and_elsewhere_needs_the_
     assert done.exit_code == 0, done.stderr
     claims = verify(done.stdout.strip(), keys, now=0)
     assert (claims.subject, claims.roles) == ("alice", ("user",))
+
+
+def test_the_audit_names_a_lifted_cordon_an_uncordon() -> None:
+    """One update does both (``CordonInput.cordoned``); the trail says which it was."""
+    cordon = contract.pool.cordon.name
+    assert _what(cordon, [CordonInput(node="node-1", cordoned=False)]) == "uncordon"
+    assert _what(cordon, [CordonInput(node="node-1")]) == cordon
+    assert _what(contract.job.update_code.name, ["v2"]) == contract.job.update_code.name
