@@ -341,7 +341,9 @@ class WarmPool:
                 w.raise_to_rank()
         started = 0
         while len(self.procs) < ranks:
-            if not leaves_room(self.memory(), self.per_process):
+            # Those still importing have not grown to their size yet: free memory does not show them.
+            importing = sum(not w.preloaded() for w in self.procs)
+            if not leaves_room(self.memory(), self.per_process * (importing + 1)):
                 log.info("a restart's processes: %d started, no memory for more", started)
                 break
             try:

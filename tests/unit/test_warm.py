@@ -23,6 +23,7 @@ from activities.warm_pool import (
     AUTO,
     CPU_MACHINE_RANKS,
     FIRST_ESTIMATE_BYTES,
+    MIN_AVAILABLE_FRACTION,
     STARTS,
     Memory,
     WarmPool,
@@ -339,3 +340,11 @@ async def test_no_processes_for_a_restart_the_warm_ones_cannot_run_or_memory_can
     ):
         await p.prestart_next()
         assert p.warm is not None and p.warm.procs == []
+    # Room for one more process, not two: the one just started counts before it has grown.
+    p = process(["python", "train.py"], MIN_AVAILABLE_FRACTION * 64 + 0.7)
+    try:
+        await p.prestart_next()
+        assert p.warm is not None and len(p.warm.procs) == 1
+    finally:
+        assert p.warm is not None
+        await p.warm.stop()
