@@ -201,7 +201,7 @@ class RankActivities:
             self.mark_stopped(req.job_id, req.attempt, req.chain)
         if sess is None or not sess.live_pids():
             return False
-        if not req.persist:  # a recovery's stop: the next attempt's processes start now
+        if not req.persist and not req.final:  # a recovery's stop: the next attempt's processes start now
             await sess.process.prestart_next()
         await sess.kill()
         await sess.wait_end()

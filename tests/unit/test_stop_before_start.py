@@ -4,7 +4,10 @@ run_ranks then ends at once instead of starting ranks that only a cancellation w
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from activities.ranks import STOPPED_KEPT, RankActivities
 from activities.session import Sessions
@@ -49,3 +52,36 @@ def test_the_agent_remembers_a_bounded_number_of_stops(tmp_path: Path) -> None:
         agent.mark_stopped("job", attempt, "run-a")
     assert len(agent.stopped) == STOPPED_KEPT
     assert ("job", 0, "run-a") not in agent.stopped and ("job", STOPPED_KEPT + 9, "run-a") in agent.stopped
+
+
+@pytest.mark.parametrize(
+    ("req", "expected"),
+    [
+        # A recovery's stop: its next attempt follows here, its processes start at once.
+        (StopRanksInput(job_id="job", attempt=2), ["prestart", "kill", "end"]),
+        # A user's stop (the newest snapshots to S3) and a cancel end the job: nothing is started.
+        (StopRanksInput(job_id="job", attempt=2, persist=True, final=True), ["kill", "end", "persist"]),
+        (StopRanksInput(job_id="job", attempt=2, final=True), ["kill", "end"]),
+    ],
+)
+async def test_only_a_stop_a_next_attempt_follows_starts_processes_for_it(
+    tmp_path: Path, req: StopRanksInput, expected: list[str]
+) -> None:
+    done: list[str] = []
+
+    async def did(what: str) -> None:
+        done.append(what)
+
+    sess: Any = SimpleNamespace(
+        key=("job", 2),
+        started=True,
+        live_pids=lambda: {0: 4242},
+        process=SimpleNamespace(prestart_next=lambda: did("prestart")),
+        kill=lambda: did("kill"),
+        wait_end=lambda: did("end"),
+        persist_newest=lambda: did("persist"),
+    )
+    agent = _agent(tmp_path)
+    agent.sessions.add(sess)
+    assert await agent.stop_ranks(req) is True
+    assert done == expected

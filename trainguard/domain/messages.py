@@ -637,6 +637,8 @@ class GroupStop(Msg):
     persist: bool = False
     # A user's stop waits this long for the uploads of the persist (seconds).
     limit_s: float | None = None
+    # The job ends (StopRanksInput.final).
+    final: bool = False
 
 
 class ReplicaRun(Msg):
@@ -751,6 +753,9 @@ class StopRanksInput(Msg):
     # answer, and a last progress report names their shards (the job's last checkpoint is then
     # the newest step every machine held, not the last periodic persist).
     persist: bool = False
+    # The job ends (a user's stop or cancel): no next attempt runs here, so the machine starts no
+    # processes for one.
+    final: bool = False
 
 
 # -- fan-out of one activity over many machines (workflows.job.fanout) ------------

@@ -232,7 +232,7 @@ class Attempt:
             if self.stopping():
                 at_once = self.cancelled() and workflow.patched(patches.CANCEL_AT_ONCE)
                 persist = not at_once and workflow.patched(patches.PERSIST_AT_STOP)
-                await self.stop_ranks_now(handles, wait_commits=not at_once, persist=persist)
+                await self.stop_ranks_now(handles, wait_commits=not at_once, persist=persist, final=True)
                 return AttemptOutcome(kind="stopped")
             if self.update_due() and not any(failed(h) for h in handles.values()):
                 return await self._stop_for_update(handles)
@@ -274,7 +274,7 @@ class Attempt:
             if self.stopping():
                 at_once = self.cancelled()
                 limit = None if at_once else calls.PERSIST_AT_STOP_LIMIT.total_seconds()
-                await groups.stop(persist=not at_once, limit_s=limit)
+                await groups.stop(persist=not at_once, limit_s=limit, final=True)
                 for r in groups.results():
                     progress.note_kept(r)
                 progress.drain()
@@ -316,14 +316,15 @@ class Attempt:
         self.s.code.force()
 
     async def stop_ranks_now(
-        self, handles: Handles, wait_commits: bool = True, persist: bool = False
+        self, handles: Handles, wait_commits: bool = True, persist: bool = False, final: bool = False
     ) -> None:
         """Stop the attempt's ranks on purpose (user stop, code update), keeping what they saved;
-        ``persist``: their newest memory snapshots go to S3 first (a user's stop)."""
+        ``persist``: their newest memory snapshots go to S3 first (a user's stop); ``final``: the
+        job ends (no processes are started for a next attempt)."""
         run = self.s.running
         assert run is not None
         # Directly: a cancellation reaches the agents only with their next heartbeat, seconds later.
-        req = stop_request(self.s, run.attempt, persist=persist)
+        req = stop_request(self.s, run.attempt, persist=persist, final=final)
         bound = {"start_to_close": calls.PERSIST_AT_STOP_LIMIT} if persist else {}
         await fanout.on_machines(calls.stop_ranks, req, self.s.nodes, **bound)
         await cancel_all(handles)

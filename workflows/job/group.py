@@ -98,7 +98,7 @@ class RanksGroupWorkflow:
 
     @workflow.signal(name=contract.group.stop.name)
     def stop(self, req: GroupStop) -> None:
-        if self.stop_req is None or req.persist:
+        if self.stop_req is None or req.persist or req.final:
             self.stop_req = req
 
     # -- the run -----------------------------------------------------------------------------
@@ -135,7 +135,7 @@ class RanksGroupWorkflow:
             if all(h.done() for h in self.handles.values()):
                 break
             if not await self._tell(routine=self._summary_due()):
-                await self._stop(GroupStop())  # the job is gone: nobody will restart these ranks
+                await self._stop(GroupStop(final=True))  # the job is gone: nobody will restart these ranks
                 break
             if self._history_full():
                 await self._continue_as_new()
@@ -386,7 +386,9 @@ class RanksGroupWorkflow:
         """Stop every machine's ranks (those that already ended too: a hang keeps them for their
         stacks), then cancel what still runs."""
         base = self.inp.ranks_input
-        stop = StopRanksInput(job_id=base.job_id, attempt=base.attempt, chain=base.chain, persist=req.persist)
+        stop = StopRanksInput(
+            job_id=base.job_id, attempt=base.attempt, chain=base.chain, persist=req.persist, final=req.final
+        )
         bound = {"start_to_close": timedelta(seconds=req.limit_s)} if req.limit_s else {}
         answers = await fanout.by_machine(calls.stop_ranks, stop, self.inp.nodes, **bound)
         silent = {name for name, a in answers.items() if isinstance(a, BaseException)}

@@ -198,9 +198,9 @@ class Groups:
             await workflow.wait_condition(lambda: bool(self.inbox))
             self.drain()
 
-    async def stop(self, persist: bool = False, limit_s: float | None = None) -> None:
+    async def stop(self, persist: bool = False, limit_s: float | None = None, final: bool = False) -> None:
         """Every group stops its ranks; returns once each sent every machine's result."""
-        await self._signal_stop(GroupStop(persist=persist, limit_s=limit_s))
+        await self._signal_stop(GroupStop(persist=persist, limit_s=limit_s, final=final))
         await self._all_done()
 
     def ends(self) -> list[tuple[str, Ended]]:

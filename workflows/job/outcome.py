@@ -59,7 +59,7 @@ Settle = Callable[[], Awaitable[AttemptOutcome]]
 
 
 def stop_request(
-    s: JobState, attempt: int, job_id: str | None = None, persist: bool = False
+    s: JobState, attempt: int, job_id: str | None = None, persist: bool = False, final: bool = False
 ) -> StopRanksInput:
     # The run's chain: a machine that gets the stop before the attempt's run_ranks refuses it then.
     return StopRanksInput(
@@ -67,6 +67,7 @@ def stop_request(
         attempt=attempt,
         chain=workflow.info().first_execution_run_id,
         persist=persist,
+        final=final,
     )
 
 
