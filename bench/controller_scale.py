@@ -57,6 +57,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -315,6 +316,11 @@ async def pool_figures(client: Client, machines: int) -> dict[str, Any]:
     }
 
 
+def action_kind(event: Any) -> str:
+    """An action's kind as the breakdown names it: its event type, lower case."""
+    return EventType.Name(event.event_type).removeprefix("EVENT_TYPE_").lower()
+
+
 def is_action(event: Any) -> bool:
     if event.event_type in ACTION_EVENTS:
         return True
@@ -371,6 +377,8 @@ def analyse_job(
     if steady_to > cursor:
         steady_s += (steady_to - cursor).total_seconds()
     actions = [t for e, t in zip(events, times, strict=True) if is_action(e)]
+    # What the steady state's actions are (the figure to compare with a small job's).
+    kinds = Counter(action_kind(e) for e, t in zip(events, times, strict=True) if is_action(e) and steady(t))
     return {
         "events": len(events),
         "runs": len(runs),
@@ -378,6 +386,7 @@ def analyse_job(
         "span_s": (end - start).total_seconds(),
         "actions": len(actions),
         "steady_actions": sum(steady(t) for t in actions),
+        "steady_kinds": kinds,
         "steady_s": steady_s,
     }
 
@@ -609,6 +618,7 @@ async def collect(
     job_hours = sum(j["span_s"] for j in per_job) / 3600
     steady_hours = sum(j["steady_s"] for j in per_job) / 3600
     events = sum(j["events"] for j in per_job)
+    kinds = sum((j["steady_kinds"] for j in per_job), Counter())
     return {
         "machines": args.machines,
         "jobs": args.jobs,
@@ -624,6 +634,9 @@ async def collect(
         "actions_per_job_hour": _round(sum(j["steady_actions"] for j in per_job) / steady_hours, 1)
         if steady_hours
         else None,
+        "actions_per_job_hour_by_kind": {k: _round(n / steady_hours, 1) for k, n in kinds.most_common()}
+        if steady_hours
+        else {},
         "actions_per_job_hour_with_failures": _round(sum(j["actions"] for j in per_job) / job_hours, 1),
         "history_events_per_job_day": round(events / job_hours * 24),
         "max_history_events": max(j["longest_run"] for j in per_job),

@@ -8,7 +8,7 @@ from temporalio.api.common.v1 import Payload, Payloads
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 
-from bench.controller_scale import reservations, unsteady_spans
+from bench.controller_scale import analyse_job, reservations, unsteady_spans
 from trainguard import contract
 
 
@@ -48,3 +48,28 @@ def test_reservations_match_completions_within_their_own_run() -> None:
     calls, wait = reservations([first, second])
     assert calls == [1.0]
     assert wait is None
+
+
+def test_the_steady_actions_are_broken_down_by_kind() -> None:
+    """Actions in an incident's span (its restart's activities) are not the steady state's."""
+
+    def at(second: int, kind: EventType.ValueType) -> HistoryEvent:
+        e = HistoryEvent(event_type=kind)
+        e.event_time.FromDatetime(datetime(2026, 11, 25, 10, 0, second))
+        return e
+
+    signaled, scheduled = (
+        EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED,
+        EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED,
+    )
+    run = [at(0, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED), at(12, signaled), at(14, signaled),
+           at(21, scheduled), at(22, scheduled), at(40, signaled), at(50, scheduled)]  # fmt: skip
+    status = {
+        "incidents": [
+            {"detected_at": "2026-11-25T10:00:20+00:00", "recovered_at": "2026-11-25T10:00:25+00:00"}
+        ]
+    }
+    job = analyse_job([run], status, settle_s=10, stopped_at=datetime(2026, 11, 25, 10, 1, tzinfo=UTC))
+    # Steady from 10 s (settle) to 50 s, less the incident's 20-35 s: the start and the restart are out.
+    assert job["steady_kinds"] == {"workflow_execution_signaled": 3, "activity_task_scheduled": 1}
+    assert job["steady_actions"] == 4 and job["steady_s"] == 25
