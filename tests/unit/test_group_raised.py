@@ -6,6 +6,7 @@ tests/unit/test_cause_grace.py."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,10 +18,12 @@ from trainguard.domain.messages import (
     NodeInfo,
     ProgressReport,
     RunRanksInput,
+    RunRanksResult,
 )
 from trainguard.domain.spec import parse_spec
 from workflows.job import group, patches
 from workflows.job.group import RanksGroupWorkflow
+from workflows.job.grouped import Groups
 
 NODES = [NodeInfo(name=f"node-{i}", task_queue=f"q-{i}") for i in (1, 2)]
 
@@ -80,3 +83,27 @@ def test_a_machines_incident_is_news_once(monkeypatch: pytest.MonkeyPatch, patch
     assert first == ([effect] if patched else [])  # a group from before the patch tells nothing early
     assert _told(g, _report("node-1", effect)) == []  # the same incident again: no news
     assert _told(g, _report("node-1", cause)) == ([cause] if patched else [])
+
+
+def test_a_raised_incident_ends_the_grace_but_the_results_name_the_cause() -> None:
+    """A large job's grace ends on a machine's raised `crash`, but the cause it decides on comes
+    from the results: that machine's may name a lost GPU behind the CUDA error once its probe
+    after the death ran (deciding on the raised `crash` at once restarted the job in place)."""
+    crash = _incident("crash", origin=True)
+    peer = RunRanksResult(
+        node="node-2",
+        attempt=3,
+        ok=False,
+        message="comm",
+        incident=_incident("comm", origin=False).model_copy(update={"node": "node-2"}),
+    )
+    progress: Any = SimpleNamespace(found=None, raised_now=lambda: {"node-1": crash})
+    inp: Any = SimpleNamespace(group_size=1)
+    s: Any = SimpleNamespace(nodes=NODES)
+    groups = Groups(inp, s, progress)
+    groups.failed = {"node-2": peer}
+    groups.running = {0: 1}  # node-1's group still runs
+    assert groups.awaiting_cause(raised=False)  # before the patch: the whole grace
+    assert not groups.awaiting_cause(raised=True)
+    first = groups._first_cause(None)
+    assert first.primary is not None and (first.primary.kind, first.primary.origin) == ("comm", False)

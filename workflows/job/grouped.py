@@ -212,15 +212,14 @@ class Groups:
     def results(self) -> list[RunRanksResult]:
         return [r for _, r in self.ends() if isinstance(r, RunRanksResult)]
 
-    def _first_cause(self, finding: StackFinding | None, raised: bool) -> AttemptOutcome:
-        """The cause among what the groups told so far (the failed machines' results, and the
-        incidents machines ``raised`` ahead of theirs)."""
+    def _first_cause(self, finding: StackFinding | None) -> AttemptOutcome:
+        """The cause among what the groups told so far (the failed machines' results). Not an
+        incident a machine raised ahead of its result: its result may name a deeper cause (a
+        rank's CUDA error is a lost GPU once the machine's probe after the death says so)."""
         found = self.progress.found
         reports = [found] if found is not None else []
         reports += [machine_lost(name, what) for name, what in self.lost.items()]
         reports += [x for name, r in self.failed.items() if (x := report_of(name, r)) is not None]
-        if raised:
-            reports += [i for name, i in self.progress.raised_now().items() if name not in self.failed]
         return rank_reports(self.s, reports, list(self.failed.values()), finding)
 
     def _final(self, finding: StackFinding | None, raised: bool) -> AttemptOutcome:
@@ -246,7 +245,7 @@ class Groups:
             except TimeoutError:
                 break
             self.drain()
-        first = self._first_cause(finding, raised)
+        first = self._first_cause(finding)
         assert first.primary is not None
         if finding is not None or not first.primary.origin:
             await self.stop()

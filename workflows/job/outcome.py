@@ -232,6 +232,9 @@ async def collect_failure(
                 timeout_summary="cause-grace",
             )
     if finding is None and workflow.patched(patches.STOP_AT_ONCE):
+        # A machine that raised its incident ahead is stopped too: its stop waits for its end's
+        # work, so its result (which may name a deeper cause: a lost GPU behind a CUDA error)
+        # comes before the cancel below.
         still = [name for name, h in handles.items() if not h.done()]
         run = s.running
         if still and run is not None:
