@@ -376,16 +376,16 @@ def analyse_job(
         cursor = max(cursor, b)
     if steady_to > cursor:
         steady_s += (steady_to - cursor).total_seconds()
-    actions = [t for e, t in zip(events, times, strict=True) if is_action(e)]
+    actions = [(e, t) for e, t in zip(events, times, strict=True) if is_action(e)]
     # What the steady state's actions are (the figure to compare with a small job's).
-    kinds = Counter(action_kind(e) for e, t in zip(events, times, strict=True) if is_action(e) and steady(t))
+    kinds = Counter(action_kind(e) for e, t in actions if steady(t))
     return {
         "events": len(events),
         "runs": len(runs),
         "longest_run": max(len(r) for r in runs),
         "span_s": (end - start).total_seconds(),
         "actions": len(actions),
-        "steady_actions": sum(steady(t) for t in actions),
+        "steady_actions": kinds.total(),
         "steady_kinds": kinds,
         "steady_s": steady_s,
     }

@@ -30,6 +30,7 @@ from workflows.job.outcome import (
     AttemptOutcome,
     Ended,
     Settle,
+    cause_known,
     machine_lost,
     name_cause,
     rank_reports,
@@ -175,10 +176,7 @@ class Groups:
     def awaiting_cause(self, raised: bool = False) -> bool:
         """As ``outcome.awaiting_cause``: every report so far is a peer's effect and a machine that
         may still report the cause is running."""
-        found = self.progress.found
-        if found is not None and found.origin:
-            return False
-        if raised and any(i.origin for i in self.progress.raised_now().values()):
+        if cause_known(self.progress, raised):
             return False
         if self.lost or any(
             r.gone or (r.incident is not None and r.incident.origin) for r in self.failed.values()
@@ -224,8 +222,7 @@ class Groups:
 
     def _final(self, finding: StackFinding | None, raised: bool) -> AttemptOutcome:
         cut = sorted({name for g in self.done.values() for name in g.cut_off})
-        early = self.progress.raised_now() if raised else {}
-        return name_cause(self.s, self.progress, self.ends(), cut, finding, early)
+        return name_cause(self.s, self.progress, self.ends(), cut, finding, raised)
 
     async def collect_failure(
         self, finding: StackFinding | None = None

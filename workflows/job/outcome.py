@@ -138,6 +138,14 @@ def _names_origin(h: workflow.ActivityHandle[RunRanksResult]) -> bool:
     return r.gone or (r.incident is not None and r.incident.origin)
 
 
+def cause_known(progress: Progress, raised: bool) -> bool:
+    """The workflow found the cause itself, or (``raised``) a machine raised an incident that
+    names its origin ahead of its result."""
+    if progress.found is not None and progress.found.origin:
+        return True
+    return raised and any(i.origin for i in progress.raised_now().values())
+
+
 def awaiting_cause(
     progress: Progress, handles: Handles, unheard: frozenset[str], raised: bool = False
 ) -> bool:
@@ -145,9 +153,7 @@ def awaiting_cause(
     that failed without a cause), and a machine that may still report the cause is running
     (not one asked to re-attach and unheard since: perhaps cut off, it may never report).
     ``raised``: the incidents machines raised ahead of their results count as reports."""
-    if progress.found is not None and progress.found.origin:
-        return False
-    if raised and any(i.origin for i in progress.raised_now().values()):
+    if cause_known(progress, raised):
         return False
     if any(h.done() and _names_origin(h) for h in handles.values()):
         return False
@@ -250,7 +256,7 @@ async def collect_failure(
         await fanout.on_machines(calls.stop_ranks, stop_request(s, run.attempt), s.nodes)
     cut = lost if lost and workflow.patched(patches.FENCE_BOUND) else []
     ends = [(name, end_of(h)) for name, h in handles.items()]
-    return name_cause(s, progress, ends, cut, finding, progress.raised_now() if raised else {})
+    return name_cause(s, progress, ends, cut, finding, raised)
 
 
 # A machine's end: its result, the error that lost it (what it said), or None (cancelled).
@@ -270,7 +276,7 @@ def name_cause(
     ends: list[tuple[str, Ended]],
     cut: list[str],
     finding: StackFinding | None = None,
-    raised: dict[str, IncidentReport] | None = None,
+    raised: bool = False,
 ) -> AttemptOutcome:
     """Every report of an attempt's end (the workflow's own finding, machines ``cut`` off, each
     machine's end in ``ends``, the incident a machine whose end was cancelled had ``raised``
@@ -278,11 +284,12 @@ def name_cause(
     reports: list[IncidentReport] = [progress.found] if progress.found else []
     progress.found = None
     reports.extend(cut_off(name) for name in cut)
+    early = progress.raised_now() if raised else {}
     results: list[RunRanksResult] = []
     for name, r in ends:
         if r is None:
-            if raised and name in raised:
-                reports.append(raised[name])
+            if name in early:
+                reports.append(early[name])
             continue
         if isinstance(r, str):
             reports.append(machine_lost(name, r))
