@@ -81,6 +81,7 @@ from temporalio.service import RPCError  # noqa: E402
 from temporalio.worker import Replayer  # noqa: E402
 
 from activities.session.progress import STEP_TRAIL  # noqa: E402
+from bench.history_metrics import outline  # noqa: E402
 from infra import chaos, netns, partition  # noqa: E402
 from infra.local import node_names, restore_pool  # noqa: E402
 from infra.private_stack import choose, connect, log, run_bench  # noqa: E402
@@ -372,7 +373,7 @@ class ChaosRun:
             verdict=final.get("verdict"),
             incidents=[_describe(i) for i in final.get("incidents", [])],
         )
-        res.replays = await replays_cleanly(self.tg, name)
+        res.replays = await replays_cleanly(self.tg, name, self.state_dir / "replay-failures")
         windows = attempt_windows(self.state_dir, name)
         res.overlap_s, res.overlapping_attempts = overlap(windows)
         t0_wall = next((f.wall for f in struck if f.step >= 0), 0.0)
@@ -538,18 +539,29 @@ class ChaosRun:
                 await asyncio.sleep(15.0)
 
 
-async def replays_cleanly(tg: TrainguardClient, job_id: str) -> bool:
+async def replays_cleanly(tg: TrainguardClient, job_id: str, keep: Path | None = None) -> bool:
     """Whether every run of ``job_id`` replays on the workflow code without nondeterminism: a
-    controller taking over mid-job (or answering a query) replays it, so this must hold."""
+    controller taking over mid-job (or answering a query) replays it, so this must hold. A run
+    that does not is written to ``keep`` (its history as JSON) and its failure printed."""
     replayer = Replayer(
         workflows=list(WORKFLOWS), data_converter=tg.temporal.data_converter, interceptors=interceptors()
     )
+    clean = True
     async for wf in tg.temporal.list_workflows(f"WorkflowId = '{job_id}'"):
         history = await tg.temporal.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
         result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
-        if result.replay_failure is not None:
-            return False
-    return True
+        if result.replay_failure is None:
+            continue
+        clean = False
+        where = ""
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            path = keep / f"{wf.id}-{wf.run_id}.json"
+            path.write_text(history.to_json())
+            where = f" (history kept in {path})"
+        print(f"  {wf.id} run {wf.run_id} does not replay{where}: {result.replay_failure}")
+        print("\n".join(f"    {line}" for line in outline(history.events)))
+    return clean
 
 
 def attempt_windows(state_dir: Path, job_id: str) -> dict[int, tuple[float, float]]:

@@ -99,6 +99,28 @@ def _summary(event: Any) -> str:
         return ""
 
 
+def outline(events: Iterable[Any]) -> list[str]:
+    """One short line per event (id, type, and the activity, signal or marker it names): what a
+    history that fails to replay prints, to be read without the server that held it."""
+    lines = []
+    for e in events:
+        kind = EventType.Name(e.event_type).removeprefix("EVENT_TYPE_").lower()
+        name = ""
+        if e.HasField("activity_task_scheduled_event_attributes"):
+            name = e.activity_task_scheduled_event_attributes.activity_type.name
+        elif e.HasField("workflow_execution_signaled_event_attributes"):
+            name = e.workflow_execution_signaled_event_attributes.signal_name
+        elif e.HasField("marker_recorded_event_attributes"):
+            details = e.marker_recorded_event_attributes.details
+            patch = json.loads(details["patch-data"].payloads[0].data) if "patch-data" in details else {}
+            name = patch.get("id", e.marker_recorded_event_attributes.marker_name)
+        elif e.HasField("activity_task_timed_out_event_attributes"):
+            timed_out = e.activity_task_timed_out_event_attributes
+            name = f"{timed_out.failure.message} (scheduled {timed_out.scheduled_event_id})"
+        lines.append(f"{e.event_id} {at(e).strftime('%H:%M:%S.%f')[:-3]} {kind} {name}".rstrip())
+    return lines
+
+
 _ATTEMPT = re.compile(r"\(attempt (\d+)\)")
 
 
