@@ -317,8 +317,16 @@ async def pool_figures(client: Client, machines: int) -> dict[str, Any]:
 
 
 def action_kind(event: Any) -> str:
-    """An action's kind as the breakdown names it: its event type, lower case."""
-    return EventType.Name(event.event_type).removeprefix("EVENT_TYPE_").lower()
+    """An action's kind as the breakdown names it: its event type, lower case, and for an
+    activity or a signal its name ("activity_task_scheduled run_ranks")."""
+    kind = EventType.Name(event.event_type).removeprefix("EVENT_TYPE_").lower()
+    if event.HasField("activity_task_scheduled_event_attributes"):
+        return f"{kind} {event.activity_task_scheduled_event_attributes.activity_type.name}"
+    if event.HasField("workflow_execution_signaled_event_attributes"):
+        return f"{kind} {event.workflow_execution_signaled_event_attributes.signal_name}"
+    if event.HasField("signal_external_workflow_execution_initiated_event_attributes"):
+        return f"{kind} {event.signal_external_workflow_execution_initiated_event_attributes.signal_name}"
+    return kind
 
 
 def is_action(event: Any) -> bool:
@@ -331,14 +339,19 @@ def is_action(event: Any) -> bool:
     )
 
 
-def unsteady_spans(status: dict[str, Any], settle_s: float) -> list[tuple[datetime, datetime]]:
+def unsteady_spans(
+    status: dict[str, Any], settle_s: float, starts: dict[int, tuple[datetime, datetime]] | None = None
+) -> list[tuple[datetime, datetime]]:
     """From each incident's report until ``settle_s`` after the job trained again (to the end of
-    time for one it never recovered from: a job that gave up)."""
-    spans = []
+    time for one it never recovered from: a job that gave up); and each attempt's start, from its
+    first machine's first step until ``settle_s`` after its last machine's (``starts``: a large
+    job's machines start over tens of seconds, each telling of its first step)."""
+    settle = timedelta(seconds=settle_s)
+    spans = [(first, last + settle) for first, last in (starts or {}).values()]
     for inc in status.get("incidents", []):
         start = datetime.fromisoformat(inc["detected_at"])
         if inc.get("recovered_at"):
-            end = datetime.fromisoformat(inc["recovered_at"]) + timedelta(seconds=settle_s)
+            end = datetime.fromisoformat(inc["recovered_at"]) + settle
         else:
             end = datetime.max.replace(tzinfo=start.tzinfo)
         spans.append((start, end))
@@ -346,12 +359,18 @@ def unsteady_spans(status: dict[str, Any], settle_s: float) -> list[tuple[dateti
 
 
 def analyse_job(
-    runs: list[list[Any]], status: dict[str, Any], settle_s: float, stopped_at: datetime
+    runs: list[list[Any]],
+    status: dict[str, Any],
+    settle_s: float,
+    stopped_at: datetime,
+    starts: dict[int, tuple[datetime, datetime]] | None = None,
 ) -> dict[str, Any]:
     events = [e for run in runs for e in run]
     times = [e.event_time.ToDatetime().replace(tzinfo=None) for e in events]
     start, end = min(times), max(times)
-    spans = [(a.replace(tzinfo=None), b.replace(tzinfo=None)) for a, b in unsteady_spans(status, settle_s)]
+    spans = [
+        (a.replace(tzinfo=None), b.replace(tzinfo=None)) for a, b in unsteady_spans(status, settle_s, starts)
+    ]
     # Steady state begins once the first attempt trains and its first reports are in.
     first_step = status["progress"][0][0] if status.get("progress") else None
     steady_from = start + timedelta(seconds=settle_s)
@@ -614,7 +633,8 @@ async def collect(
                 if (latency := (decided - detected).total_seconds()) > slowest_timeline[0]:
                     head = f"{job} {inc['id']}: detected by the machine at +0.000, decided at +{latency:.3f}"
                     slowest_timeline = (latency, [head, *timeline(runs, detected, decided)])
-        per_job.append({**analyse_job(everything, status, settle_s, stopped_at), "runs": len(runs)})
+        starts = await history_metrics.attempt_starts(histories, client.temporal.data_converter)
+        per_job.append({**analyse_job(everything, status, settle_s, stopped_at, starts), "runs": len(runs)})
     job_hours = sum(j["span_s"] for j in per_job) / 3600
     steady_hours = sum(j["steady_s"] for j in per_job) / 3600
     events = sum(j["events"] for j in per_job)

@@ -14,10 +14,14 @@ from typing import Any
 
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
+from temporalio.converter import DataConverter
 
+from trainguard import contract
 from trainguard.contract import calls
+from trainguard.domain.messages import ProgressReport
 
 _SCHEDULED = EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+_SIGNALED = EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
 _CLOSED = frozenset(
     {
         EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED,
@@ -140,6 +144,31 @@ def ranks_started(histories: dict[str, list[list[Any]]]) -> dict[int, list[datet
                     a = attempt_of.get(e.activity_task_started_event_attributes.scheduled_event_id)
                     if a is not None:
                         out.setdefault(a, []).append(at(e))
+    return out
+
+
+async def attempt_starts(
+    histories: dict[str, list[list[Any]]], converter: DataConverter
+) -> dict[int, tuple[datetime, datetime]]:
+    """Per attempt, when its first and its last machine told of their first step (each
+    machine's first progress report of an attempt carries it): the start of an attempt is not
+    over until every machine trains, and its news (one signal per machine) is the start's cost,
+    not the steady state's."""
+    first: dict[tuple[int, str], datetime] = {}
+    for runs in histories.values():
+        for events in runs:
+            for e in events:
+                signaled = e.workflow_execution_signaled_event_attributes
+                if e.event_type != _SIGNALED or signaled.signal_name != contract.job.progress.name:
+                    continue
+                [report] = await converter.decode(signaled.input.payloads, [ProgressReport])
+                if report.first_step_at is not None:
+                    key = (report.attempt, report.node)
+                    first[key] = min(first.get(key, at(e)), at(e))
+    out: dict[int, tuple[datetime, datetime]] = {}
+    for (attempt, _), t in first.items():
+        lo, hi = out.get(attempt, (t, t))
+        out[attempt] = (min(lo, t), max(hi, t))
     return out
 
 

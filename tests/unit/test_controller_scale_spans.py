@@ -8,8 +8,11 @@ from temporalio.api.common.v1 import Payload, Payloads
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 
+from bench import history_metrics
 from bench.controller_scale import analyse_job, reservations, unsteady_spans
 from trainguard import contract
+from trainguard.domain.messages import ProgressReport
+from trainguard.services.temporal import wire_data_converter
 
 
 def test_an_incident_never_recovered_from_is_unsteady_to_the_end() -> None:
@@ -73,3 +76,33 @@ def test_the_steady_actions_are_broken_down_by_kind() -> None:
     # Steady from 10 s (settle) to 50 s, less the incident's 20-35 s: the start and the restart are out.
     assert job["steady_kinds"] == {"workflow_execution_signaled": 3, "activity_task_scheduled": 1}
     assert job["steady_actions"] == 4 and job["steady_s"] == 25
+
+
+async def test_an_attempts_start_is_unsteady_until_its_last_machine_trains() -> None:
+    """A large job's machines start over tens of seconds, each telling of its first step (a
+    signal each): that is the start's cost, not the steady state's."""
+
+    async def report(t: int, node: str, attempt: int, first: bool) -> HistoryEvent:
+        e = HistoryEvent(event_id=t, event_type=EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED)
+        e.event_time.FromDatetime(datetime(2026, 11, 25, 10, 0, t))
+        signaled = e.workflow_execution_signaled_event_attributes
+        signaled.signal_name = contract.job.progress.name
+        first_step = datetime(2026, 11, 25, 9, 59, tzinfo=UTC) if first else None
+        msg = ProgressReport(
+            node=node, attempt=attempt, step=1, at=first_step or datetime.now(UTC), first_step_at=first_step
+        )
+        signaled.input.payloads.extend(await wire_data_converter.encode([msg]))
+        return e
+
+    run = [
+        await report(5, "node-1", 1, first=True),
+        await report(20, "node-2", 1, first=True),  # the last machine of attempt 1 trains at 20 s
+        await report(30, "node-1", 1, first=True),  # a later report of node-1: not its first step
+        await report(40, "node-2", 2, first=False),  # attempt 2's routine report
+    ]
+    starts = await history_metrics.attempt_starts({"job": [run]}, wire_data_converter)
+    assert set(starts) == {1}
+    first, last = starts[1]
+    assert (first.second, last.second) == (5, 20)
+    ((start, end),) = unsteady_spans({"incidents": []}, settle_s=10, starts=starts)
+    assert (start.second, end.second) == (5, 30)
