@@ -18,6 +18,7 @@ from temporalio.worker import Replayer, Worker
 from infra.stack import find_binary
 from trainguard import contract
 from trainguard.domain.identity import ROLES, AuditEntry, Claims, Refused, audited, sign
+from trainguard.domain.messages import GroupStop
 from trainguard.services.identity import IdentityClientInterceptor
 from trainguard.services.temporal import wire_data_converter
 from workflows.identity import IdentityInterceptor
@@ -137,3 +138,42 @@ async def test_operations_need_their_roles_and_are_recorded(env: WorkflowEnviron
         workflows=[Operated], data_converter=wire_data_converter, interceptors=[IdentityInterceptor((KEY,))]
     )
     assert (await replayer.replay_workflow(history, raise_on_replay_failure=False)).replay_failure is None
+
+
+@workflow.defn(name=contract.group.WORKFLOW.name, sandboxed=False)
+class Grouped:
+    """A job's group as far as identities go: its job's stop, a message of the same name as a
+    person's stop but trainguard's own."""
+
+    def __init__(self) -> None:
+        self.stopped: GroupStop | None = None
+
+    @workflow.run
+    async def run(self) -> bool:
+        await workflow.wait_condition(lambda: self.stopped is not None)
+        return bool(self.stopped and self.stopped.final)
+
+    @workflow.signal(name=contract.group.stop.name)
+    def stop(self, req: GroupStop) -> None:
+        self.stopped = req
+
+
+async def test_a_groups_stop_from_its_job_is_not_a_persons_stop(env: WorkflowEnvironment) -> None:
+    """Sent by the job (no person's identity) where the controllers hold keys: taken (it was
+    refused as a person's stop without a role), and the history replays as it ran."""
+    async with Worker(
+        env.client, task_queue=QUEUE, workflows=[Grouped], interceptors=[IdentityInterceptor((KEY,))]
+    ):
+        group = await client_of(env, None).start_workflow(
+            contract.group.WORKFLOW.name,
+            id=f"g-{uuid.uuid4()}",
+            task_queue=QUEUE,
+            execution_timeout=timedelta(minutes=1),
+        )
+        await contract.group.stop.signal(group, GroupStop(final=True))
+        assert await group.result() is True
+    replayer = Replayer(
+        workflows=[Grouped], data_converter=wire_data_converter, interceptors=[IdentityInterceptor((KEY,))]
+    )
+    result = await replayer.replay_workflow(await group.fetch_history(), raise_on_replay_failure=False)
+    assert result.replay_failure is None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from trainguard.contract import job, pool
+from trainguard.contract import job, pool, shard
 from trainguard.domain.identity import SUBMIT, Role
 
 REQUIRED: Mapping[str, Role] = {
@@ -25,3 +25,21 @@ REQUIRED: Mapping[str, Role] = {
 START_OPERATION: Mapping[str, str] = {job.WORKFLOW.name: SUBMIT}
 # What only a job's owner (who submitted it) or an operator may do to it.
 OWNED = frozenset({job.stop.name, job.cancel.name, job.update_code.name})
+# The workflows each operation is asked of. A message of the same name to another workflow is
+# trainguard's own (a job's group takes its job's ``stop``: a GroupStop, sent by the job).
+ASKED_OF: Mapping[str, frozenset[str]] = {
+    **{
+        name: frozenset({job.WORKFLOW.name})
+        for name in (job.stop.name, job.cancel.name, job.update_code.name)
+    },
+    **{
+        name: frozenset({pool.WORKFLOW.name, shard.WORKFLOW.name})
+        for name in (
+            pool.configure.name,
+            pool.cordon.name,
+            pool.release_node.name,
+            pool.inject.name,
+            pool.clear_faults.name,
+        )
+    },
+}
