@@ -156,8 +156,10 @@ class _IdentityInbound(WorkflowInboundInterceptor):
 
 
 def _asked_here(operation: str) -> bool:
-    """Whether ``operation`` is asked of this workflow's type (``ASKED_OF``)."""
-    return workflow.info().workflow_type in ASKED_OF.get(operation, frozenset())
+    """Whether ``operation`` is asked of this workflow's type (``ASKED_OF``; one it does not
+    name is checked everywhere)."""
+    kinds = ASKED_OF.get(operation)
+    return kinds is None or workflow.info().workflow_type in kinds
 
 
 def _what(operation: str, args: Any) -> str:

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from infra.stack import StackConfig, client_env, identity_keys_file, local_identity
 from trainguard import contract
-from trainguard.contract.roles import OWNED, REQUIRED
+from trainguard.contract.roles import ASKED_OF, OWNED, REQUIRED
 from trainguard.domain.identity import (
     AUDIT_KEEP,
     ROLES,
@@ -126,3 +126,12 @@ def test_the_audit_names_a_lifted_cordon_an_uncordon() -> None:
     assert _what(cordon, [CordonInput(node="node-1", cordoned=False)]) == "uncordon"
     assert _what(cordon, [CordonInput(node="node-1")]) == cordon
     assert _what(contract.job.update_code.name, ["v2"]) == contract.job.update_code.name
+
+
+def test_every_persons_operation_names_the_workflows_it_is_asked_of() -> None:
+    """A message of an operation's name to another workflow (a group's ``stop``) is trainguard's
+    own; the operations themselves are asked of the job, or of the pool and its shards."""
+    assert set(ASKED_OF) == set(REQUIRED) - {SUBMIT}
+    assert ASKED_OF[contract.job.stop.name] == {contract.job.WORKFLOW.name}
+    assert contract.group.WORKFLOW.name not in ASKED_OF[contract.group.stop.name]
+    assert ASKED_OF[contract.pool.cordon.name] == {contract.pool.WORKFLOW.name, contract.shard.WORKFLOW.name}
