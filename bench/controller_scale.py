@@ -177,7 +177,7 @@ def timeline(runs: list[list[Any]], start: datetime, end: datetime, limit: int =
             scheduled[e.event_id] = attrs.activity_type.name
         t = e.event_time.ToDatetime().replace(tzinfo=UTC)
         if start <= t <= end and len(out) < limit:
-            name = EventType.Name(e.event_type).removeprefix("EVENT_TYPE_").lower()
+            name = history_metrics.kind(e)
             ref = next(
                 (
                     getattr(e, f).scheduled_event_id
@@ -319,14 +319,7 @@ async def pool_figures(client: Client, machines: int) -> dict[str, Any]:
 def action_kind(event: Any) -> str:
     """An action's kind as the breakdown names it: its event type, lower case, and for an
     activity or a signal its name ("activity_task_scheduled run_ranks")."""
-    kind = EventType.Name(event.event_type).removeprefix("EVENT_TYPE_").lower()
-    if event.HasField("activity_task_scheduled_event_attributes"):
-        return f"{kind} {event.activity_task_scheduled_event_attributes.activity_type.name}"
-    if event.HasField("workflow_execution_signaled_event_attributes"):
-        return f"{kind} {event.workflow_execution_signaled_event_attributes.signal_name}"
-    if event.HasField("signal_external_workflow_execution_initiated_event_attributes"):
-        return f"{kind} {event.signal_external_workflow_execution_initiated_event_attributes.signal_name}"
-    return kind
+    return f"{history_metrics.kind(event)} {history_metrics.called(event)}".rstrip()
 
 
 def is_action(event: Any) -> bool:

@@ -103,25 +103,36 @@ def _summary(event: Any) -> str:
         return ""
 
 
+def kind(event: Any) -> str:
+    """An event's type, lower case, without its prefix ("activity_task_scheduled")."""
+    return EventType.Name(event.event_type).removeprefix("EVENT_TYPE_").lower()
+
+
+def called(event: Any) -> str:
+    """The activity or signal an event names ("" for another kind)."""
+    if event.HasField("activity_task_scheduled_event_attributes"):
+        return str(event.activity_task_scheduled_event_attributes.activity_type.name)
+    if event.HasField("workflow_execution_signaled_event_attributes"):
+        return str(event.workflow_execution_signaled_event_attributes.signal_name)
+    if event.HasField("signal_external_workflow_execution_initiated_event_attributes"):
+        return str(event.signal_external_workflow_execution_initiated_event_attributes.signal_name)
+    return ""
+
+
 def outline(events: Iterable[Any]) -> list[str]:
-    """One short line per event (id, type, and the activity, signal or marker it names): what a
-    history that fails to replay prints, to be read without the server that held it."""
+    """One short line per event (id, type, and the activity, signal, patch or timeout it names):
+    what a history that fails to replay prints, to be read without the server that held it."""
     lines = []
     for e in events:
-        kind = EventType.Name(e.event_type).removeprefix("EVENT_TYPE_").lower()
-        name = ""
-        if e.HasField("activity_task_scheduled_event_attributes"):
-            name = e.activity_task_scheduled_event_attributes.activity_type.name
-        elif e.HasField("workflow_execution_signaled_event_attributes"):
-            name = e.workflow_execution_signaled_event_attributes.signal_name
-        elif e.HasField("marker_recorded_event_attributes"):
+        name = called(e)
+        if e.HasField("marker_recorded_event_attributes"):
             details = e.marker_recorded_event_attributes.details
             patch = json.loads(details["patch-data"].payloads[0].data) if "patch-data" in details else {}
             name = patch.get("id", e.marker_recorded_event_attributes.marker_name)
         elif e.HasField("activity_task_timed_out_event_attributes"):
             timed_out = e.activity_task_timed_out_event_attributes
             name = f"{timed_out.failure.message} (scheduled {timed_out.scheduled_event_id})"
-        lines.append(f"{e.event_id} {at(e).strftime('%H:%M:%S.%f')[:-3]} {kind} {name}".rstrip())
+        lines.append(f"{e.event_id} {at(e).strftime('%H:%M:%S.%f')[:-3]} {kind(e)} {name}".rstrip())
     return lines
 
 
@@ -163,8 +174,8 @@ async def attempt_starts(
                     continue
                 [report] = await converter.decode(signaled.input.payloads, [ProgressReport])
                 if report.first_step_at is not None:
-                    key = (report.attempt, report.node)
-                    first[key] = min(first.get(key, at(e)), at(e))
+                    key, t = (report.attempt, report.node), at(e)
+                    first[key] = min(first.get(key, t), t)
     out: dict[int, tuple[datetime, datetime]] = {}
     for (attempt, _), t in first.items():
         lo, hi = out.get(attempt, (t, t))

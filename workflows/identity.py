@@ -31,7 +31,7 @@ from temporalio.worker import (
 )
 
 from trainguard import contract
-from trainguard.contract.roles import ASKED_OF, OWNED, REQUIRED, START_OPERATION
+from trainguard.contract.roles import ASKED_OF, OWNED, POOL_WORKFLOWS, REQUIRED, START_OPERATION
 
 with workflow.unsafe.imports_passed_through():
     from trainguard.domain.identity import (
@@ -50,8 +50,6 @@ ROLES_PATCH = "roles-and-audit"
 # stop where the controllers hold keys (it carries no person's identity), and ended only when its
 # machines' ranks did (the job also stops them directly).
 OWN_MESSAGES_PATCH = "own-messages-unchecked"
-# Workflows whose operations name a machine: the pool and its shards.
-POOLS = {contract.pool.WORKFLOW.name, contract.shard.WORKFLOW.name}
 
 
 class IdentityInterceptor(Interceptor):
@@ -172,7 +170,7 @@ def _what(operation: str, args: Any) -> str:
 def _target(args: Any) -> str:
     """What an operation acts on: the job, or ``<pool>/<machine>`` for a pool's update."""
     wid = workflow.info().workflow_id
-    if workflow.info().workflow_type not in POOLS or not args:
+    if workflow.info().workflow_type not in POOL_WORKFLOWS or not args:
         return wid
     node = getattr(args[0], "node", args[0])
     pool = wid.rsplit("/shard-", 1)[0]  # a shard's id is <pool>/shard-<k> (domain.pool_layout)

@@ -25,21 +25,16 @@ REQUIRED: Mapping[str, Role] = {
 START_OPERATION: Mapping[str, str] = {job.WORKFLOW.name: SUBMIT}
 # What only a job's owner (who submitted it) or an operator may do to it.
 OWNED = frozenset({job.stop.name, job.cancel.name, job.update_code.name})
-# The workflows each operation is asked of. A message of the same name to another workflow is
-# trainguard's own (a job's group takes its job's ``stop``: a GroupStop, sent by the job).
+# The pool's workflows: its coordinator and its shards (their operations name a machine).
+POOL_WORKFLOWS = frozenset({pool.WORKFLOW.name, shard.WORKFLOW.name})
+# The workflows each operation is asked of: those whose contract declares it (the job's, the
+# pool's). A message of the same name to another workflow is trainguard's own (a job's group
+# takes its job's ``stop``: a GroupStop, sent by the job); an operation no contract here declares
+# is checked everywhere (workflows.identity).
+_DECLARED = (
+    (frozenset(m.name for m in job.ALL), frozenset({job.WORKFLOW.name})),
+    (frozenset(m.name for m in pool.ALL), POOL_WORKFLOWS),
+)
 ASKED_OF: Mapping[str, frozenset[str]] = {
-    **{
-        name: frozenset({job.WORKFLOW.name})
-        for name in (job.stop.name, job.cancel.name, job.update_code.name)
-    },
-    **{
-        name: frozenset({pool.WORKFLOW.name, shard.WORKFLOW.name})
-        for name in (
-            pool.configure.name,
-            pool.cordon.name,
-            pool.release_node.name,
-            pool.inject.name,
-            pool.clear_faults.name,
-        )
-    },
+    name: workflows for name in REQUIRED for names, workflows in _DECLARED if name in names
 }
