@@ -225,9 +225,9 @@ class _ScriptedSide:
     async def observe(self) -> Observation | None:
         return self.script.pop(0) if len(self.script) > 1 else self.script[0]
 
-    async def ready(self, last: Injected | None) -> bool:
+    async def ready(self, last: Injected) -> bool:
         self.ready_calls += 1
-        return last is None or self.ready_calls > self.ready_after
+        return self.ready_calls > self.ready_after
 
     async def inject(self, fault: DrillFault, obs: Observation) -> Injected:
         self.injected_at.append(obs.step)
@@ -250,10 +250,22 @@ async def test_faults_come_at_their_step_while_training_and_once_the_last_settle
     monkeypatch.setattr("trainguard.face.drill.drive.POLL_S", 0.0)
     mix = Mix(faults=(DrillFault("crash", 3), DrillFault("nan", 5)), target_steps=9, gap_steps=3, seed=0)
     script = [_obs(1), _obs(3, training=False), _obs(4), _obs(5), _obs(6), _obs(7), _obs(9, ended=True)]
-    side = _ScriptedSide(script, ready_after=2)
+    side = _ScriptedSide(script, ready_after=1)
     result = await drive(side, mix, timeout_s=60, log=lambda _: None)
     # Not at step 3 (restarting) but at 4; nan is due at 5, where the crash has not settled yet.
-    assert side.injected_at == [4, 6] and side.ready_calls == 3 and result.completed and side.closed
+    assert side.injected_at == [4, 6] and side.ready_calls == 2 and result.completed and side.closed
+
+
+async def test_a_fault_settles_before_the_next_is_due(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The side is asked while the job trains, not first when the next fault is due: settling
+    (the trainguard side restores its pool) takes time the job trains through."""
+    monkeypatch.setattr("trainguard.face.drill.drive.POLL_S", 0.0)
+    mix = Mix(faults=(DrillFault("crash", 2), DrillFault("nan", 8)), target_steps=12, gap_steps=4, seed=0)
+    script = [_obs(2), _obs(3), _obs(4), _obs(5), _obs(8), _obs(9), _obs(12, ended=True)]
+    side = _ScriptedSide(script, ready_after=2)
+    await drive(side, mix, timeout_s=60, log=lambda _: None)
+    # Settled at step 5 (the third asking), so the nan comes at its step, 8; asked no more after.
+    assert side.injected_at == [2, 8] and side.ready_calls == 3
 
 
 async def test_a_silent_system_is_given_up(monkeypatch: pytest.MonkeyPatch) -> None:

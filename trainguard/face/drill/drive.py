@@ -3,7 +3,9 @@
 Each side (``drill_trainguard``, ``drill_torchrun``) knows how to launch the job,
 observe its step, inject a fault and score what happened; the loop here decides
 when, the same way for both: inject the next fault once the job trains, has
-reached the fault's trigger step and the side says the previous fault has settled.
+reached the fault's trigger step and the side has said the previous fault settled
+(asked on every observation while the job trains, so settling is done before the
+next fault is due).
 """
 
 from __future__ import annotations
@@ -134,8 +136,8 @@ class Side(Protocol):
         """The job now (None when it cannot be told this time)."""
         ...
 
-    async def ready(self, last: Injected | None) -> bool:
-        """Whether the previous fault has settled, so the next may come."""
+    async def ready(self, last: Injected) -> bool:
+        """Whether the last fault injected has settled, so the next may come."""
         ...
 
     async def inject(self, fault: DrillFault, obs: Observation) -> Injected: ...
@@ -186,8 +188,14 @@ async def drive(
                     last_logged = obs.step
                 if obs.ended:
                     break
-                due = pending and obs.training and obs.step >= pending[0].trigger_step
-                if due and await side.ready(injected[-1] if injected else None):
+                last = injected[-1] if injected else None
+                # The last fault settles as soon as the side says so, not when the next is due:
+                # settling (trainguard's: the pool restored) takes seconds the job trains through,
+                # and a fault injected that late may find no step left to meet.
+                if pending and obs.training and last is not None and not last.settled:
+                    last.settled = await side.ready(last)
+                clear = last is None or last.settled
+                if pending and obs.training and clear and obs.step >= pending[0].trigger_step:
                     inj = await side.inject(pending.pop(0), obs)
                     injected.append(inj)
                     note = f" ({inj.note})" if inj.note else ""

@@ -292,7 +292,7 @@ class TorchrunSide:
         ended = launchers_done and not self._workers_alive()
         return Observation(t=now, step=self.step, training=self.training, ended=ended)
 
-    async def ready(self, last: Injected | None) -> bool:
+    async def ready(self, last: Injected) -> bool:
         return True  # nothing in torchrun's world tells that a fault was dealt with
 
     # -- faults ----------------------------------------------------------------------

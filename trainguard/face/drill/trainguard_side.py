@@ -83,11 +83,9 @@ class TrainguardSide:
             ended=st["phase"] in TERMINAL,
         )
 
-    async def ready(self, last: Injected | None) -> bool:
-        """The previous fault's incidents all recovered (or, when it should have caused one and
-        none came, the wait is over); then the pool is made whole again."""
-        if last is None:
-            return True
+    async def ready(self, last: Injected) -> bool:
+        """The fault's incidents all recovered (or, when it should have caused one and none
+        came, the wait is over); then the pool is made whole again."""
         st = self.status
         new = st["incidents"][last.mark :]
         if st["phase"] != "running" or any(i["recovered_at"] is None for i in new):
@@ -95,9 +93,7 @@ class TrainguardSide:
         waited = time.time() - last.at
         if last.fault.expects_incident and not new and waited < SETTLE_TIMEOUT_S:
             return False
-        if not last.settled:
-            await restore_pool(self.tg, self.state_dir, node_names(NODES, 0), self.code_dir)
-            last.settled = True
+        await restore_pool(self.tg, self.state_dir, node_names(NODES, 0), self.code_dir)
         return True
 
     async def inject(self, fault: DrillFault, obs: Observation) -> Injected:
