@@ -593,6 +593,8 @@ async def collect(
     most_pending_in = ""
     longest_task = 0.0
     fanouts: list[float] = []
+    restarted: Counter[str] = Counter()
+    timed_out: Counter[str] = Counter()
     for job in jobs:
         status = await status_of(client, job)
         if status.get("phase") != "stopped":  # every job runs until the bench stops it
@@ -627,6 +629,8 @@ async def collect(
                     head = f"{job} {inc['id']}: detected by the machine at +0.000, decided at +{latency:.3f}"
                     slowest_timeline = (latency, [head, *timeline(runs, detected, decided)])
         starts = await history_metrics.attempt_starts(histories, client.temporal.data_converter)
+        restarted += history_metrics.restarts(histories)
+        timed_out += history_metrics.timeouts(histories)
         per_job.append({**analyse_job(everything, status, settle_s, stopped_at, starts), "runs": len(runs)})
     job_hours = sum(j["span_s"] for j in per_job) / 3600
     steady_hours = sum(j["steady_s"] for j in per_job) / 3600
@@ -664,6 +668,9 @@ async def collect(
         "restart_fanout_p99_s": _round(percentile(fanouts, 0.99)),
         "workflows_per_job": workflows_per_job,
         "continued_as_new": sum(j["runs"] - 1 for j in per_job),
+        # The whole trees': what re-attaches machines outside an attempt's start.
+        "continued_as_new_by_workflow": dict(restarted.most_common()),
+        "activity_timeouts": dict(timed_out.most_common()),
         "jobs_not_stopped": not_stopped,
         "profile": {
             "progress_interval_s": args.progress_interval_s,

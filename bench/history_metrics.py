@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from temporalio.api.enums.v1 import EventType
+from temporalio.api.enums.v1 import EventType, TimeoutType
 from temporalio.client import Client
 from temporalio.converter import DataConverter
 
@@ -134,6 +135,34 @@ def outline(events: Iterable[Any]) -> list[str]:
             name = f"{timed_out.failure.message} (scheduled {timed_out.scheduled_event_id})"
         lines.append(f"{e.event_id} {at(e).strftime('%H:%M:%S.%f')[:-3]} {kind(e)} {name}".rstrip())
     return lines
+
+
+def restarts(histories: dict[str, list[list[Any]]]) -> Counter[str]:
+    """Per workflow type, how many of its runs continued as new (a group's re-attaches its
+    machines: one ``run_ranks`` each)."""
+    out: Counter[str] = Counter()
+    for runs in histories.values():
+        started = runs[0][0].workflow_execution_started_event_attributes if runs and runs[0] else None
+        if started is not None and len(runs) > 1:
+            out[started.workflow_type.name] += len(runs) - 1
+    return out
+
+
+def timeouts(histories: dict[str, list[list[Any]]]) -> Counter[str]:
+    """Activities that timed out, by activity and timeout ("run_ranks heartbeat"): a machine
+    whose run_ranks missed its heartbeats is re-attached (another run_ranks)."""
+    out: Counter[str] = Counter()
+    for runs in histories.values():
+        for events in runs:
+            names = {e.event_id: called(e) for e in events if e.event_type == _SCHEDULED}
+            for e in events:
+                if e.event_type != EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT:
+                    continue
+                timed_out = e.activity_task_timed_out_event_attributes
+                why = TimeoutType.Name(timed_out.failure.timeout_failure_info.timeout_type)
+                name = names.get(timed_out.scheduled_event_id, "?")
+                out[f"{name} {why.removeprefix('TIMEOUT_TYPE_').lower()}"] += 1
+    return out
 
 
 _ATTEMPT = re.compile(r"\(attempt (\d+)\)")

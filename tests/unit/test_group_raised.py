@@ -11,16 +11,13 @@ from typing import Any
 
 import pytest
 
+from tests.unit.group_rig import group_input
 from trainguard.domain.messages import (
-    Endpoint,
-    GroupInput,
     IncidentReport,
     NodeInfo,
     ProgressReport,
-    RunRanksInput,
     RunRanksResult,
 )
-from trainguard.domain.spec import parse_spec
 from workflows.job import group, patches
 from workflows.job.group import RanksGroupWorkflow
 from workflows.job.grouped import Groups
@@ -29,30 +26,7 @@ NODES = [NodeInfo(name=f"node-{i}", task_queue=f"q-{i}") for i in (1, 2)]
 
 
 def _group() -> RanksGroupWorkflow:
-    spec = parse_spec({"name": "job", "entrypoint": ["python", "train.py"], "nodes": 1, "target_steps": 5})
-    ranks = RunRanksInput(
-        job_id="job",
-        workflow_id="job",
-        attempt=3,
-        node=NODES[0],
-        node_index=0,
-        ranks=[0],
-        spec=spec,
-        master=Endpoint(host="127.0.0.1", port=29500),
-        ckpt_prefix="checkpoints/job",
-    )
-    inp = GroupInput(
-        parent="job",
-        group=0,
-        first_index=0,
-        nodes=NODES,
-        ranks_input=ranks,
-        schedule_to_start_s=30,
-        heartbeat_timeout_s=30,
-        pickup_s=35,
-        summary_every_s=5,
-    )
-    return RanksGroupWorkflow(inp)
+    return RanksGroupWorkflow(group_input(NODES, attempt=3))
 
 
 def _report(node: str, incident: IncidentReport | None) -> ProgressReport:

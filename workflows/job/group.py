@@ -16,6 +16,7 @@ each one's result and ends.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from datetime import datetime, timedelta
 
@@ -86,6 +87,8 @@ class RanksGroupWorkflow:
         self.parts: set[int] = set()  # steps whose part is committed (or being committed)
         self.commits: set[int] = set()
         self.summary_at: float | None = None
+        self._summary_timer: asyncio.Task[None] | None = None  # fires when a summary may be due
+        self._summary_woke = False
         self._reported: set[str] = set()  # machines whose end was looked at
         # The resume checkpoint's shards of this group's ranks (the ref's, or its parts').
         self.resume_shards: list[ShardInfo] = inp.ranks_input.resume.shards if inp.ranks_input.resume else []
@@ -114,16 +117,19 @@ class RanksGroupWorkflow:
         self.handles = {n.name: self._start(i, attach=inp.attach) for i, n in enumerate(inp.nodes)}
         seen_done = 0
         while True:
-            with contextlib.suppress(TimeoutError):
-                await workflow.wait_condition(
-                    lambda: (
-                        bool(self.inbox)
-                        or self.stop_req is not None
-                        or sum(h.done() for h in self.handles.values()) > seen_done  # noqa: B023
-                        or bool(self.news_parts)
-                    ),
-                    timeout=self._until_summary(),
-                )
+            woken = lambda: (  # noqa: E731
+                bool(self.inbox)
+                or self.stop_req is not None
+                or sum(h.done() for h in self.handles.values()) > seen_done  # noqa: B023
+                or bool(self.news_parts)
+            )
+            if workflow.patched(patches.GROUP_SUMMARY_TIMER):
+                self._arm_summary()
+                await workflow.wait_condition(lambda: woken() or self._summary_woke)  # noqa: B023
+                self._summary_woke = False
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await workflow.wait_condition(woken, timeout=self._until_summary())
             seen_done = sum(h.done() for h in self.handles.values())
             self._drain()
             self._note_ended()
@@ -308,6 +314,19 @@ class RanksGroupWorkflow:
             return None if self.latest is None else timedelta(seconds=1)
         left = self.summary_at + self.inp.summary_every_s - workflow.time()
         return timedelta(seconds=max(left, 1.0))
+
+    def _arm_summary(self) -> None:
+        """One timer until the next summary may be due, kept across the reports that come before
+        it (a summary sent early with news makes it fire early once: it is armed again then)."""
+        wait = self._until_summary()
+        if wait is None or (self._summary_timer is not None and not self._summary_timer.done()):
+            return
+
+        async def fire() -> None:
+            await workflow.sleep(wait, summary="summary")
+            self._summary_woke = True
+
+        self._summary_timer = asyncio.create_task(fire())
 
     def _summary_due(self) -> bool:
         if self.latest is None:

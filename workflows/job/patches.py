@@ -87,3 +87,7 @@ INCIDENT_AT_ONCE = "incident-at-once"
 # waited for them before, then started the next attempt only to stop it: at 1,200 machines the
 # stop-time checks' pair rounds kept a stop waiting past 300 s).
 STOP_DIAGNOSIS = "stop-diagnosis"
+# A group keeps one timer for its next summary instead of starting one each time a report wakes
+# it (each wait with a timeout starts a timer): at 1,200 machines that was a timer per report,
+# 7,500 an hour, the largest share of a steady job's actions after the reports themselves.
+GROUP_SUMMARY_TIMER = "group-summary-timer"
