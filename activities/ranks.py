@@ -119,6 +119,9 @@ class RankActivities:
                 return self._stopped_result(inp)
             await self.sessions.stop_older(inp.job_id, inp.attempt, inp.chain)
             send = discard if inp.dry_run else to_workflow(self.client, inp.workflow_id)
+            # A large job's first machine: its step goes to the job itself too.
+            step_to = inp.progress_to and not inp.dry_run
+            send_step = to_workflow(self.client, inp.progress_to) if step_to else None
             try:
                 # The session (and so its ranks, and every redaction of its output) gets the job's
                 # sealed secret values opened; nothing of it goes back to Temporal.
@@ -142,6 +145,7 @@ class RankActivities:
                 self.memory_dir,
                 self.warm,
                 self.user,
+                send_step,
             )
             self.sessions.add(sess)
             try:

@@ -69,7 +69,7 @@ from trainguard.domain.messages import (
     StopRanksInput,
     node_queue,
 )
-from trainguard.domain.report_interval import report_interval
+from trainguard.domain.report_interval import progress_only, report_interval
 from trainguard.services import pool_client
 from trainguard.services.settings import Settings
 from trainguard.services.temporal import connect
@@ -126,6 +126,7 @@ class Session:
         fail_at = started + self.fail_in_s
         fast = spec.detection.progress_interval_s
         last_sent, first_sent = -math.inf, False
+        step_sent = -math.inf  # a large job's first machine: its step to the job, at the fast rate
         while True:
             now = time.monotonic()
             self.step = start_step + int((now - t0) / step_time)
@@ -158,7 +159,16 @@ class Session:
                 self.end(self._failure())
                 return
             # When to report: the agent's own rule (the first step is news for every machine).
-            due = report_interval(spec.detection, inp.node_index, news=not first_sent, nodes=spec.nodes)
+            if inp.progress_to and now - step_sent >= fast:
+                await self._report(step_only=True)
+                step_sent = time.monotonic()
+            due = report_interval(
+                spec.detection,
+                inp.node_index,
+                news=not first_sent,
+                nodes=spec.nodes,
+                step_elsewhere=bool(inp.progress_to),
+            )
             if now - last_sent >= due:
                 first_sent = await self._report() or first_sent
                 last_sent = time.monotonic()
@@ -193,7 +203,9 @@ class Session:
             node=name, attempt=inp.attempt, ok=False, last_step=self.step, incident=incident
         )
 
-    async def _report(self) -> bool:
+    async def _report(self, step_only: bool = False) -> bool:
+        """A report to the machine's workflow (its job's or group's); ``step_only``: the step of
+        a large job's first machine, to the job itself (as the agent's ``progress_only``)."""
         inp = self.inp
         report = ProgressReport(
             node=inp.node.name,
@@ -206,13 +218,17 @@ class Session:
             shards=list(self.unsent),
             compute_s=self.m.step_time_s * 0.8,
         )
+        if step_only:
+            report = progress_only(report)
+        to = inp.progress_to if step_only else inp.workflow_id
         try:
-            await job.progress.signal(self.m.client.get_workflow_handle(inp.workflow_id), report)
+            await job.progress.signal(self.m.client.get_workflow_handle(to), report)
         except RPCError as exc:  # the workflow may be between runs; the next report carries it
             log.info("progress of %s failed: %s", inp.node.name, exc)
             return False
         self.m.reports += 1
-        self.unsent = []
+        if not step_only:
+            self.unsent = []
         return True
 
 

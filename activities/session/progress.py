@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import statistics
 import time
@@ -29,7 +30,7 @@ from activities.warm_pool import WarmPool
 from trainguard.contract import job
 from trainguard.domain.messages import ProgressReport, ScriptCheckpointRef
 from trainguard.domain.protection import CpuBeside
-from trainguard.domain.report_interval import report_interval, uploads_are_news
+from trainguard.domain.report_interval import progress_only, report_interval, uploads_are_news
 from trainguard.runtime import protocol
 
 log = logging.getLogger(__name__)
@@ -60,11 +61,21 @@ async def discard(report: ProgressReport) -> None:
 
 class ProgressReporter:
     def __init__(
-        self, state: SessionState, snapshots: Snapshots, send: SignalFn, warm: WarmPool | None = None
+        self,
+        state: SessionState,
+        snapshots: Snapshots,
+        send: SignalFn,
+        warm: WarmPool | None = None,
+        send_step: SignalFn | None = None,
     ) -> None:
         self.s = state
         self.snapshots = snapshots
         self.send = send
+        # A large job's first machine: its step to the job at the progress rate, beside its
+        # routine reports to its group (RunRanksInput.progress_to).
+        self.send_step = send_step
+        self.step_sent_at = -math.inf  # time.monotonic() of the last
+        self.step_sent: tuple[int, datetime | None] | None = None  # (step, first step) it carried
         self.warm = warm  # the machine's warm processes: how many wait is in every report
         self.last_step: dict[int, int] = {}
         self.loss: float | None = None
@@ -207,20 +218,47 @@ class ProgressReporter:
     async def loop(self) -> None:
         detection = self.s.spec.detection
         changed = self.s.changed
+        fast = detection.progress_interval_s
         last_sent = 0.0
         while True:
             await changed.wait()
+            step_wait = await self._step_to_job(fast)
             # News goes at the fast rate from every machine; the rest waits for the machine's
             # routine interval (trainguard.domain.report_interval), re-checked at the fast rate.
-            due = report_interval(detection, self.s.inp.node_index, self.news(), self.s.spec.nodes)
+            due = report_interval(
+                detection,
+                self.s.inp.node_index,
+                self.news(),
+                self.s.spec.nodes,
+                step_elsewhere=self.send_step is not None,
+            )
             wait = due - (time.monotonic() - last_sent)
             if wait > 0:
-                await asyncio.sleep(min(wait, detection.progress_interval_s))
+                await asyncio.sleep(min(wait, fast, step_wait))
                 continue
             changed.clear()
             if await self.flush():
                 self.first_step_sent = True
             last_sent = time.monotonic()
+
+    async def _step_to_job(self, fast: float) -> float:
+        """A large job's first machine sends the job its step (``progress_only``) when it moved,
+        at most every ``fast`` seconds; returns the seconds until the next may go."""
+        if self.send_step is None:
+            return math.inf
+        since = time.monotonic() - self.step_sent_at
+        if since < fast:
+            return fast - since
+        report = progress_only(self.progress_report())
+        if (report.step, report.first_step_at) == self.step_sent:
+            return fast  # nothing new for the job; the routine report may still be due
+        try:
+            await self.send_step(report)
+        except Exception as exc:  # the job may be between runs; the next one carries it
+            log.info("step signal failed: %s", exc)
+            return fast
+        self.step_sent_at, self.step_sent = time.monotonic(), (report.step, report.first_step_at)
+        return fast
 
     def script_stored(self, ref: ScriptCheckpointRef) -> None:
         """One of the script's own checkpoints is in S3: the job hears of it (news, as uploads)."""

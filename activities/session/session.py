@@ -69,12 +69,13 @@ class RankSession:
         memory_dir: Path | None = None,
         warm: WarmPool | None = None,
         user: RankUser | None = None,
+        send_step: SignalFn | None = None,
     ) -> None:
         # The parts, each built on those before it (see the package's docstring).
         self.state = s = SessionState(inp, workdir, code_dir, memory_dir, user)
         self.process = RankProcesses(s, drills, warm, rank_nice)
         self.snapshots = Snapshots(s, store)
-        self.progress = ProgressReporter(s, self.snapshots, send_progress, warm)
+        self.progress = ProgressReporter(s, self.snapshots, send_progress, warm, send_step)
         self.ending = Ending(s, self.process, self.snapshots, self.progress)
         self.incidents = Incidents(s, self.process, self.progress, self.ending, drills)
         self.reports = Reports(s, self.process, self.snapshots, self.progress, self.incidents)

@@ -12,6 +12,7 @@ from typing import Any
 
 from bench import history_metrics
 from tests.integration.helpers import example_spec, run_to_end, wait_until
+from trainguard import contract
 from trainguard.client import TrainguardClient
 from trainguard.contract import calls
 
@@ -61,6 +62,9 @@ async def test_a_job_in_groups_recovers_and_resumes_to_the_reference_hash(
         if e.activity_task_scheduled_event_attributes.activity_type.name
     ]
     assert calls.run_ranks.name not in scheduled, scheduled
+    # The job's step came from its first machine itself, not at the progress rate via a group.
+    signals = [e.workflow_execution_signaled_event_attributes.signal_name for e in job_events]
+    assert contract.job.progress.name in signals and contract.job.group.name in signals
     groups = [wid for wid in tree if ".group-" in wid]
     assert len(groups) >= 2 * 3, groups  # two machines, three attempts (and the resubmitted run's)
     parts = [

@@ -9,8 +9,19 @@ from trainguard.domain.messages import Endpoint, GroupInput, NodeInfo, RunRanksI
 from trainguard.domain.spec import parse_spec
 
 
-def group_input(nodes: list[NodeInfo], attempt: int, parent: str = "job", **over: Any) -> GroupInput:
-    spec = parse_spec({"name": "job", "entrypoint": ["python", "train.py"], "nodes": 1, "target_steps": 5})
+def group_input(
+    nodes: list[NodeInfo], attempt: int, parent: str = "job", job_nodes: int = 1, **over: Any
+) -> GroupInput:
+    """``job_nodes``: the job's machines in all (the spec's), those of its other groups too."""
+    spec = parse_spec(
+        {
+            "name": "job",
+            "entrypoint": ["python", "train.py"],
+            "nodes": job_nodes,
+            "topology": {"dp": job_nodes},
+            "target_steps": 5,
+        }
+    )
     ranks = RunRanksInput(
         job_id="job",
         workflow_id="job",

@@ -83,6 +83,7 @@ def test_a_large_pair_round_keeps_at_most_two_activities_a_pair_pending(
     activities pending in the job's workflow; every pair still answers."""
     names = [f"node-{i}" for i in range(1200)]
     pending = {"now": 0, "most": 0}
+    pickups: set[float] = set()
 
     async def activity() -> None:
         pending["now"] += 1
@@ -90,11 +91,13 @@ def test_a_large_pair_round_keeps_at_most_two_activities_a_pair_pending(
         await asyncio.sleep(0.001)
         pending["now"] -= 1
 
-    async def rendezvous_port(*_args: Any) -> Any:
+    async def rendezvous_port(*args: Any) -> Any:
+        pickups.add(args[-1].total_seconds())
         await activity()
         return SimpleNamespace(host="127.0.0.1", port=1)
 
-    async def pair_test(inp: Any, **_kw: Any) -> CheckResult:
+    async def pair_test(inp: Any, **kw: Any) -> CheckResult:
+        pickups.add(kw["schedule_to_start"].total_seconds())
         await activity()
         return CheckResult(node="n", passed=True, evidence="clean", elapsed_s=0.1)
 
@@ -110,3 +113,5 @@ def test_a_large_pair_round_keeps_at_most_two_activities_a_pair_pending(
     assert len(results) == 600 and all(r.ok for r in results)
     assert pending["most"] <= 2 * diagnosis.PAIRS_AT_ONCE
     assert pending["most"] > diagnosis.PAIRS_AT_ONCE  # the pairs of a wave do run together
+    # Both sides of a wave's 200 pairs are asked at once: each may be picked up 20 s late.
+    assert pickups == {calls.pickup_within(2 * diagnosis.PAIRS_AT_ONCE).total_seconds()} == {20.0}

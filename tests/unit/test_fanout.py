@@ -50,8 +50,9 @@ def machine(name: str) -> object:
     return stop_ranks
 
 
-async def answers_and_pending(client: Client) -> tuple[dict[str, str], int]:
-    """The answers, and the most activities any workflow of the run had scheduled."""
+async def answers_and_pending(client: Client) -> tuple[dict[str, str], int, set[float]]:
+    """The answers, the most activities any workflow of the run had scheduled, and their
+    pickup bounds (schedule-to-start, seconds)."""
     answers = await client.execute_workflow(
         StopsEverywhere.run, id="stops", task_queue="parent", execution_timeout=timedelta(minutes=2)
     )
@@ -61,14 +62,19 @@ async def answers_and_pending(client: Client) -> tuple[dict[str, str], int]:
         for e in parent.events
         if e.event_type == EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED
     ]
-    most = 0
+    most, pickups = 0, set()
     for history in [
         parent,
         *[await client.get_workflow_handle(c.workflow_id, run_id=c.run_id).fetch_history() for c in children],
     ]:
-        scheduled = sum(e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED for e in history.events)
-        most = max(most, scheduled)
-    return answers, most
+        scheduled = [
+            e.activity_task_scheduled_event_attributes
+            for e in history.events
+            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        ]
+        most = max(most, len(scheduled))
+        pickups |= {a.schedule_to_start_timeout.ToTimedelta().total_seconds() for a in scheduled}
+    return answers, most, pickups
 
 
 @pytest.mark.parametrize("direct", [100, 2])
@@ -87,7 +93,7 @@ async def test_children_answer_as_a_direct_call_would(monkeypatch: pytest.Monkey
         for w in workers:
             await w.__aenter__()
         try:
-            answers, most = await answers_and_pending(env.client)
+            answers, most, pickups = await answers_and_pending(env.client)
         finally:
             for w in workers:
                 await w.__aexit__(None, None, None)
@@ -97,3 +103,5 @@ async def test_children_answer_as_a_direct_call_would(monkeypatch: pytest.Monkey
     assert answers[BAD].startswith("error:") and "agent refused" in answers[BAD]
     # Directly: the parent scheduled all seven; through children: three at most (a chunk).
     assert most == (len(NODES) if direct >= len(NODES) else 3)
+    # Every call waits to be picked up as long as a call to all seven machines may, a chunk's too.
+    assert pickups == {calls.pickup_within(len(NODES)).total_seconds()} == {10.175}

@@ -39,6 +39,7 @@ NODES = [NodeInfo(name=f"node-{i}", task_queue=f"summary-node-{i}") for i in (1,
 REPORTS = 12
 REPORT_GAP_S = 0.5
 SUMMARY_EVERY_S = 2.0
+JOB_NODES = 600  # the group's two and the other groups' machines
 
 
 @workflow.defn(sandboxed=False)
@@ -60,11 +61,11 @@ class Parent:
 
 async def run_group() -> tuple[int, int, WorkflowHistory]:
     """The group's timers and the parent's news after the reports; the group's history."""
-    started: list[str] = []
+    started: dict[str, str] = {}
 
     @activity.defn(name=calls.run_ranks.name)
     async def run_ranks(inp: RunRanksInput) -> Any:
-        started.append(inp.node.name)
+        started[inp.node.name] = inp.progress_to
         while True:  # until the group cancels it
             activity.heartbeat()
             await asyncio.sleep(0.1)
@@ -93,7 +94,13 @@ async def run_group() -> tuple[int, int, WorkflowHistory]:
             RanksGroupWorkflow.run,
             # heartbeats (and so the cancellation at the stop) 1.6 s apart
             group_input(
-                NODES, attempt=1, parent="parent", heartbeat_timeout_s=2, summary_every_s=SUMMARY_EVERY_S
+                NODES,
+                attempt=1,
+                parent="parent",
+                job_nodes=JOB_NODES,
+                step_to_job=True,
+                heartbeat_timeout_s=2,
+                summary_every_s=SUMMARY_EVERY_S,
             ),
             id="group",
             task_queue="summary-wf",
@@ -106,8 +113,19 @@ async def run_group() -> tuple[int, int, WorkflowHistory]:
         await handle.signal(contract.group.stop.name, GroupStop(final=True))
         news = await parent.result(rpc_timeout=timedelta(seconds=30))
         history = await handle.fetch_history()
-    assert sorted(started) == ["node-1", "node-2"]
+    # The job's first machine (node_index 0) sends the job its step itself; the other only here.
+    assert started == {"node-1": "parent", "node-2": ""}
     return timers_of(history), news, history
+
+
+def stop_pickups(history: WorkflowHistory) -> set[float]:
+    """The schedule-to-start (seconds) of the group's stop_ranks calls."""
+    return {
+        a.schedule_to_start_timeout.ToTimedelta().total_seconds()
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        and (a := e.activity_task_scheduled_event_attributes).activity_type.name == calls.stop_ranks.name
+    }
 
 
 def timers_of(history: WorkflowHistory) -> int:
@@ -126,6 +144,9 @@ async def test_one_timer_per_summary_not_per_report() -> None:
     # report (measured: 4 against 12).
     assert timers <= 6, timers
     assert news >= 3  # summaries still went out on time, then the last news
+    # Every group stops its machines at the same moment: the server may hand a stop over as late
+    # as a stop of the job's 600 machines (25 s), not of the group's two.
+    assert stop_pickups(history) == {calls.pickup_within(JOB_NODES).total_seconds()} == {25.0}
     await replays(history)
 
 

@@ -68,9 +68,14 @@ class _Clock:
 
 
 async def _send_times(
-    monkeypatch: Any, node_index: int, sends: int, hash_at: float | None = None
+    monkeypatch: Any,
+    node_index: int,
+    sends: int,
+    hash_at: float | None = None,
+    steps_to_job: list[float] | None = None,
 ) -> list[float]:
-    """When an agent's session sends its reports, on a fake clock, ranks always stepping."""
+    """When an agent's session sends its reports, on a fake clock, ranks always stepping;
+    ``steps_to_job``: it is a large job's first machine, when its step went to the job."""
     clock = _Clock()
     real_sleep = asyncio.sleep
 
@@ -97,6 +102,17 @@ async def _send_times(
     progress.s.changed.set()
     sent: list[float] = []
     done = asyncio.Event()
+    progress.send_step = None
+    if steps_to_job is not None:
+
+        async def send_step(report: ProgressReport) -> None:
+            assert report.shards == [] and report.hashes == {} and report.compute_s is None
+            steps_to_job.append(clock.t)
+
+        progress.send_step, progress.step_sent_at, progress.step_sent = send_step, -float("inf"), None
+        progress.progress_report = lambda: ProgressReport(
+            node="node-0", attempt=1, step=int(clock.t), at=datetime.now(UTC), compute_s=0.1
+        )
 
     async def flush() -> bool:
         sent.append(clock.t)
@@ -143,6 +159,19 @@ async def test_an_agent_reports_at_its_machines_interval(monkeypatch: Any) -> No
     assert peer == [1000.0, 1600.0, 2200.0, 2800.0]
     first = await _send_times(monkeypatch, node_index=0, sends=4)
     assert first == [1000.0, 1060.0, 1120.0, 1180.0]
+
+
+async def test_a_large_jobs_first_machine_sends_the_job_its_step_and_its_group_routine_reports(
+    monkeypatch: Any,
+) -> None:
+    steps: list[float] = []
+    first = await _send_times(monkeypatch, node_index=0, sends=3, steps_to_job=steps)
+    # Its group hears from it as from any other machine: the first step at once, then routine.
+    assert first == [1000.0, 1600.0, 2200.0]
+    # The job gets its step (without shards, hashes, compute) at the progress rate meanwhile.
+    assert steps[:11] == [1000.0 + 60 * i for i in range(11)]
+    det = DetectionSpec(progress_interval_s=5.0)
+    assert report_interval(det, 0, news=False, nodes=1200, step_elsewhere=True) == 1200 / JOB_ROUTINE_PER_S
 
 
 async def test_a_replica_hash_step_goes_from_a_peer_at_the_progress_rate(monkeypatch: Any) -> None:

@@ -71,12 +71,24 @@ TELEMETRY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_att
 ON_CONTROLLER = Options(task_queue=CONTROLLER_QUEUE, start_to_close=SHORT, retry=CONTROLLER_RETRY)
 # A short check on a machine: one that cannot answer within seconds is skipped or fails the check.
 ON_MACHINE_LIMIT = timedelta(seconds=60)
-ON_MACHINE = Options(schedule_to_start=timedelta(seconds=10), start_to_close=ON_MACHINE_LIMIT)
+PICKUP = timedelta(seconds=10)
+ON_MACHINE = Options(schedule_to_start=PICKUP, start_to_close=ON_MACHINE_LIMIT)
 # A stop-time check first loads torch (a process of its own, or the agent's first import), which
 # a loaded machine may take up to CHECK_START_BOUND_S to do; its budget counts from then.
 ON_MACHINE_CHECK = dataclasses.replace(
     ON_MACHINE, start_to_close=ON_MACHINE_LIMIT + timedelta(seconds=CHECK_START_BOUND_S)
 )
+
+# A call sent to many machines at once waits this much longer per machine to be picked up: the
+# server dispatches the tasks queue by queue, and a busy one reaches the last machines late (the
+# dev server left 148 of a 1,200-machine stop unpicked after 10 s). Such a machine would miss a
+# persist-at-stop or fail a healthy pair; a dead one holds the call this long (40 s at 1,200).
+PICKUP_PER_MACHINE = timedelta(milliseconds=25)
+
+
+def pickup_within(machines: int, base: timedelta = PICKUP) -> timedelta:
+    """The schedule-to-start of a machine call sent to ``machines`` machines at once."""
+    return base + PICKUP_PER_MACHINE * max(0, machines)
 
 
 # -- the pool (controller) --------------------------------------------------------------------

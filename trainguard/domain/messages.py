@@ -531,6 +531,10 @@ class RunRanksInput(Msg):
     # The script's own checkpoints to restore before the ranks start, as the job chose them
     # (``trainguard.domain.restore_point``); empty: the newest complete one per name in S3.
     script_restore: list[ScriptCheckpointRef] = []
+    # A large job's first machine: the job's workflow id, which takes its step straight at
+    # ``progress_interval_s`` (``report_interval.progress_only``); its group (``workflow_id``)
+    # takes its routine reports and news as every other machine's. Empty: every report there.
+    progress_to: str = ""
 
 
 class RankExit(Msg):
@@ -623,6 +627,9 @@ class GroupInput(Msg):
     pickup_s: float
     # Routine summaries to the job at most this often (news goes at once).
     summary_every_s: float
+    # The job's first machine (if this group has it) sends its step to the job itself
+    # (``RunRanksInput.progress_to``): no group tells the job at the progress rate.
+    step_to_job: bool = False
     # A group that continued as new (its history grew long): its machines' ranks run on, to be
     # re-attached; and what it knew of them.
     attach: bool = False

@@ -7,7 +7,8 @@ job's first machine is its reporter: it carries the job's step, loss and step
 time at ``progress_interval_s``; the others send their routine reports (compute
 times for fail-slow rounds, replica hashes, memory snapshots, uploaded shards) at
 ``peer_report_interval_s`` (5 s when unset, or ``progress_interval_s`` if longer), and a
-large job's machines less often still: together at most ``JOB_ROUTINE_PER_S`` a second. What
+large job's machines less often still: together at most ``JOB_ROUTINE_PER_S`` a second (a job
+of groups' first machine too: its step goes straight to the job, ``progress_only``). What
 the workflow acts on soon never waits for a routine report: the first step of an attempt
 (the job is back), uploaded shards and a new replica hash step go at the progress rate
 from every machine, and a failure or the end of the ranks reaches the workflow as the
@@ -23,6 +24,7 @@ from __future__ import annotations
 import math
 
 from trainguard.domain.groups import GROUP_SIZE
+from trainguard.domain.messages import ProgressReport
 from trainguard.domain.spec import DetectionSpec
 
 # The other machines' routine interval when the spec sets none. Their routine reports carry
@@ -35,11 +37,14 @@ PEER_REPORT_DEFAULT_S = 5.0
 JOB_ROUTINE_PER_S = 2.0
 
 
-def report_interval(detection: DetectionSpec, node_index: int, news: bool, nodes: int = 1) -> float:
+def report_interval(
+    detection: DetectionSpec, node_index: int, news: bool, nodes: int = 1, step_elsewhere: bool = False
+) -> float:
     """Seconds a machine (``node_index`` of the job's ``nodes``) waits after its last report
-    before the next one."""
+    before the next one; ``step_elsewhere``: the first machine's step goes to the job by itself
+    (``progress_only``), its reports are routine."""
     fast = detection.progress_interval_s
-    if news or node_index == 0:
+    if news or (node_index == 0 and not step_elsewhere):
         return fast
     peer = detection.peer_report_interval_s
     return max(fast, PEER_REPORT_DEFAULT_S if peer is None else peer, nodes / JOB_ROUTINE_PER_S)
@@ -59,3 +64,21 @@ def replica_every(check_every: int, nodes: int) -> int:
     GROUP_SIZE machines; a larger job checks that many times less often, so that its machines'
     hash reports (news, from every machine) stay near a small job's rate."""
     return check_every * max(1, math.ceil(nodes / GROUP_SIZE)) if check_every else 0
+
+
+def progress_only(report: ProgressReport) -> ProgressReport:
+    """A report's progress (step, loss, step time, first step, blocking, snapshot interval)
+    without what only the machine's group gathers: uploaded shards, snapshots and backups,
+    replica hashes, compute time, script checkpoints. What a group's summary and a large job's
+    first machine send the job at the progress rate."""
+    return report.model_copy(
+        update={
+            "shards": [],
+            "memory": [],
+            "backups": [],
+            "hashes": {},
+            "hash_step": None,
+            "compute_s": None,
+            "script_ckpts": [],
+        }
+    )

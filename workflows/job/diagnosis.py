@@ -49,14 +49,20 @@ CHECKS = ("stop-time-checks", "alignment-test")
 
 
 async def rendezvous_port(
-    task_queue: str, job_id: str, attempt: int, limit: timedelta = calls.SHORT, summary: str | None = None
+    task_queue: str,
+    job_id: str,
+    attempt: int,
+    limit: timedelta = calls.SHORT,
+    summary: str | None = None,
+    pickup: timedelta = calls.PICKUP,
 ) -> Endpoint:
     """A free port on a machine for a diagnostic process group's rendezvous (no retry: a
-    machine that cannot answer within seconds fails the check)."""
+    machine that cannot answer within ``pickup`` and seconds fails the check)."""
     return await calls.pick_master_port(
         PortInput(job_id=job_id, attempt=attempt),
         task_queue=task_queue,
         start_to_close=limit,
+        schedule_to_start=pickup,
         summary=summary,
     )
 
@@ -140,19 +146,23 @@ class Diagnosis:
         # A side's check process may take CHECK_START_BOUND_S to get ready and then wait up to
         # CHECK_PEER_GRACE_MAX_S for its partner to, before its own budget counts.
         check_limit = limit + timedelta(seconds=CHECK_START_BOUND_S + CHECK_PEER_GRACE_MAX_S)
+        # Both sides of every pair of a wave are asked at once: a side the server hands over
+        # late must not fail its pair.
+        pickup = calls.pickup_within(2 * min(len(pairs), PAIRS_AT_ONCE))
 
         async def pair_test(rank: int, node: str, master: Endpoint) -> CheckResult:
             return await calls.pair_test(
                 PairTestInput(job_id=req.job_id, attempt=req.attempt, rank=rank, master=master),
                 task_queue=queues[node],
                 start_to_close=check_limit,
+                schedule_to_start=pickup,
                 summary=f"{node}: pairwise check",
             )
 
         async def one(a: str, b: str) -> pairing.PairResult:
             try:
                 master = await rendezvous_port(
-                    queues[a], req.job_id, req.attempt, limit, f"{a}: pairwise check"
+                    queues[a], req.job_id, req.attempt, limit, f"{a}: pairwise check", pickup
                 )
             except ActivityError as err:
                 return pairing.PairResult(

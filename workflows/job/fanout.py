@@ -44,11 +44,13 @@ async def on_machines(
     arg: I,
     nodes: list[NodeInfo],
     only: list[str] | None = None,
+    at_once: int | None = None,
     **over: Any,
 ) -> list[R]:
     """Run one short activity on every machine of ``nodes`` (or ``only`` these) at once;
-    machines that cannot answer are skipped. ``over``: options for these calls."""
-    answers = await by_machine(activity, arg, nodes, only, **over)
+    machines that cannot answer are skipped. ``over``: options for these calls; ``at_once``:
+    how many machines the call goes to in all (other workflows' parts too), when more."""
+    answers = await by_machine(activity, arg, nodes, only, at_once, **over)
     return [r for r in answers.values() if not isinstance(r, BaseException)]
 
 
@@ -57,17 +59,25 @@ async def by_machine(
     arg: I,
     nodes: list[NodeInfo],
     only: list[str] | None = None,
+    at_once: int | None = None,
     **over: Any,
 ) -> dict[str, R | BaseException]:
     """As :func:`on_machines`, each machine's answer by its name, or the error it gave."""
     chosen = [n for n in nodes if only is None or n.name in only]
-    return await each_machine(activity, [(n, arg) for n in chosen], **over)
+    return await each_machine(activity, [(n, arg) for n in chosen], at_once, **over)
 
 
 async def each_machine(
-    activity: calls.Activity[I, R], work: list[tuple[NodeInfo, I]], **over: Any
+    activity: calls.Activity[I, R],
+    work: list[tuple[NodeInfo, I]],
+    at_once: int | None = None,
+    **over: Any,
 ) -> dict[str, R | BaseException]:
-    """``activity`` on each machine of ``work`` with its own argument; answers by machine name."""
+    """``activity`` on each machine of ``work`` with its own argument; answers by machine name.
+    Unless ``over`` gives one, each call's pickup bound grows with the machines it goes to."""
+    base = activity.options.schedule_to_start
+    if base is not None and "schedule_to_start" not in over:
+        over["schedule_to_start"] = calls.pickup_within(max(len(work), at_once or 0), base)
     if len(work) > FANOUT_DIRECT and workflow.patched(patches.FANOUT):
         return await _through_children(activity, work, over)
     runs = [activity(arg, task_queue=n.task_queue, **over) for n, arg in work]

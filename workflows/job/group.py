@@ -45,6 +45,7 @@ with workflow.unsafe.imports_passed_through():
         ShardInfo,
         StopRanksInput,
     )
+    from trainguard.domain.report_interval import progress_only
     from trainguard.domain.topology import ranks_on
 
 # A group continues as new past this many history events (its machines re-attach).
@@ -168,6 +169,7 @@ class RanksGroupWorkflow:
                 "ranks": ranks,
                 "resume": resume,
                 "attach_only": attach,
+                "progress_to": inp.parent if inp.step_to_job and index == 0 else "",
             }
         )
         pickup = inp.pickup_s if attach else inp.schedule_to_start_s
@@ -377,16 +379,10 @@ class RanksGroupWorkflow:
         if self.latest is None:
             return None
         blocks = list(self.block.values())
-        return self.latest.model_copy(
+        return progress_only(self.latest).model_copy(
             update={
                 "node": f"group-{self.inp.group}",
                 "first_step_at": self.first_step_at if not self.first_step_sent else None,
-                "shards": [],
-                "memory": [],
-                "backups": [],
-                "hashes": {},
-                "hash_step": None,
-                "compute_s": None,
                 "script_ckpts": sorted(self.news_scripts.values(), key=lambda r: r.name),
                 "ckpt_block_s": max((b[0] for b in blocks), default=0.0),
                 "protection_s": max((b[1] for b in blocks), default=0.0),
@@ -409,7 +405,9 @@ class RanksGroupWorkflow:
             job_id=base.job_id, attempt=base.attempt, chain=base.chain, persist=req.persist, final=req.final
         )
         bound = {"start_to_close": timedelta(seconds=req.limit_s)} if req.limit_s else {}
-        answers = await fanout.by_machine(calls.stop_ranks, stop, self.inp.nodes, **bound)
+        # Every group stops its machines at once: each call's pickup bound counts the job's.
+        every = base.spec.nodes
+        answers = await fanout.by_machine(calls.stop_ranks, stop, self.inp.nodes, at_once=every, **bound)
         silent = {name for name, a in answers.items() if isinstance(a, BaseException)}
         self.cut_off = sorted(silent & self._unheard())
         await cancel_all(self.handles)
