@@ -48,8 +48,10 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.domain.report_interval import progress_only
     from trainguard.domain.topology import ranks_on
 
-# A group continues as new past this many history events (its machines re-attach).
+# A group continues as new past this many history events or bytes (its machines re-attach):
+# under Temporal's warning marks (10,240 events, 10 MB) and far under its limits (51,200, 50 MB).
 GROUP_MAX_HISTORY = 8000
+GROUP_MAX_HISTORY_BYTES = 8 * 1024 * 1024
 MAX_REATTACH = 3
 
 
@@ -184,7 +186,11 @@ class RanksGroupWorkflow:
 
     def _history_full(self) -> bool:
         info = workflow.info()
-        return info.get_current_history_length() > GROUP_MAX_HISTORY or info.is_continue_as_new_suggested()
+        if info.get_current_history_length() > GROUP_MAX_HISTORY:
+            return True
+        if workflow.patched(patches.GROUP_OWN_HISTORY_LIMIT):
+            return info.get_current_history_size() > GROUP_MAX_HISTORY_BYTES
+        return info.is_continue_as_new_suggested()
 
     async def _continue_as_new(self) -> None:
         """A fresh run that re-attaches to the ranks (they run on meanwhile, ``ORPHAN_TIMEOUT_S``);

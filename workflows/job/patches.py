@@ -91,3 +91,8 @@ STOP_DIAGNOSIS = "stop-diagnosis"
 # it (each wait with a timeout starts a timer): at 1,200 machines that was a timer per report,
 # 7,500 an hour, the largest share of a steady job's actions after the reports themselves.
 GROUP_SUMMARY_TIMER = "group-summary-timer"
+# A group continues as new at its own limits (``GROUP_MAX_HISTORY`` events or
+# ``GROUP_MAX_HISTORY_BYTES``), not when the server first suggests it (4,096 events or 4 MB on a
+# default server): each continue-as-new re-attaches every machine of the group (a ``run_ranks``
+# each, 200), and a group of a 1,200-machine job reached the suggestion about every 25 minutes.
+GROUP_OWN_HISTORY_LIMIT = "group-own-history-limit"
