@@ -57,7 +57,8 @@ async def rendezvous_port(
     pickup: timedelta = calls.PICKUP,
 ) -> Endpoint:
     """A free port on a machine for a diagnostic process group's rendezvous (no retry: a
-    machine that cannot answer within ``pickup`` and seconds fails the check)."""
+    machine that does not take the call within ``pickup``, or answer within ``limit``, fails
+    the check)."""
     return await calls.pick_master_port(
         PortInput(job_id=job_id, attempt=attempt),
         task_queue=task_queue,
