@@ -412,8 +412,9 @@ class RanksGroupWorkflow:
         )
         bound = {"start_to_close": timedelta(seconds=req.limit_s)} if req.limit_s else {}
         # Every group stops its machines at once: each call's pickup bound counts the job's.
-        every = base.spec.nodes
-        answers = await fanout.by_machine(calls.stop_ranks, stop, self.inp.nodes, at_once=every, **bound)
+        answers = await fanout.by_machine(
+            calls.stop_ranks, stop, self.inp.nodes, at_once=base.spec.nodes, **bound
+        )
         silent = {name for name, a in answers.items() if isinstance(a, BaseException)}
         self.cut_off = sorted(silent & self._unheard())
         await cancel_all(self.handles)

@@ -102,13 +102,13 @@ class Groups:
         self.progress.groups = len(ranges)
         per_rank = self.s.spec.ranks_per_node
         starts = []
+        # Every group's summaries alike: the job's step comes from its first machine itself.
+        summary = max(self.s.spec.detection.progress_interval_s, len(ranges) / SUMMARIES_PER_S)
         for g, machines in enumerate(ranges):
             ranks = range(machines.start * per_rank, machines.stop * per_rank)
             resume = ranks_input.resume
             if resume is not None:
                 resume = resume.model_copy(update={"shards": [x for x in resume.shards if x.rank in ranks]})
-            every = self.s.spec.detection.progress_interval_s
-            summary = max(every, len(ranges) / SUMMARIES_PER_S)
             child = workflow.start_child_workflow(
                 contract.group.WORKFLOW.name,
                 GroupInput(
