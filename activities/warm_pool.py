@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import select
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,7 +48,9 @@ from pathlib import Path
 
 import psutil
 
+from trainguard.agent.rank_host import RemoteRank
 from trainguard.agent.rank_user import RankUser
+from trainguard.runtime import handover
 from trainguard.runtime.env import rank_base_environ
 
 log = logging.getLogger(__name__)
@@ -140,9 +142,10 @@ def room_for_one(memory: Memory, held: int, per_process: int, fraction: float = 
 
 @dataclass
 class WarmProc:
-    proc: asyncio.subprocess.Process
+    proc: asyncio.subprocess.Process | RemoteRank  # a child, or started by the rank host
+    control: socket.socket  # the agent's end of its stdin: the activation goes there
     report_r: int  # the agent's end of the report pipe
-    report_w: int  # the number the rank writes to (inherited at start)
+    report_w: int  # the agent's copy of the rank's end
     job: str | None = None  # the job whose processes ran beside it (None: none yet)
     prestarted: bool = False  # started for a restart (``prestart``), not by the refill
 
@@ -171,14 +174,24 @@ class WarmProc:
         except psutil.Error:
             return 0
 
+    @property
+    def remote(self) -> bool:
+        """Started by the rank host, in the ranks' container (``trainguard.agent.rank_host``)."""
+        return isinstance(self.proc, RemoteRank)
+
     async def activate(
         self, argv: list[str], env: dict[str, str], cwd: str, stdout: Path, stderr: Path
     ) -> None:
-        act = {"argv": argv, "env": env, "cwd": cwd, "stdout": str(stdout), "stderr": str(stderr)}
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(act) + "\n").encode())
-        await self.proc.stdin.drain()
-        self.proc.stdin.close()
+        """Make it the rank: ``argv`` after the interpreter, in ``cwd``, its output appended to
+        ``stdout`` and ``stderr`` (opened here, handed over as descriptors). ``env`` is the
+        whole environment, or, where the rank host started it, what goes over its container's."""
+        act = {"argv": argv, "env": env, "cwd": cwd, "inherit": self.remote}
+        with stdout.open("ab") as out, stderr.open("ab") as err:
+            try:
+                # A line of a few kilobytes on an idle socket: it does not block.
+                handover.send(self.control, act, [out.fileno(), err.fileno()])
+            finally:
+                self.control.close()
 
 
 class WarmPool:
@@ -193,8 +206,10 @@ class WarmPool:
         fraction: float = MEMORY_FRACTION,
         preload: tuple[str, ...] | None = None,
         user: RankUser | None = None,
+        nice: int = 0,
     ) -> None:
         self.user = user
+        self.nice = nice  # a rank host's processes' (``preexec`` sets the agent's own children's)
         self.job: str | None = None  # the job whose ranks ran here last
         self.auto = size == AUTO
         self.wanted = STARTS * (gpus or CPU_MACHINE_RANKS) if self.auto else size
@@ -211,8 +226,16 @@ class WarmPool:
         self._said_full = False
 
     @property
+    def host(self) -> Path | None:
+        """The rank host that starts the ranks, and so these processes; None: this agent."""
+        return self.user.host if self.user is not None else None
+
+    @property
     def env(self) -> dict[str, str]:
-        """The environment warm processes start with (a rank's job may not change its import-time part)."""
+        """The environment warm processes start with (a rank's job may not change its import-time
+        part); a rank host's go over its container's own."""
+        if self.host is not None:
+            return {"PYTHONUNBUFFERED": "1"}
         # Never the agent's credentials: the rank's code could read them in /proc/self/environ.
         env = {**rank_base_environ(), "PYTHONUNBUFFERED": "1"}
         if self.user is not None:  # not root's home: the rank's environment replaces it at activation
@@ -244,33 +267,51 @@ class WarmPool:
 
     async def _spawn(self, at_rank_priority: bool = False) -> WarmProc:
         r_fd, w_fd = os.pipe()
+        control, stdin = socket.socketpair()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         out = (self.log_dir / "warm.log").open("ab")
+        argv = [
+            sys.executable,
+            "-P",  # the agent's directory (a user's, maybe) is not on the warm process's path
+            "-m",
+            "trainguard.runtime.warm",
+            *(["--preload", ",".join(self.preload)] if self.preload is not None else []),
+            *(["--at-rank-priority"] if at_rank_priority else []),
+        ]
+        proc: asyncio.subprocess.Process | RemoteRank
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-P",  # the agent's directory (a user's, maybe) is not on the warm process's path
-                "-m",
-                "trainguard.runtime.warm",
-                "--ready-fd",
-                str(w_fd),
-                *(["--preload", ",".join(self.preload)] if self.preload is not None else []),
-                *(["--at-rank-priority"] if at_rank_priority else []),
-                stdin=asyncio.subprocess.PIPE,
-                stdout=out,
-                stderr=out,
-                pass_fds=(w_fd,),
-                env=self.env,
-                start_new_session=True,
-                preexec_fn=self.preexec,  # as a rank: the rank user's (rank_preexec)
-            )
+            if self.host is not None:  # its report pipe is named in its environment, as a rank's
+                fds = (out.fileno(), out.fileno(), w_fd)
+                proc = await RemoteRank.start(self.host, argv, self.env, "/", fds, self.nice, stdin.fileno())
+            else:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv,
+                    "--ready-fd",
+                    str(w_fd),
+                    stdin=stdin.fileno(),
+                    stdout=out,
+                    stderr=out,
+                    pass_fds=(w_fd,),
+                    env=self.env,
+                    start_new_session=True,
+                    preexec_fn=self.preexec,  # as a rank: the rank user's (rank_preexec)
+                )
         except BaseException:
             os.close(r_fd)
             os.close(w_fd)
+            control.close()
             raise
         finally:
             out.close()
-        return WarmProc(proc=proc, report_r=r_fd, report_w=w_fd, job=self.job, prestarted=at_rank_priority)
+            stdin.close()
+        return WarmProc(
+            proc=proc,
+            control=control,
+            report_r=r_fd,
+            report_w=w_fd,
+            job=self.job,
+            prestarted=at_rank_priority,
+        )
 
     async def _preload_done(self, w: WarmProc) -> bool:
         """Until ``w`` announced its preload (True) or died (False)."""
@@ -389,6 +430,7 @@ class WarmPool:
 
     @staticmethod
     def _close(w: WarmProc) -> None:
+        w.control.close()
         for fd in (w.report_r, w.report_w):
             with contextlib.suppress(OSError):
                 os.close(fd)

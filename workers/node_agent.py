@@ -151,6 +151,7 @@ async def main(
         gpus=found_gpus,
         fraction=warm_memory,
         user=user,
+        nice=rank_nice,
     )
     isolation = RankIsolation(user, rank_dir, memory_dir, sessions, warm)
     await isolation.startup()  # before the warm processes: it kills every process of the rank user
@@ -388,7 +389,7 @@ def cli() -> None:
             args.gpus,
             args.rank_nice,
             args.nic,
-            0 if args.rank_host else args.warm_ranks,  # a rank host's ranks start cold
+            args.warm_ranks,
             args.pool,
             args.metrics_port,
             user,

@@ -299,11 +299,9 @@ class RankProcesses:
 
     def warm_fits(self, argv: list[str]) -> bool:
         """Whether this job's ranks can start in a warm process here: the agent's interpreter
-        runs them, exactly as cold, and not in a rank host's container (warm processes live in
-        the agent's)."""
+        (its image's, in a rank host's container) runs them, exactly as cold."""
         return (
             self.warm is not None
-            and (self.s.user is None or self.s.user.host is None)
             and argv[0] == sys.executable
             and activatable(argv[1:])
             and env_activatable(self.s.spec.env, self.warm.env)
@@ -326,7 +324,8 @@ class RankProcesses:
         if warm is not None:
             importing = not warm.preloaded()  # taken while importing, raised to the rank's priority
             try:
-                env = self.rank_env(local_rank, rank, warm.report_w)
+                # A rank host's goes over its container's environment, as a cold rank there.
+                env = self.rank_env(local_rank, rank, warm.report_w, base={} if warm.remote else None)
                 await warm.activate(argv[1:], env, str(s.workdir), out_path, err_path)
             finally:
                 os.close(warm.report_w)

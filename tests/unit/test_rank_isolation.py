@@ -13,7 +13,7 @@ import pytest
 from activities.session.process import RankProcesses, resolve_argv
 from activities.session.state import SessionState
 from activities.warm_pool import WarmPool
-from trainguard.domain.messages import Endpoint, NodeInfo, RunRanksInput
+from tests.unit.session_rig import one_rank_input
 from trainguard.domain.spec import parse_spec
 from trainguard.runtime.env import inheritable_environ
 
@@ -124,17 +124,7 @@ def test_a_rank_gets_the_spec_env_and_none_of_the_agents_credentials(
             "secret_env": ["HF_TOKEN"],
         }
     )
-    inp = RunRanksInput(
-        job_id="job",
-        workflow_id="job",
-        attempt=1,
-        node=NodeInfo(name="node-1", task_queue="node-node-1"),
-        node_index=0,
-        ranks=[0],
-        spec=spec,
-        master=Endpoint(host="127.0.0.1", port=29500),
-        ckpt_prefix="checkpoints/job",
-    )
+    inp = one_rank_input(spec)
     state: Any = SessionState.__new__(SessionState)
     state.inp, state.spec, state.ckpt_dir, state.user = inp, spec, tmp_path, None
     process = RankProcesses(state, SimpleNamespace(path=tmp_path / "faults.json"))  # type: ignore[arg-type]

@@ -5,21 +5,29 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import psutil
 import pytest
 
 from activities.isolation import RankIsolation
 from activities.session import Sessions
+from activities.session.process import RankProcesses
+from activities.session.state import SessionState
 from activities.warm_pool import WarmPool
 from infra import netns
 from infra.local import rank_user_ready
 from infra.stack import RANK_USER
+from tests.unit.session_rig import one_rank_input
 from trainguard.agent.rank_files import RankFiles, UnsafeRankFile
 from trainguard.agent.rank_host import RemoteRank, host_process
 from trainguard.agent.rank_user import (
@@ -31,6 +39,8 @@ from trainguard.agent.rank_user import (
     rank_preexec,
     reachable,
 )
+from trainguard.domain.spec import parse_spec
+from trainguard.runtime.warm import READY_LINE
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
@@ -183,16 +193,15 @@ def test_a_rank_in_the_ranks_namespace_reaches_no_server_of_the_host(
         netns.remove_ranks_namespace(shared_tmp)
 
 
-async def test_a_rank_host_starts_ranks_as_its_user_and_ends_them_with_their_agent(
-    user: RankUser, shared_tmp: Path
-) -> None:
-    """The ranks' own container: the rank host starts each rank the agent asks for, with the
-    agent's descriptors for its output and reports, says its exit, and kills it when the agent's
-    connection goes."""
+@pytest.fixture
+async def rank_host(user: RankUser, shared_tmp: Path) -> AsyncIterator[tuple[Path, int]]:
+    """The ranks' own container's rank host, as the rank user, with a variable of its container's
+    own: (its socket, its pid)."""
     sock = user.private_dir(shared_tmp / "run") / "ranks.sock"  # the ranks' container's volume
     host = subprocess.Popen(
         [sys.executable, "-m", "trainguard.agent.rank_host", "--socket", str(sock)],
         cwd=REPO,
+        env={**os.environ, "IN_RANKS_CONTAINER": "yes"},
         preexec_fn=functools.partial(rank_preexec, 0, user),
     )
     try:
@@ -200,37 +209,101 @@ async def test_a_rank_host_starts_ranks_as_its_user_and_ends_them_with_their_age
             if sock.exists():
                 break
             await asyncio.sleep(0.05)
-        assert host_process(sock) == (host.pid, user.uid)
-        out = shared_tmp / "out"
-        r, w = os.pipe()
-        code = (
-            "import os, sys\n"
-            "os.write(int(os.environ['TG_REPORT_FD']), b'hi'); print(os.getuid()); sys.exit(3)"
-        )
-        with out.open("wb") as f:
-            rank = await RemoteRank.start(
-                sock, [sys.executable, "-c", code], {}, "/", (f.fileno(), f.fileno(), w), 0
-            )
-        os.close(w)
-        assert await asyncio.wait_for(rank.wait(), 30) == 3 and rank.returncode == 3
-        assert os.read(r, 100) == b"hi" and out.read_text().strip() == str(user.uid)
-        os.close(r)
-
-        sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
-        with out.open("wb") as f:
-            killed = await RemoteRank.start(sock, sleeper, {}, "/", (f.fileno(), f.fileno(), f.fileno()), 0)
-            orphan = await RemoteRank.start(sock, sleeper, {}, "/", (f.fileno(), f.fileno(), f.fileno()), 0)
-        os.killpg(killed.pid, 9)  # the agent stops a rank as it stops its own children
-        assert await asyncio.wait_for(killed.wait(), 30) == -9
-        orphan._writer.close()  # the agent is gone
-        for _ in range(200):
-            if not psutil.pid_exists(orphan.pid):
-                break
-            await asyncio.sleep(0.05)
-        assert not psutil.pid_exists(orphan.pid)
+        yield sock, host.pid
     finally:
         host.kill()
         host.wait()
+
+
+async def test_a_rank_host_starts_ranks_as_its_user_and_ends_them_with_their_agent(
+    user: RankUser, shared_tmp: Path, rank_host: tuple[Path, int]
+) -> None:
+    """The ranks' own container: the rank host starts each rank the agent asks for, with the
+    agent's descriptors for its output and reports, says its exit, and kills it when the agent's
+    connection goes."""
+    sock, host_pid = rank_host
+    assert host_process(sock) == (host_pid, user.uid)
+    out = shared_tmp / "out"
+    r, w = os.pipe()
+    code = "import os, sys\nos.write(int(os.environ['TG_REPORT_FD']), b'hi'); print(os.getuid()); sys.exit(3)"
+    with out.open("wb") as f:
+        rank = await RemoteRank.start(
+            sock, [sys.executable, "-c", code], {}, "/", (f.fileno(), f.fileno(), w), 0
+        )
+    os.close(w)
+    assert await asyncio.wait_for(rank.wait(), 30) == 3 and rank.returncode == 3
+    assert os.read(r, 100) == b"hi" and out.read_text().strip() == str(user.uid)
+    os.close(r)
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    with out.open("wb") as f:
+        killed = await RemoteRank.start(sock, sleeper, {}, "/", (f.fileno(), f.fileno(), f.fileno()), 0)
+        orphan = await RemoteRank.start(sock, sleeper, {}, "/", (f.fileno(), f.fileno(), f.fileno()), 0)
+    os.killpg(killed.pid, 9)  # the agent stops a rank as it stops its own children
+    assert await asyncio.wait_for(killed.wait(), 30) == -9
+    orphan._writer.close()  # the agent is gone
+    for _ in range(200):
+        if not psutil.pid_exists(orphan.pid):
+            break
+        await asyncio.sleep(0.05)
+    assert not psutil.pid_exists(orphan.pid)
+
+
+async def test_a_rank_host_keeps_the_warm_processes_and_one_becomes_the_rank(
+    user: RankUser, shared_tmp: Path, rank_host: tuple[Path, int]
+) -> None:
+    """With the ranks in a container of their own the warm processes live there too: started by
+    the rank host as its user; a session's rank takes one, activated over its stdin socket with
+    the agent's descriptors for the rank's output, its environment the container's with the
+    job's over it (as a cold rank's there), its report pipe the one the agent reads; the rest
+    are killed with the pool."""
+    sock, host_pid = rank_host
+    remote_user = replace(user, host=sock)
+    pool = WarmPool(2, shared_tmp / "warm", lambda: None, preload=("json",), user=remote_user)
+    pool.start()
+    script = shared_tmp / "job.py"
+    script.write_text(
+        "import os, sys\n"
+        "print(os.getuid(), os.environ['RANK'], os.environ['JOB_VAR'], os.environ['IN_RANKS_CONTAINER'])\n"
+        "print('to stderr', file=sys.stderr); sys.exit(3)\n"
+    )
+    spec = parse_spec(
+        {
+            "name": "job",
+            "entrypoint": ["python", str(script)],
+            "nodes": 1,
+            "target_steps": 5,
+            "env": {"JOB_VAR": "j1"},
+        }
+    )
+    state: Any = SessionState.__new__(SessionState)
+    state.inp = one_rank_input(spec)
+    state.spec, state.user = spec, remote_user
+    state.ckpt_dir = state.log_dir = state.code_dir = state.home_dir = state.tmp_dir = shared_tmp
+    process = RankProcesses(state, SimpleNamespace(path=shared_tmp / "faults.json"), pool)  # type: ignore[arg-type]
+    try:
+        for _ in range(2400):
+            if pool.ready_count() == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert pool.ready_count() == 2 and all(w.remote for w in pool.procs)
+        for w in pool.procs:
+            proc = psutil.Process(w.proc.pid)
+            assert proc.uids().real == user.uid and proc.parent().pid == host_pid
+        report_r = await process.spawn(0, 0)
+        assert process.warm_started == 1 and isinstance(process.procs[0], RemoteRank)
+        assert await asyncio.wait_for(process.procs[0].wait(), 60) == 3
+        out, err = (shared_tmp / f"rank-00000.{ext}" for ext in ("out", "err"))
+        assert out.read_text().split() == [str(user.uid), "0", "j1", "yes"]
+        assert err.read_text().strip() == "to stderr"
+        # The preload's announcement, then the launcher's own report (every rank runs under it).
+        lines = os.read(report_r, 1000).splitlines(keepends=True)
+        assert lines[0] == READY_LINE and json.loads(lines[1])["t"] == "exiting", lines
+        os.close(report_r)
+        left = [w.proc.pid for w in pool.procs]
+    finally:
+        await pool.stop()
+    assert left and not any(psutil.pid_exists(pid) for pid in left)
 
 
 def test_a_local_workdir_is_opened_to_the_rank_user_and_nothing_else(user: RankUser, tmp_path: Path) -> None:

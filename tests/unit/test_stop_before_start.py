@@ -11,7 +11,8 @@ import pytest
 
 from activities.ranks import STOPPED_KEPT, RankActivities
 from activities.session import Sessions
-from trainguard.domain.messages import Endpoint, NodeInfo, RunRanksInput, StopRanksInput
+from tests.unit.session_rig import one_rank_input
+from trainguard.domain.messages import RunRanksInput, StopRanksInput
 from trainguard.domain.spec import parse_spec
 
 
@@ -22,18 +23,7 @@ def _agent(tmp_path: Path) -> RankActivities:
 
 def _inp(attempt: int, chain: str) -> RunRanksInput:
     spec = parse_spec({"name": "job", "entrypoint": ["python", "train.py"], "nodes": 1, "target_steps": 5})
-    return RunRanksInput(
-        job_id="job",
-        workflow_id="job",
-        chain=chain,
-        attempt=attempt,
-        node=NodeInfo(name="node-1", task_queue="node-node-1"),
-        node_index=0,
-        ranks=[0],
-        spec=spec,
-        master=Endpoint(host="127.0.0.1", port=29500),
-        ckpt_prefix="checkpoints/job",
-    )
+    return one_rank_input(spec, attempt=attempt, chain=chain)
 
 
 async def test_a_stop_before_the_ranks_start_makes_their_run_end_at_once(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -217,7 +218,7 @@ def test_a_process_still_importing_is_handed_out_only_raised_to_the_ranks_priori
 ) -> None:
     pool = WarmPool(0, tmp_path, lambda: None)  # size 0: take() starts no replacement
     pipes = [os.pipe(), os.pipe()]
-    importing, preloaded = (WarmProc(_Alive(), r, w) for r, w in pipes)  # type: ignore[arg-type]
+    importing, preloaded = (WarmProc(_Alive(), socket.socket(), r, w) for r, w in pipes)  # type: ignore[arg-type]
     os.write(preloaded.report_w, READY_LINE)
     pool.procs = [importing, preloaded]
     # An agent that may not raise it (no CAP_SYS_NICE): a rank would wait for an import at idle
@@ -230,6 +231,8 @@ def test_a_process_still_importing_is_handed_out_only_raised_to_the_ranks_priori
     assert pool.take() is importing
     for fd in (fd for pair in pipes for fd in pair):
         os.close(fd)
+    for w in (importing, preloaded):
+        w.control.close()
 
 
 class _Alive:
@@ -324,18 +327,16 @@ async def test_a_failure_starts_the_next_attempts_processes_at_once_at_the_ranks
 async def test_no_processes_for_a_restart_the_warm_ones_cannot_run_or_memory_cannot_hold(
     tmp_path: Path,
 ) -> None:
-    def process(entrypoint: list[str], memory_gib: float, host: str | None = None) -> RankProcesses:
+    def process(entrypoint: list[str], memory_gib: float) -> RankProcesses:
         spec = parse_spec({"name": "job", "entrypoint": entrypoint, "nodes": 1, "target_steps": 5})
-        user = SimpleNamespace(host=host) if host else None
         state: Any = SimpleNamespace(
-            spec=spec, user=user, script_ckpt_dir=None, inp=SimpleNamespace(ranks=[0, 1], job_id="job")
+            spec=spec, user=None, script_ckpt_dir=None, inp=SimpleNamespace(ranks=[0, 1], job_id="job")
         )
         pool = WarmPool(0, tmp_path, lambda: None, preload=LIGHT, memory=_memory(memory_gib))
         return RankProcesses(state, DrillState(tmp_path, "node-1"), pool)
 
     for p in (
         process(["bash", "train.sh"], 60),  # not a Python script: it cannot start warm
-        process(["python", "train.py"], 60, host="/run/ranks.sock"),  # ranks in another container
         process(["python", "train.py"], 12),  # 12 of 64 GiB free: under MIN_AVAILABLE_FRACTION
     ):
         await p.prestart_next()

@@ -18,12 +18,11 @@ import pytest
 from pydantic import BaseModel, ValidationError
 from temporalio.api.common.v1 import Payload
 
+from tests.unit.session_rig import one_rank_input
 from tests.wire_fields import field_record, snapshot, wire_models
 from trainguard.domain.code_versions import CodeUpdate
 from trainguard.domain.job_state import JobInput, JobState, status_json
 from trainguard.domain.messages import (
-    Endpoint,
-    NodeInfo,
     RankExit,
     RunRanksInput,
 )
@@ -53,20 +52,6 @@ def receive(data: Any, hint: Any) -> Any:
 
 def spec(**over: Any) -> JobSpec:
     return JobSpec(name="skew", entrypoint=["python", "train.py"], nodes=1, **over)
-
-
-def run_ranks_input(job: JobSpec) -> RunRanksInput:
-    return RunRanksInput(
-        job_id="skew",
-        workflow_id="skew",
-        attempt=1,
-        node=NodeInfo(name="node-1", task_queue="node-node-1"),
-        node_index=0,
-        ranks=[0],
-        spec=job,
-        master=Endpoint(host="127.0.0.1", port=29500),
-        ckpt_prefix="checkpoints/skew",
-    )
 
 
 # -- the models against the previous release ---------------------------------------------------
@@ -206,12 +191,12 @@ def _model_unions(tp: Any) -> Iterator[list[type[BaseModel]]]:
 
 def test_senders_omit_defaults_so_the_previous_release_gets_only_fields_it_knows() -> None:
     old = previous()["models"]
-    sent = send(run_ranks_input(spec()))
+    sent = send(one_rank_input(spec()))
     assert set(sent) <= set(old["RunRanksInput"]), set(sent) - set(old["RunRanksInput"])
     assert set(sent["spec"]) <= set(old["JobSpec"]), set(sent["spec"]) - set(old["JobSpec"])
     # Fields at their defaults are left out, others sent, a required None sent as null.
     assert "dry_run" not in sent and "resume" not in sent and "topology" not in sent["spec"]
-    assert send(run_ranks_input(spec()).model_copy(update={"dry_run": True}))["dry_run"] is True
+    assert send(one_rank_input(spec()).model_copy(update={"dry_run": True}))["dry_run"] is True
     assert send(RankExit(rank=1, exit_code=None)) == {"rank": 1, "exit_code": None}
     job = JobInput(spec=spec(env={"A": "1"}), state=JobState(spec=spec()))
     assert set(send(job)) <= set(old["JobInput"]) and set(send(job)["state"]) <= set(old["JobState"])
@@ -220,7 +205,7 @@ def test_senders_omit_defaults_so_the_previous_release_gets_only_fields_it_knows
 
 
 def test_receivers_drop_unknown_fields_at_every_level() -> None:
-    data = send(run_ranks_input(spec()))
+    data = send(one_rank_input(spec()))
     data["from_next_release"] = 1
     data["node"]["rack"] = "r7"
     data["spec"]["priority"] = "high"
@@ -256,7 +241,7 @@ async def test_the_encrypted_path_carries_the_same_json() -> None:
     """With a payload key the codec seals what the converter wrote: defaults still omitted,
     unknown fields still dropped after opening."""
     converter = dataclasses.replace(wire_data_converter, payload_codec=EncryptionCodec(os.urandom(32)))
-    msg = run_ranks_input(spec())
+    msg = one_rank_input(spec())
     (sealed,) = await converter.encode([msg])
     assert sealed.metadata["encoding"] == b"binary/encrypted" and b"skew" not in sealed.data
     (opened,) = await converter.payload_codec.decode([sealed])  # type: ignore[union-attr]

@@ -9,8 +9,11 @@ runs, as the rank user, with no secret mounted and no privilege::
 and the agent (``--rank-host`` the same path, on a volume both containers mount) has each rank
 started there rather than starting it itself (``RemoteRank``). One connection per rank: the
 request, one JSON line (argv, the rank's own environment, working directory, niceness), comes
-with the rank's stdout, stderr and report pipe as descriptors (SCM_RIGHTS); the answer is the
-rank's pid, then, when it ends, its exit status as ``subprocess`` gives it. The rank's
+with the rank's stdout, stderr and report pipe as descriptors (SCM_RIGHTS,
+``trainguard.runtime.handover``); the answer is the rank's pid, then, when it ends, its exit
+status as ``subprocess`` gives it. A warm process (``activities.warm_pool``) is started the same
+way with a fourth descriptor, its stdin: the socket its activation comes on, with the rank's
+output descriptors, so the agent's warm processes live in this container too. The rank's
 environment is this container's own (its image's PATH, CUDA variables...) plus the job's; the
 agent's never reaches it. The pod shares the host's PID namespace (hostPID), so the agent
 signals, inspects and dumps the stacks of these ranks as it does its own children's. A rank
@@ -34,27 +37,16 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
 
 from trainguard.agent.rank_user import adopt_orphans, rank_preexec
+from trainguard.runtime import handover
 from trainguard.runtime.env import REPORT_FD
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST = 1 << 20  # argv and environment of one rank
 POLL_S = 0.5
-
-
-def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    data, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
-    while not data.endswith(b"\n"):
-        more = conn.recv(MAX_REQUEST)
-        if not more:
-            raise ConnectionError("request cut short")
-        data += more
-    return json.loads(data), fds
 
 
 def serve_one(conn: socket.socket) -> None:
@@ -62,14 +54,14 @@ def serve_one(conn: socket.socket) -> None:
     if the agent goes away first."""
     fds: list[int] = []
     try:
-        req, fds = _read_request(conn)
-        out, err, report = fds
+        req, fds = handover.receive(conn, 4)
+        out, err, report, *stdin = fds  # a warm process's: where its activation comes
         env = {**os.environ, **req["env"], REPORT_FD: str(report)}  # the number it has here
         proc = subprocess.Popen(
             req["argv"],
             cwd=req["cwd"],
             env=env,
-            stdin=subprocess.DEVNULL,
+            stdin=stdin[0] if stdin else subprocess.DEVNULL,
             stdout=out,
             stderr=err,
             pass_fds=(report,),
@@ -167,18 +159,32 @@ class RemoteRank:
     async def wait(self) -> int:
         return await asyncio.shield(self._ended)
 
+    def kill(self) -> None:
+        """SIGKILL, as to a child of the agent's (the pod shares the host's PID namespace)."""
+        if self.returncode is not None:
+            raise ProcessLookupError(self.pid)
+        os.kill(self.pid, signal.SIGKILL)
+
     @classmethod
     async def start(
-        cls, host: Path, argv: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int], nice: int
+        cls,
+        host: Path,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        fds: tuple[int, int, int],
+        nice: int,
+        stdin: int | None = None,
     ) -> RemoteRank:
-        """Start ``argv`` in the rank host at ``host``; ``fds``: its stdout, stderr, report pipe."""
+        """Start ``argv`` in the rank host at ``host``; ``fds``: its stdout, stderr, report pipe;
+        ``stdin``: its standard input (none: /dev/null)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.setblocking(False)
             await asyncio.get_running_loop().sock_connect(sock, str(host))
-            request = (json.dumps({"argv": argv, "env": env, "cwd": cwd, "nice": nice}) + "\n").encode()
             sock.setblocking(True)
-            socket.send_fds(sock, [request], list(fds))
+            request = {"argv": argv, "env": env, "cwd": cwd, "nice": nice}
+            handover.send(sock, request, [*fds, *([] if stdin is None else [stdin])])
             sock.setblocking(False)
             reader, writer = await asyncio.open_unix_connection(sock=sock)
         except BaseException:

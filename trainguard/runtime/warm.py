@@ -21,8 +21,12 @@ thread first (0.13-0.18 s of CPU here, against 2.7-3.3 s for the rest).
 for it when a failure on the machine means the next attempt will take the process within
 seconds (``activities.warm_pool.WarmPool.prestart``).
 
-Activation line: ``{"argv": [...], "env": {...}, "cwd": "...", "stdout": path,
-"stderr": path}``; ``argv`` is the entrypoint after the interpreter. Anything
+Activation: the process's stdin is a Unix socket; the agent sends one line, ``{"argv": [...],
+"env": {...}, "cwd": "...", "inherit": bool}``, with the rank's stdout and stderr as descriptors
+(``trainguard.runtime.handover``), so a warm process started by a rank host in a container of
+its own (``trainguard.agent.rank_host``) writes where the agent reads. ``argv`` is the
+entrypoint after the interpreter; ``inherit``: the rank's environment is this process's own at
+its start (its container's) with ``env`` over it, as the rank host starts a rank cold. Anything
 that cannot be reproduced exactly (interpreter flags other than -u, -B, -s, -E)
 is refused by :func:`activatable` and the agent starts the rank cold, as is a
 job whose environment sets a variable read when the interpreter or torch starts
@@ -34,8 +38,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import json
 import os
+import socket
 import sys
 import tempfile
 import threading
@@ -43,7 +47,7 @@ import time
 import traceback
 from collections.abc import Mapping
 
-from trainguard.runtime import launch, protocol
+from trainguard.runtime import handover, launch, protocol
 
 # Flags a warm process honours: unbuffered output (already set), no bytecode, no user site.
 HARMLESS_FLAGS = ("-u", "-B", "-s", "-E")
@@ -71,6 +75,9 @@ def activatable(argv: list[str]) -> bool:
 # Written to the report pipe once the preload is done: the agent hands out preloaded processes
 # first. The rank's own reports follow on the same pipe; the agent ignores this record there.
 READY_LINE = protocol.READY_LINE
+# The variable that names a rank's report pipe (``trainguard.runtime.env.REPORT_FD``, not imported:
+# it pulls pydantic into this process's first moments).
+REPORT_FD = "TG_REPORT_FD"
 # Events in the pool's log (warm.log): when each process was ready, and which were used.
 PRELOADED = "preloaded"
 ACTIVATED = "activated"
@@ -90,21 +97,20 @@ def log(event: str) -> None:
     print(f"warm rank process {os.getpid()}: {event}", file=sys.stderr, flush=True)
 
 
-def _redirect(fd: int, path: str) -> None:
-    f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(f, fd)
-    os.close(f)
-
-
-def become(act: dict) -> None:
-    """Turn this process into the rank described by ``act`` and run it as ``__main__``."""
-    _redirect(1, act["stdout"])
-    _redirect(2, act["stderr"])
+def become(act: dict, fds: list[int], start_env: Mapping[str, str], ready_fd: int | None) -> None:
+    """Turn this process into the rank described by ``act`` (its output on ``fds``) and run it as
+    ``__main__``."""
+    for fd, target in zip(fds, (1, 2), strict=True):
+        os.dup2(fd, target)
+        os.close(fd)
     devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
+    os.dup2(devnull, 0)  # the activation socket's end
     os.close(devnull)
+    env = {**start_env, **act["env"]} if act.get("inherit") else dict(act["env"])
+    if ready_fd is not None:  # the pipe's number in this process (a rank host's differs from the agent's)
+        env[REPORT_FD] = str(ready_fd)
     os.environ.clear()
-    os.environ.update(act["env"])
+    os.environ.update(env)
     tempfile.tempdir = None  # read again from the rank's TMPDIR, not the one the preload saw
     os.chdir(act["cwd"])
     threads = os.environ.get("OMP_NUM_THREADS")
@@ -149,13 +155,19 @@ def preload(modules: list[str], ready_fd: int | None, idle: bool = True) -> None
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preload", default=",".join(PRELOAD), help="modules to import while waiting")
-    p.add_argument("--ready-fd", type=int, help="report pipe to announce the end of the preload on")
+    p.add_argument(
+        "--ready-fd", type=int, help=f"report pipe for the end of the preload (default: ${REPORT_FD})"
+    )
     p.add_argument(
         "--at-rank-priority",
         action="store_true",
         help="import at the priority started with, not SCHED_IDLE (a restart is about to take it)",
     )
     args = p.parse_args()
+    start_env = dict(os.environ)
+    ready_fd = args.ready_fd
+    if ready_fd is None and start_env.get(REPORT_FD, "").isdigit():
+        ready_fd = int(start_env[REPORT_FD])  # a rank host names the pipe as for a rank
     # Nothing of the launcher's own path may leak into the rank's imports.
     if sys.path and sys.path[0] in ("", os.getcwd()):
         sys.path.pop(0)
@@ -163,19 +175,22 @@ def main() -> None:
         import numpy  # noqa: F401  (its BLAS threads at the rank's priority: see the docstring)
     importing = threading.Thread(
         target=preload,
-        args=([m for m in args.preload.split(",") if m], args.ready_fd, not args.at_rank_priority),
+        args=([m for m in args.preload.split(",") if m], ready_fd, not args.at_rank_priority),
         name="warm-preload",
         daemon=True,
     )
     importing.start()
-    line = sys.stdin.readline()
-    if not line:
+    control = socket.socket(fileno=0)
+    try:
+        act, fds = handover.receive(control, 2)
+    except ConnectionError:
         sys.exit(0)  # the agent retired this process without using it
+    control.detach()  # fd 0: replaced by /dev/null in ``become``
     # At once for a preloaded process; one taken while importing was raised to the rank's
     # priority by the agent (activities.warm_pool), and the rest of its import runs at it.
     importing.join()
     log(ACTIVATED)
-    become(json.loads(line))
+    become(act, fds, start_env, ready_fd)
 
 
 if __name__ == "__main__":
