@@ -45,7 +45,10 @@ restart beside it (a failure starts the next attempt's processes at once, so a r
 found no preloaded one counts them as importing). ``ok``: a restart with every rank warm took at
 most 3 s, any other no longer than the torchrun restart beside it.
 
-    python bench/recovery.py [--trials 5] [--case-trials 3] [--parts recovery,cases] [--json]
+``--rank-host``: both stacks start each machine's ranks and warm processes in a rank host of
+its own (the rank user, an environment of its own), as the Kubernetes recipe's ranks container.
+
+    python bench/recovery.py [--trials 5] [--case-trials 3] [--parts recovery,cases] [--rank-host] [--json]
 """
 
 from __future__ import annotations
@@ -426,8 +429,8 @@ def summarize_cases(
     return out
 
 
-def measure(trials: int, case_trials: int, parts: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {"trials": trials}
+def measure(trials: int, case_trials: int, parts: list[str], rank_host: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {"trials": trials, "rank_host": rank_host}
 
     def side(recovery: Callable[[Path, int, Any], Awaitable[dict[str, Any]]], warm: bool) -> Bench:
         async def run(d: Path, log: Any) -> dict[str, Any]:
@@ -438,10 +441,9 @@ def measure(trials: int, case_trials: int, parts: list[str]) -> dict[str, Any]:
 
         return run
 
-    warm = run_bench(
-        "tg-bench-recovery-", NODES, side(run_warm, True), warm_ranks=WARM_RANKS, rank_nice=RANK_NICE
-    )
-    cold = run_bench("tg-bench-recovery-cold-", NODES, side(run_cold, False), rank_nice=RANK_NICE)
+    stack = {"rank_nice": RANK_NICE, "rank_host": rank_host}
+    warm = run_bench("tg-bench-recovery-", NODES, side(run_warm, True), warm_ranks=WARM_RANKS, **stack)
+    cold = run_bench("tg-bench-recovery-cold-", NODES, side(run_cold, False), **stack)
     out["wall_s"] = round(warm.pop("wall_s") + cold.pop("wall_s"), 1)
     if "cases" in parts:
         out["cases"] = summarize_cases(warm.pop("cases"), cold.pop("cases"))
@@ -464,6 +466,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--case-trials", type=int, default=3)
     ap.add_argument("--parts", default=",".join(PARTS), help="recovery (the example job's), cases")
+    ap.add_argument("--rank-host", action="store_true", help="ranks in a rank host of each machine's")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     for flag, value in (("--trials", args.trials), ("--case-trials", args.case_trials)):
@@ -471,7 +474,7 @@ def main() -> None:
             print(f"error: {flag}: must be >= 1", file=sys.stderr)
             exit_now(2)
     parts = choose("--parts", args.parts, PARTS)
-    result = measure(args.trials, args.case_trials, parts)
+    result = measure(args.trials, args.case_trials, parts, args.rank_host)
     if args.json:
         print(json.dumps(result))
     else:

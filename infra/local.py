@@ -32,7 +32,7 @@ from infra.netns import NetnsPlan
 from infra.processes import wait_for
 from infra.stack import Stack, StackConfig, addresses, agent_env, client_env, identity_keys_file
 from trainguard.agent.ports import LOOPBACK, port_is_free
-from trainguard.agent.rank_user import RankUser, RankUserError, ensure_user, let_through
+from trainguard.agent.rank_user import RankUser, RankUserError, ensure_user, let_through, shared_dir
 from trainguard.client import TrainguardClient
 from trainguard.services import pool_client
 from trainguard.services.settings import Settings
@@ -103,6 +103,8 @@ def start_agent(
         argv += ["--rank-user", rank_user, "--rank-dir", str(stack.config.ranks_dir / name)]
         if plan is None:  # on loopback, the ranks' own: see netns.ranks_namespace
             argv += ["--rank-netns", str(netns_mod.ranks_namespace(stack.config.state_dir))]
+        if stack.config.rank_host and plan is None:
+            argv += ["--rank-host", str(start_rank_host(stack, name, RankUser.lookup(rank_user)))]
     # An earlier release's agent knows no job role: it keeps the stack's own credentials.
     own = agent_env(stack.config) if release is None else {}
     env = {
@@ -121,6 +123,25 @@ def start_agent(
         argv = [*netns_mod.exec_prefix(plan, name), *argv, "--host", node.ip, "--nic", plan.nic]
         env["GLOO_SOCKET_IFNAME"] = plan.nic
     stack.start_process(f"agent-{name}", argv, env, cwd=release)
+
+
+def start_rank_host(stack: Stack, name: str, user: RankUser, timeout_s: float = 60.0) -> Path:
+    """The ranks' own container of machine ``name``, as the Kubernetes recipe runs it
+    (``trainguard.agent.rank_host``): the rank user, the ranks' network namespace, an environment
+    of its own (none of the stack's credentials); its socket, once it serves."""
+    hosts = shared_dir(stack.config.ranks_dir / "hosts")
+    sock = user.private_dir(hosts / name) / "ranks.sock"
+    ns = netns_mod.ranks_namespace(stack.config.state_dir)
+    argv = [
+        "nsenter", f"--net={ns}",
+        "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups",
+        "env", "-i", f"PATH={os.environ.get('PATH', '')}", "HOME=/nonexistent", "GLOO_SOCKET_IFNAME=lo",
+        sys.executable, "-P", "-m", "trainguard.agent.rank_host", "--socket", str(sock),
+    ]  # fmt: skip
+    proc = f"rank-host-{name}"
+    record = stack.start_process(proc, argv)
+    wait_for(sock.exists, timeout_s, f"{name}'s rank host", log_path=stack.log_path(proc), pid=record.pid)
+    return sock
 
 
 def netns_env(cfg: StackConfig, plan: NetnsPlan) -> dict[str, str]:

@@ -54,9 +54,11 @@ def run_bench(
     state_dir: Path | None = None,
     rank_nice: int | None = None,
     release: Path | None = None,
+    rank_host: bool = False,
 ) -> dict[str, Any]:
     """Bring up ``nodes`` machines (each keeping ``warm_ranks`` warm rank processes, their ranks
-    started in ``code_dir`` at ``rank_nice``, None: the tests' niceness) and ``controllers``
+    started in ``code_dir`` at ``rank_nice``, None: the tests' niceness; by a rank host of their
+    own with ``rank_host``, as the Kubernetes recipe's) and ``controllers``
     controller workers, each machine in its own network namespace with ``netns``; run
     ``bench(state_dir, log)``, tear down; adds ``wall_s``.
     ``state_dir``: where the stack lives (kept after, logs and data for a look), else a fresh temp dir;
@@ -64,7 +66,9 @@ def run_bench(
     t0 = time.monotonic()
     if state_dir is None:
         state_dir = Path(tempfile.mkdtemp(prefix=prefix))
-    config = StackConfig.for_tests(state_dir).model_copy(update={"warm_ranks": warm_ranks})
+    config = StackConfig.for_tests(state_dir).model_copy(
+        update={"warm_ranks": warm_ranks, "rank_host": rank_host}
+    )
     if rank_nice is not None:
         config = config.model_copy(update={"rank_nice": rank_nice})
     try:

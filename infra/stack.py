@@ -96,6 +96,9 @@ class StackConfig(BaseModel):
     rank_nice: int = Field(default=0, ge=0, le=19)
     # Who the ranks run as (trainguard.agent.rank_user); None: the stack's own user.
     rank_user: str | None = Field(default_factory=_rank_user)
+    # Each machine's ranks (and warm processes) started by a rank host of its own, as the rank
+    # user, with an environment of its own: the Kubernetes recipe's two containers, on loopback.
+    rank_host: bool = False
     temporal_port: int
     temporal_http_port: int
     temporal_ui_port: int = 8233

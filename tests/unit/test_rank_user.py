@@ -7,6 +7,7 @@ import asyncio
 import functools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,8 +26,8 @@ from activities.session.process import RankProcesses
 from activities.session.state import SessionState
 from activities.warm_pool import WarmPool
 from infra import netns
-from infra.local import rank_user_ready
-from infra.stack import RANK_USER
+from infra.local import rank_user_ready, start_rank_host
+from infra.stack import RANK_USER, Stack, StackConfig
 from tests.unit.session_rig import one_rank_input
 from trainguard.agent.rank_files import RankFiles, UnsafeRankFile
 from trainguard.agent.rank_host import RemoteRank, host_process
@@ -201,7 +202,7 @@ async def rank_host(user: RankUser, shared_tmp: Path) -> AsyncIterator[tuple[Pat
     host = subprocess.Popen(
         [sys.executable, "-m", "trainguard.agent.rank_host", "--socket", str(sock)],
         cwd=REPO,
-        env={**os.environ, "IN_RANKS_CONTAINER": "yes"},
+        env={**os.environ, "IN_RANKS_CONTAINER": "yes", "PATH": f"/ranks/bin:{os.environ['PATH']}"},
         preexec_fn=functools.partial(rank_preexec, 0, user),
     )
     try:
@@ -265,6 +266,7 @@ async def test_a_rank_host_keeps_the_warm_processes_and_one_becomes_the_rank(
     script.write_text(
         "import os, sys\n"
         "print(os.getuid(), os.environ['RANK'], os.environ['JOB_VAR'], os.environ['IN_RANKS_CONTAINER'])\n"
+        "print(os.environ['PATH'])\n"
         "print('to stderr', file=sys.stderr); sys.exit(3)\n"
     )
     spec = parse_spec(
@@ -294,7 +296,10 @@ async def test_a_rank_host_keeps_the_warm_processes_and_one_becomes_the_rank(
         assert process.warm_started == 1 and isinstance(process.procs[0], RemoteRank)
         assert await asyncio.wait_for(process.procs[0].wait(), 60) == 3
         out, err = (shared_tmp / f"rank-00000.{ext}" for ext in ("out", "err"))
-        assert out.read_text().split() == [str(user.uid), "0", "j1", "yes"]
+        ids, path = out.read_text().splitlines()
+        assert ids.split() == [str(user.uid), "0", "j1", "yes"]
+        # The interpreter's directory first, then the container's PATH.
+        assert path == f"{Path(sys.executable).parent}:/ranks/bin:{os.environ['PATH']}"
         assert err.read_text().strip() == "to stderr"
         # The preload's announcement, then the launcher's own report (every rank runs under it).
         lines = os.read(report_r, 1000).splitlines(keepends=True)
@@ -325,3 +330,24 @@ def test_a_local_workdir_is_opened_to_the_rank_user_and_nothing_else(user: RankU
     peek = run_as(user, f"import os; print(os.listdir({str(tmp_path / 'home')!r}))")
     assert peek.returncode != 0 and "PermissionError" in peek.stderr
     assert let_write(user, project) == []  # once is enough
+
+
+def test_the_local_stack_runs_a_rank_host_as_the_kubernetes_recipe_does(
+    user: RankUser, shared_tmp: Path
+) -> None:
+    """``StackConfig.rank_host``: each machine's ranks container on loopback, as the rank user, in
+    the ranks' network namespace, with none of the stack's environment (its credentials)."""
+    stack = Stack.load_or_create(shared_tmp / "stack", StackConfig.for_tests)
+    try:
+        sock = start_rank_host(stack, "node-1", user)
+        pid, uid = host_process(sock)
+        assert uid == user.uid and pid == stack.processes["rank-host-node-1"].pid
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        names = {e.split(b"=", 1)[0].decode() for e in environ if e}
+        assert names == {"PATH", "HOME", "GLOO_SOCKET_IFNAME"}, names
+        ns = netns.ranks_namespace(stack.config.state_dir)
+        assert os.readlink(f"/proc/{pid}/ns/net") == f"net:[{ns.stat().st_ino}]"
+    finally:
+        stack.stop("rank-host-node-1")
+        netns.remove_ranks_namespace(stack.config.state_dir)
+        shutil.rmtree(stack.config.ranks_dir, ignore_errors=True)

@@ -56,7 +56,7 @@ def serve_one(conn: socket.socket) -> None:
     try:
         req, fds = handover.receive(conn, 4)
         out, err, report, *stdin = fds  # a warm process's: where its activation comes
-        env = {**os.environ, **req["env"], REPORT_FD: str(report)}  # the number it has here
+        env = {**handover.layered(os.environ, req["env"]), REPORT_FD: str(report)}  # its number here
         proc = subprocess.Popen(
             req["argv"],
             cwd=req["cwd"],

@@ -10,7 +10,9 @@ process imports it before anything else.
 from __future__ import annotations
 
 import json
+import os
 import socket
+from collections.abc import Mapping
 from typing import Any
 
 MAX_LINE = 1 << 20  # argv and environment of one rank
@@ -30,3 +32,13 @@ def receive(sock: socket.socket, max_fds: int) -> tuple[dict[str, Any], list[int
             raise ConnectionError("the message was cut short" if data else "the sender is gone")
         data += more
     return json.loads(data), fds
+
+
+def layered(container: Mapping[str, str], job: Mapping[str, str]) -> dict[str, str]:
+    """A rank's environment in another container: that container's own with what the agent set
+    over it; a PATH the agent leaves open at its end (its interpreter's directory first) goes on
+    with the container's."""
+    env = {**container, **job}
+    if env.get("PATH", "").endswith(os.pathsep) and container.get("PATH"):
+        env["PATH"] += container["PATH"]
+    return env

@@ -106,7 +106,7 @@ def become(act: dict, fds: list[int], start_env: Mapping[str, str], ready_fd: in
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)  # the activation socket's end
     os.close(devnull)
-    env = {**start_env, **act["env"]} if act.get("inherit") else dict(act["env"])
+    env = handover.layered(start_env, act["env"]) if act.get("inherit") else dict(act["env"])
     if ready_fd is not None:  # the pipe's number in this process (a rank host's differs from the agent's)
         env[REPORT_FD] = str(ready_fd)
     os.environ.clear()
