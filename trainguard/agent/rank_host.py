@@ -46,7 +46,7 @@ from trainguard.runtime.env import REPORT_FD
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.5
+REAP_EVERY_S = 2.0  # orphans the host adopted, reaped
 
 
 def serve_one(conn: socket.socket) -> None:
@@ -79,16 +79,20 @@ def serve_one(conn: socket.socket) -> None:
     with _started_lock:
         _started.add(proc.pid)
     conn.sendall((json.dumps({"pid": proc.pid}) + "\n").encode())
-    while proc.poll() is None:
-        readable, _, _ = select.select([conn], [], [], POLL_S)
-        if readable and not conn.recv(1):  # the agent is gone: so is its rank
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            with _started_lock:
-                _started.discard(proc.pid)
-            conn.close()
-            return
+    ended = os.pidfd_open(proc.pid)  # readable when it exits: its status goes to the agent at once
+    try:
+        while proc.poll() is None:
+            readable, _, _ = select.select([conn, ended], [], [])
+            if conn in readable and not conn.recv(1):  # the agent is gone: so is its rank
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                with _started_lock:
+                    _started.discard(proc.pid)
+                conn.close()
+                return
+    finally:
+        os.close(ended)
     with _started_lock:
         _started.discard(proc.pid)
     with contextlib.suppress(OSError):
@@ -104,7 +108,7 @@ def reap_adopted() -> None:
     """Reap the orphans this host adopted (a rank's leftovers, killed by the agent's sweep), never
     a rank it started itself, whose Popen waits for it."""
     while True:
-        time.sleep(POLL_S * 4)
+        time.sleep(REAP_EVERY_S)
         for child in psutil.Process().children():
             with _started_lock:
                 ours = child.pid in _started
