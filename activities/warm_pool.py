@@ -52,6 +52,7 @@ from trainguard.agent.rank_host import RemoteRank
 from trainguard.agent.rank_user import RankUser
 from trainguard.runtime import handover
 from trainguard.runtime.env import rank_base_environ
+from trainguard.runtime.warm import PRELOAD, RUNTIME_MODULE
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +266,10 @@ class WarmPool:
             self.wanted = STARTS * ranks
             self._short.set()
 
-    async def _spawn(self, at_rank_priority: bool = False) -> WarmProc:
+    async def _spawn(
+        self, at_rank_priority: bool = False, preload: tuple[str, ...] | None = None
+    ) -> WarmProc:
+        preload = preload if preload is not None else self.preload
         r_fd, w_fd = os.pipe()
         control, stdin = socket.socketpair()
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -275,7 +279,7 @@ class WarmPool:
             "-P",  # the agent's directory (a user's, maybe) is not on the warm process's path
             "-m",
             "trainguard.runtime.warm",
-            *(["--preload", ",".join(self.preload)] if self.preload is not None else []),
+            *(["--preload", ",".join(preload)] if preload is not None else []),
             *(["--at-rank-priority"] if at_rank_priority else []),
         ]
         proc: asyncio.subprocess.Process | RemoteRank
@@ -371,11 +375,15 @@ class WarmPool:
         self._short.set()
         return taken
 
-    async def prestart(self, ranks: int) -> int:
+    async def prestart(self, ranks: int, runtime: bool = True) -> int:
         """This machine's ranks failed or were stopped: ``ranks`` processes for its next attempt
         start importing now, at the ranks' priority (those already importing are raised to it),
-        as far as memory allows; not staggered, not held back: no ranks run here. Returns how
-        many it started."""
+        as far as memory allows; not staggered, not held back: no ranks run here. ``runtime``:
+        the ranks used trainguard's runtime; a plain script's leave it out (on the restart's
+        path, only what the rank will import). Returns how many it started."""
+        preload = self.preload if self.preload is not None else PRELOAD
+        if not runtime:
+            preload = tuple(m for m in preload if m != RUNTIME_MODULE)
         self._reap()
         for w in self.procs:
             if not w.preloaded():
@@ -388,7 +396,7 @@ class WarmPool:
                 log.info("a restart's processes: %d started, no memory for more", started)
                 break
             try:
-                self.procs.append(await self._spawn(at_rank_priority=True))
+                self.procs.append(await self._spawn(at_rank_priority=True, preload=preload))
             except OSError as exc:
                 log.warning("could not start a process for the next attempt: %s", exc)
                 break

@@ -311,7 +311,7 @@ class RankProcesses:
         """The ranks here failed or are being stopped: the next attempt's processes start
         importing now, while the job decides (``WarmPool.prestart``)."""
         if self.warm is not None and self.warm_fits(self.argv()):
-            started = await self.warm.prestart(len(self.s.inp.ranks))
+            started = await self.warm.prestart(len(self.s.inp.ranks), runtime=bool(self.s.runtime_ranks))
             if started:
                 log.info("%d processes for %s's next attempt started", started, self.s.inp.job_id)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import psutil
 import pytest
 
 from activities.drills import DrillState
@@ -33,7 +34,7 @@ from activities.warm_pool import (
     warm_target,
 )
 from trainguard.domain.spec import parse_spec
-from trainguard.runtime.warm import PRELOAD, READY_LINE, activatable, env_activatable
+from trainguard.runtime.warm import PRELOAD, READY_LINE, RUNTIME_MODULE, activatable, env_activatable
 
 GIB = 1 << 30
 # Light imports for the pool's own tests: at idle priority on a loaded 2-core machine torch's
@@ -298,15 +299,22 @@ async def test_a_failure_starts_the_next_attempts_processes_at_once_at_the_ranks
     tmp_path: Path,
 ) -> None:
     # Size 0: no refill; what the next attempt takes is started by the failure alone.
-    pool = WarmPool(0, tmp_path, lambda: None, preload=LIGHT, memory=_memory(60))
+    pool = WarmPool(0, tmp_path, lambda: None, preload=(*LIGHT, RUNTIME_MODULE), memory=_memory(60))
     spec = parse_spec({"name": "job", "entrypoint": ["python", "train.py"], "nodes": 1, "target_steps": 5})
     state: Any = SimpleNamespace(
-        spec=spec, user=None, script_ckpt_dir=None, inp=SimpleNamespace(ranks=[4, 5], job_id="job")
+        spec=spec,
+        user=None,
+        script_ckpt_dir=None,
+        inp=SimpleNamespace(ranks=[4, 5], job_id="job"),
+        runtime_ranks=set(),  # a plain script's ranks: none joined through trainguard's runtime
     )
     process = RankProcesses(state, DrillState(tmp_path, "node-1"), pool)
     try:
         await process.prestart_next()
         assert len(pool.procs) == 2 and all(w.prestarted for w in pool.procs)  # both at once
+        for w in pool.procs:  # only what the plain script's rank imports itself
+            argv = psutil.Process(w.proc.pid).cmdline()
+            assert argv[argv.index("--preload") + 1] == ",".join(LIGHT), argv
         for w in pool.procs:  # no thread of theirs at idle priority: a restart waits for them
             assert os.SCHED_IDLE not in _policies(w.proc.pid).values()
         await _until(lambda: pool.ready_count() == 2, "preloaded")
@@ -330,7 +338,11 @@ async def test_no_processes_for_a_restart_the_warm_ones_cannot_run_or_memory_can
     def process(entrypoint: list[str], memory_gib: float) -> RankProcesses:
         spec = parse_spec({"name": "job", "entrypoint": entrypoint, "nodes": 1, "target_steps": 5})
         state: Any = SimpleNamespace(
-            spec=spec, user=None, script_ckpt_dir=None, inp=SimpleNamespace(ranks=[0, 1], job_id="job")
+            spec=spec,
+            user=None,
+            script_ckpt_dir=None,
+            inp=SimpleNamespace(ranks=[0, 1], job_id="job"),
+            runtime_ranks={0, 1},
         )
         pool = WarmPool(0, tmp_path, lambda: None, preload=LIGHT, memory=_memory(memory_gib))
         return RankProcesses(state, DrillState(tmp_path, "node-1"), pool)
