@@ -14,8 +14,9 @@ The refill never competes with training:
 - one at a time (staggered): the next starts once the one before has finished its preload;
 - held back while ranks start on this machine (``hold``, the agent's sessions): their own start
   (imports, rendezvous, restore) reads the same files and memory;
-- within a memory budget: a share of the machine's memory (its cgroup's limit where lower), with
-  each process's size measured once one is preloaded, and never into the last of what is free.
+- within a memory budget (``activities.warm_memory``): a share of the machine's memory (its
+  cgroup's limit where lower), with each process's size measured once one is preloaded, and never
+  into the last of what is free.
 
 A warm process is the rank user's, so a job's ranks could tamper with one (ptrace it, as their
 own user) for the next job to run in: each remembers the job whose processes lived beside it,
@@ -48,6 +49,14 @@ from pathlib import Path
 
 import psutil
 
+from activities.warm_memory import (
+    MEMORY_FRACTION,
+    Memory,
+    leaves_room,
+    read_memory,
+    room_for_one,
+    warm_target,
+)
 from trainguard.agent.rank_host import RemoteRank
 from trainguard.agent.rank_user import RankUser
 from trainguard.runtime import handover
@@ -59,10 +68,6 @@ log = logging.getLogger(__name__)
 AUTO = -1  # size: two starts' worth of the machine's ranks (see the module's docstring)
 STARTS = 2
 CPU_MACHINE_RANKS = 2  # a machine without GPUs: the example's ranks per machine
-# Share of the machine's memory warm processes may hold, and the share that must stay free after
-# another one starts (page cache aside: MemAvailable).
-MEMORY_FRACTION = 0.1
-MIN_AVAILABLE_FRACTION = 0.2
 # A warm process's size before one was measured (what the agent registers its target with): torch,
 # torch._dynamo and the runtime imported take 0.35 GiB resident on the CPU build here; CUDA builds
 # map more. Replaced by the largest measured once one is preloaded.
@@ -72,73 +77,6 @@ HOLD_POLL_S = 0.5
 # How long processes started for a restart that did not take them are kept beyond the target: a
 # restart after the stop-time checks comes tens of seconds after the stop.
 PRESTART_KEEP_S = 120.0
-
-
-@dataclass(frozen=True)
-class Memory:
-    total: int  # the machine's memory, or its cgroup's limit where lower
-    available: int  # what can still be had without swapping (MemAvailable, within the cgroup)
-
-
-def _meminfo() -> dict[str, int]:
-    out = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
-def _cgroup_dirs() -> list[tuple[Path, str, str]]:
-    """This process's memory cgroup directory (a Slurm step's, a container's) with the names of
-    its limit and usage files: v2, then v1."""
-    out = []
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            rel = path.lstrip("/")
-            if controllers == "":
-                out.append((Path("/sys/fs/cgroup") / rel, "memory.max", "memory.current"))
-            elif "memory" in controllers.split(","):
-                out.append(
-                    (Path("/sys/fs/cgroup/memory") / rel, "memory.limit_in_bytes", "memory.usage_in_bytes")
-                )
-    return out
-
-
-def _cgroup_limit() -> tuple[int, int] | None:
-    """(limit, usage) of this process's memory cgroup, where it has a limit."""
-    for d, limit_name, usage_name in _cgroup_dirs():
-        with contextlib.suppress(OSError, ValueError):
-            text = (d / limit_name).read_text().strip()
-            if text != "max" and int(text) < 1 << 60:  # v1 says "no limit" with a huge number
-                return int(text), int((d / usage_name).read_text().strip())
-    return None
-
-
-def read_memory() -> Memory:
-    info = _meminfo()
-    total, available = info["MemTotal"], info.get("MemAvailable", info["MemFree"])
-    cgroup = _cgroup_limit()
-    if cgroup is not None and cgroup[0] < total:
-        total, available = cgroup[0], min(available, cgroup[0] - cgroup[1])
-    return Memory(total=total, available=available)
-
-
-def warm_target(wanted: int, memory: Memory, per_process: int, fraction: float = MEMORY_FRACTION) -> int:
-    """How many warm processes a machine keeps: ``wanted``, as far as ``fraction`` of its memory
-    holds them at ``per_process`` bytes each."""
-    return max(0, min(wanted, int(memory.total * fraction) // max(1, per_process)))
-
-
-def leaves_room(memory: Memory, per_process: int) -> bool:
-    """Whether one more process leaves the machine MIN_AVAILABLE_FRACTION of its memory free."""
-    return memory.available - per_process >= memory.total * MIN_AVAILABLE_FRACTION
-
-
-def room_for_one(memory: Memory, held: int, per_process: int, fraction: float = MEMORY_FRACTION) -> bool:
-    """Whether one more warm process fits: inside the budget with the ``held`` bytes the others
-    take, and leaving the machine MIN_AVAILABLE_FRACTION of its memory free."""
-    return held + per_process <= memory.total * fraction and leaves_room(memory, per_process)
 
 
 @dataclass

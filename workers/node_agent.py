@@ -49,7 +49,8 @@ from activities.rank_logs import LogActivities
 from activities.ranks import RankActivities
 from activities.session import Sessions
 from activities.stacks import StackActivities
-from activities.warm_pool import AUTO, MEMORY_FRACTION, WarmPool
+from activities.warm_memory import MEMORY_FRACTION
+from activities.warm_pool import AUTO, WarmPool
 from trainguard.agent.health.events import Probe
 from trainguard.agent.health.host import HostProbe
 from trainguard.agent.health.link import LinkProbe

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from activities.warm_pool import FIRST_ESTIMATE_BYTES, read_memory, warm_target
+from activities.warm_memory import read_memory, warm_target
+from activities.warm_pool import FIRST_ESTIMATE_BYTES
 from infra.stack import StackConfig
 
 REPO = Path(__file__).resolve().parents[2]

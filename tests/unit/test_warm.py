@@ -21,18 +21,8 @@ from activities.drills import DrillState
 from activities.session import RankSession, Sessions
 from activities.session.process import RankProcesses
 from activities.session.session import STARTING_AT_MOST_S
-from activities.warm_pool import (
-    AUTO,
-    CPU_MACHINE_RANKS,
-    FIRST_ESTIMATE_BYTES,
-    MIN_AVAILABLE_FRACTION,
-    STARTS,
-    Memory,
-    WarmPool,
-    WarmProc,
-    room_for_one,
-    warm_target,
-)
+from activities.warm_memory import MIN_AVAILABLE_FRACTION, Memory, room_for_one, warm_target
+from activities.warm_pool import AUTO, CPU_MACHINE_RANKS, FIRST_ESTIMATE_BYTES, STARTS, WarmPool, WarmProc
 from trainguard.domain.spec import parse_spec
 from trainguard.runtime.warm import PRELOAD, READY_LINE, RUNTIME_MODULE, activatable, env_activatable
 
