@@ -57,17 +57,19 @@ def serve_one(conn: socket.socket) -> None:
         req, fds = handover.receive(conn, 4)
         out, err, report, *stdin = fds  # a warm process's: where its activation comes
         env = {**handover.layered(os.environ, req["env"]), REPORT_FD: str(report)}  # its number here
-        proc = subprocess.Popen(
-            req["argv"],
-            cwd=req["cwd"],
-            env=env,
-            stdin=stdin[0] if stdin else subprocess.DEVNULL,
-            stdout=out,
-            stderr=err,
-            pass_fds=(report,),
-            start_new_session=True,
-            preexec_fn=functools.partial(rank_preexec, int(req.get("nice", 0))),  # dies with the host
-        )
+        with _started_lock:  # ours before reap_adopted can see it: never reaped under its pidfd
+            proc = subprocess.Popen(
+                req["argv"],
+                cwd=req["cwd"],
+                env=env,
+                stdin=stdin[0] if stdin else subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                pass_fds=(report,),
+                start_new_session=True,
+                preexec_fn=functools.partial(rank_preexec, int(req.get("nice", 0))),  # dies with the host
+            )
+            _started.add(proc.pid)
     except Exception as exc:
         with contextlib.suppress(OSError):
             conn.sendall((json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n").encode())
@@ -76,8 +78,6 @@ def serve_one(conn: socket.socket) -> None:
     finally:
         for fd in fds:
             os.close(fd)
-    with _started_lock:
-        _started.add(proc.pid)
     conn.sendall((json.dumps({"pid": proc.pid}) + "\n").encode())
     ended = os.pidfd_open(proc.pid)  # readable when it exits: its status goes to the agent at once
     try:
