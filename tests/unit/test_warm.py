@@ -24,7 +24,9 @@ from activities.session.session import STARTING_AT_MOST_S
 from activities.warm_memory import MIN_AVAILABLE_FRACTION, Memory, room_for_one, warm_target
 from activities.warm_pool import AUTO, CPU_MACHINE_RANKS, FIRST_ESTIMATE_BYTES, STARTS, WarmPool, WarmProc
 from trainguard.domain.spec import parse_spec
+from trainguard.runtime.env import REPORT_FD
 from trainguard.runtime.warm import PRELOAD, READY_LINE, RUNTIME_MODULE, activatable, env_activatable
+from trainguard.runtime.warm import REPORT_FD as WARM_REPORT_FD
 
 GIB = 1 << 30
 # Light imports for the pool's own tests: at idle priority on a loaded 2-core machine torch's
@@ -74,6 +76,11 @@ def test_only_what_runs_exactly_as_cold_is_activatable(argv: list[str], ok: bool
 )
 def test_a_job_setting_what_torch_reads_at_import_starts_cold(job_env: dict[str, str], ok: bool) -> None:
     assert env_activatable(job_env, {"PATH": "/bin", "PYTHONUNBUFFERED": "1"}) is ok
+
+
+def test_a_warm_process_names_the_report_pipe_as_the_agent_does() -> None:
+    # warm.py spells it out rather than import trainguard.runtime.env (pydantic) at its start.
+    assert WARM_REPORT_FD == REPORT_FD
 
 
 def test_by_default_a_warm_process_imports_what_a_rank_would_on_its_first_step() -> None:

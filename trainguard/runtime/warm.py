@@ -54,10 +54,10 @@ HARMLESS_FLAGS = ("-u", "-B", "-s", "-E")
 # What a rank imports before its first step. torch._dynamo alone is 1.7 s on a 2-core machine:
 # torch imports it lazily on the first torch.use_deterministic_algorithms, torch.compile or
 # compiled optimizer step, which would put it on the restart's critical path.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "trainguard.runtime.context")
 # Only trainguard's runtime's ranks import it (0.13 s of CPU after torch): a restart's processes
 # leave it out for a plain script's ranks (``activities.warm_pool.WarmPool.prestart``).
 RUNTIME_MODULE = "trainguard.runtime.context"
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", RUNTIME_MODULE)
 # Read when the interpreter starts or torch is imported: a warm process has read the agent's.
 # OMP_NUM_THREADS is the exception that ``become`` applies after the fact.
 IMPORT_TIME_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "LD_", "MKL_", "KMP_", "OMP_")
