@@ -87,15 +87,11 @@ def serve_one(conn: socket.socket) -> None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-                with _started_lock:
-                    _started.discard(proc.pid)
-                conn.close()
-                return
     finally:
         os.close(ended)
     with _started_lock:
         _started.discard(proc.pid)
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError):  # no one to tell where the agent went first
         conn.sendall((json.dumps({"exit": proc.returncode}) + "\n").encode())
     conn.close()
 
